@@ -1,0 +1,42 @@
+"""hpcstagger: co-located deep-learning training on HPC nodes.
+
+Importing the package is cheap and has no side effects: torch, mpi4py and every submodule are
+imported only when a name that needs them is first used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ._version import __version__
+
+# Public name -> module that defines it. Resolved lazily by __getattr__.
+_EXPORTS: dict[str, str] = {
+    "Comm": "hpcstagger.comm",
+    "as_comm": "hpcstagger.comm",
+    "HpcstaggerError": "hpcstagger.errors",
+    "ConfigError": "hpcstagger.errors",
+    "DependencyError": "hpcstagger.errors",
+    "CollectiveError": "hpcstagger.errors",
+    "CollectiveTimeout": "hpcstagger.errors",
+    "CacheError": "hpcstagger.errors",
+    "CheckpointError": "hpcstagger.errors",
+    "LaunchError": "hpcstagger.errors",
+    "ModelError": "hpcstagger.errors",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hpcstagger' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

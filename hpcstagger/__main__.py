@@ -1,0 +1,8 @@
+"""``python -m hpcstagger`` is the ``hpcstagger`` command."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Tunables in one place.
+
+Every knob has a default, a one-line description, and an environment override named
+``HPCSTAGGER_<NAME>`` (upper case). Tests override knobs with :func:`override`::
+
+    with config.override(collective_timeout=2.0):
+        ...
+
+Read a knob with :func:`get` at the moment it is needed, never at import time, so overrides and
+environment changes take effect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from .errors import ConfigError
+
+__all__ = ["Knob", "KNOBS", "get", "override", "describe", "register"]
+
+ENV_PREFIX = "HPCSTAGGER_"
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One tunable: its name, type, default (a value or a zero-argument callable) and description."""
+
+    name: str
+    type: type
+    default: Any
+    help: str
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    def default_value(self) -> Any:
+        return self.default() if callable(self.default) else self.default
+
+    def parse(self, text: str) -> Any:
+        try:
+            if self.type is bool:
+                low = text.strip().lower()
+                if low in ("1", "true", "yes", "on"):
+                    return True
+                if low in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(text)
+            return self.type(text)
+        except ValueError:
+            raise ConfigError(
+                f"environment variable {self.env}={text!r} is not a valid {self.type.__name__}; "
+                f"unset it or give a {self.type.__name__} ({self.help})"
+            ) from None
+
+
+def _default_shm_root() -> str:
+    return f"/dev/shm/hpcstagger-{os.getuid()}"
+
+
+def _default_state_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "hpcstagger")
+
+
+_KNOB_LIST: list[Knob] = [
+    Knob("collective_timeout", float, 300.0,
+         "seconds a rank waits for the others at a guarded collective before raising CollectiveTimeout"),
+    Knob("mpi", str, "auto",
+         "auto: use MPI when launched by mpiexec/srun or when mpi4py is already imported; 1: always; 0: never"),
+    Knob("shm_root", str, _default_shm_root, "root directory of the shared node-local sample caches"),
+    Knob("state_dir", str, _default_state_dir, "where hpcstagger keeps calibrations and built wheels"),
+]
+
+KNOBS: dict[str, Knob] = {k.name: k for k in _KNOB_LIST}
+_overrides: dict[str, Any] = {}
+
+
+def register(knob: Knob) -> Knob:
+    """Add a knob (used by subpackages so their knobs live beside the others). Returns it."""
+    existing = KNOBS.get(knob.name)
+    if existing is not None and existing != knob:
+        raise ConfigError(f"knob {knob.name!r} is registered twice with different definitions")
+    KNOBS[knob.name] = knob
+    return knob
+
+
+def _knob(name: str) -> Knob:
+    try:
+        return KNOBS[name]
+    except KeyError:
+        valid = ", ".join(sorted(KNOBS))
+        raise ConfigError(f"unknown knob {name!r}; valid knobs: {valid}") from None
+
+
+def get(name: str) -> Any:
+    """Current value of knob ``name``: a test override, else the environment, else the default."""
+    knob = _knob(name)
+    if name in _overrides:
+        return _overrides[name]
+    text = os.environ.get(knob.env)
+    if text is not None and text != "":
+        return knob.parse(text)
+    return knob.default_value()
+
+
+@contextlib.contextmanager
+def override(**values: Any) -> Iterator[None]:
+    """Temporarily set knobs (for tests). Unknown names raise ConfigError."""
+    for name in values:
+        _knob(name)
+    saved = {n: _overrides[n] for n in values if n in _overrides}
+    _overrides.update(values)
+    try:
+        yield
+    finally:
+        for n in values:
+            if n in saved:
+                _overrides[n] = saved[n]
+            else:
+                _overrides.pop(n, None)
+
+
+def describe() -> list[dict[str, Any]]:
+    """Every knob with its environment variable, current value, default and description."""
+    out = []
+    for knob in sorted(KNOBS.values(), key=lambda k: k.name):
+        try:
+            value: Any = get(knob.name)
+        except ConfigError as exc:
+            value = f"<invalid: {exc}>"
+        out.append({"name": knob.name, "env": knob.env, "value": value,
+                    "default": knob.default_value(), "help": knob.help})
+    return out
+

@@ -1,0 +1,78 @@
+"""The one exception hierarchy of hpcstagger.
+
+Every error raised on purpose by the library derives from :class:`HpcstaggerError`, and every
+message says what was wrong and what to do about it. The CLI turns these into one line on stderr
+and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+__all__ = [
+    "HpcstaggerError",
+    "ConfigError",
+    "DependencyError",
+    "CollectiveError",
+    "CollectiveTimeout",
+    "CacheError",
+    "CheckpointError",
+    "LaunchError",
+    "ModelError",
+]
+
+
+class HpcstaggerError(Exception):
+    """Base class of every error hpcstagger raises on purpose."""
+
+
+class ConfigError(HpcstaggerError, ValueError):
+    """Bad configuration or input: a spec, scenario, argument or knob. The message names the field."""
+
+
+class DependencyError(HpcstaggerError, ImportError):
+    """An optional dependency (Horovod, mpi4py, Slurm's commands, ...) is missing or unusable."""
+
+
+class CollectiveError(HpcstaggerError):
+    """A step run on every rank failed on one or more ranks.
+
+    Raised identically on every rank of the communicator, so no rank is left waiting.
+    ``failures`` maps each failing rank to its error message.
+    """
+
+    def __init__(self, message: str, failures: Mapping[int, str] | None = None):
+        super().__init__(message)
+        self.failures: dict[int, str] = dict(failures or {})
+
+    @classmethod
+    def from_failures(cls, what: str, failures: Mapping[int, str], size: int) -> "CollectiveError":
+        """Build the error for ``what`` from a rank -> message map, listing every failing rank."""
+        ranks = sorted(failures)
+        lines = [f"{what} failed on {len(ranks)} of {size} rank(s): {', '.join(map(str, ranks))}"]
+        for r in ranks:
+            lines.append(f"  rank {r}: {failures[r]}")
+        return cls("\n".join(lines), failures)
+
+
+class CollectiveTimeout(CollectiveError):
+    """Not every rank reached a collective within its timeout.
+
+    The communicator that timed out is left unusable; the usual response is to abort the job.
+    """
+
+
+class CacheError(HpcstaggerError):
+    """The shared sample cache cannot be used (bad name, unsafe directory, unknown cache, ...)."""
+
+
+class CheckpointError(HpcstaggerError):
+    """A checkpoint could not be written, found, verified or loaded."""
+
+
+class LaunchError(HpcstaggerError):
+    """Starting jobs failed: mpiexec, Slurm submission, or the coordinator."""
+
+
+class ModelError(HpcstaggerError):
+    """The performance model or planner cannot answer (for example, a scenario it cannot solve)."""

@@ -1,0 +1,51 @@
+"""Tests on the real single-node Slurm started by the slurm_cluster fixture."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hpcstagger import slurm
+from hpcstagger.errors import LaunchError
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(240)]
+
+
+def test_info_json_under_sbatch_reports_its_job(batch_job, slurm_cluster):
+    job_id, record, text = batch_job("hpcstagger info --json\n", "-n", "2", name="info")
+    assert record["JobState"] == "COMPLETED", text
+    info = json.loads(text)
+    assert info["slurm_job"]["job_id"] == job_id
+    assert info["slurm_job"]["job_name"] == "info"
+    assert info["slurm_job"]["nodes"] == [slurm_cluster.node]
+    assert info["slurm_job"]["ntasks"] == 2
+    assert info["launchers"]["sbatch"]["path"]
+
+
+def test_mpi_ranks_inside_a_batch_job_with_srun_and_mpiexec(batch_job):
+    probe = ("python -c \"from hpcstagger.comm import Comm; c = Comm.world(); "
+             "print('{}', c.rank, c.size, sum(c.allgather(c.rank)))\"")
+    body = f"srun --mpi=pmi2 -n 2 {probe.format('srun')}\nmpiexec -n 2 {probe.format('mpiexec')}\n"
+    _, record, text = batch_job(body, "-n", "2", name="mpi")
+    assert record["JobState"] == "COMPLETED", text
+    lines = sorted(line for line in text.splitlines() if line.startswith(("srun", "mpiexec")))
+    assert lines == ["mpiexec 0 2 1", "mpiexec 1 2 1", "srun 0 2 1", "srun 1 2 1"], text
+
+
+def test_failing_job_is_reported_failed_with_its_exit_code(batch_job):
+    _, record, _ = batch_job("echo about to fail\nexit 3\n", name="fail")
+    assert record["JobState"] == "FAILED"
+    assert record["ExitCode"] == "3:0"
+
+
+def test_oversized_job_is_refused_not_left_pending(slurm_cluster, tmp_path):
+    script = tmp_path / "big.sbatch"
+    script.write_text("#!/bin/bash\ntrue\n")
+    with pytest.raises(LaunchError, match="More processors requested than permitted"):
+        slurm.submit(script, ["-n", "1000"], env=slurm_cluster.env)
+
+
+def test_wait_for_unknown_job_raises(slurm_cluster):
+    with pytest.raises(LaunchError, match="does not know job 987654"):
+        slurm.wait_for_job(987654, 5, env=slurm_cluster.env)
