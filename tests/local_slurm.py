@@ -46,8 +46,10 @@ def _free_port() -> int:
 class LocalSlurm:
     """Start and stop a single-node Slurm cluster; ``env`` is what a client needs (SLURM_CONF, PATH)."""
 
-    def __init__(self, cpus: int = 8, partition: str = "debug", base: str | None = None):
+    def __init__(self, cpus: int = 8, partition: str = "debug", base: str | None = None,
+                 extra_conf: str = ""):
         self.cpus = cpus
+        self.extra_conf = extra_conf
         self.partition = partition
         self.dir = Path(tempfile.mkdtemp(prefix="hpcstagger-slurm-", dir=base))
         self.node = socket.gethostname().split(".")[0]
@@ -88,8 +90,8 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SwitchType=switch/none
 MpiDefault=none
-SchedulerType=sched/builtin
-SchedulerParameters=batch_sched_delay=0,sched_min_interval=0
+SchedulerType=sched/backfill
+SchedulerParameters=batch_sched_delay=0,sched_min_interval=0,bf_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 EnforcePartLimits=ALL
@@ -102,7 +104,7 @@ MinJobAge=3600
 KillWait=5
 NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} State=UNKNOWN
 PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
-""")
+{self.extra_conf}""")
         return conf
 
     # ------------------------------------------------------------------ lifecycle
@@ -150,8 +152,9 @@ PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP O
         while time.monotonic() < deadline:
             dead = [n for n, p in self.procs.items() if p.poll() is not None]
             if dead:
+                log = self._log_tail()
                 self.stop()
-                raise RuntimeError(f"{', '.join(dead)} exited while waiting for {what}:\n{self._log_tail()}")
+                raise RuntimeError(f"{', '.join(dead)} exited while waiting for {what}:\n{log}")
             if ready():
                 return
             time.sleep(0.1)
