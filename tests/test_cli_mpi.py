@@ -1,0 +1,55 @@
+"""Under mpiexec the CLI never strands ranks: a one-rank failure aborts the job, a shared one exits."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import BIN, cli_env
+
+SCRIPT = textwrap.dedent("""
+    import sys
+    import hpcstagger.cli.info as info
+    from hpcstagger import cli
+    from hpcstagger.comm import Comm
+    from hpcstagger.errors import ConfigError
+    c = Comm.world()
+    mode = sys.argv[1]
+
+    def run(args):
+        if mode == "one-rank":
+            if c.rank == 1:
+                raise ConfigError("bad spec on rank 1")
+            c.barrier(timeout=None)  # without the abort, rank 0 would wait here forever
+        else:
+            with c.guard("shared step"):
+                if c.rank == 1:
+                    raise ConfigError("bad spec on rank 1")
+        return 0
+
+    info.run = run
+    sys.exit(cli.main(["info"]))
+""")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["one-rank", "collective"])
+def test_failure_on_one_rank_ends_every_rank(tmp_path, mode):
+    script = tmp_path / "fail.py"
+    script.write_text(SCRIPT)
+    start = time.monotonic()
+    out = subprocess.run([str(BIN / "mpiexec"), "-n", "2", sys.executable, str(script), mode],
+                         capture_output=True, text=True, timeout=100, env=cli_env())
+    assert out.returncode != 0
+    assert time.monotonic() - start < 60
+    assert "bad spec on rank 1" in out.stderr
+    if mode == "one-rank":
+        assert "MPI_Abort" in out.stderr
+    else:
+        # Both ranks raised the same CollectiveError and exited 1 on their own: no abort needed.
+        assert out.stderr.count("shared step failed on 1 of 2 rank(s): 1") == 2
+        assert "MPI_Abort" not in out.stderr and "application called" not in out.stderr
