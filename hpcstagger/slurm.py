@@ -25,6 +25,7 @@ __all__ = [
     "parse_scontrol",
     "parse_sbatch_parsable",
     "job_context",
+    "het_component",
     "submit",
     "job_record",
     "wait_for_job",
@@ -165,6 +166,29 @@ def job_context(environ: Mapping[str, str] | None = None) -> dict[str, object] |
         "het_size": num("SLURM_HET_SIZE"),
         "step_id": env.get("SLURM_STEP_ID"),
     }
+
+
+def het_component(environ: Mapping[str, str] | None = None) -> int | None:
+    """Which component of a heterogeneous job step this task belongs to; None outside one.
+
+    Slurm 22.05 sets no per-task component variable in ``srun --het-group=...`` steps, but every
+    task sees ``SLURM_PROCID`` (its rank across all components) and ``SLURM_NTASKS_HET_GROUP_<k>``
+    for each component, in order: the component is the one whose task range holds the rank.
+    """
+    env = os.environ if environ is None else environ
+    size = env.get("SLURM_HET_SIZE")
+    procid = env.get("SLURM_PROCID")
+    if not size or procid is None or not size.isdigit() or not procid.isdigit():
+        return None
+    rank, first = int(procid), 0
+    for k in range(int(size)):
+        count = env.get(f"SLURM_NTASKS_HET_GROUP_{k}")
+        if count is None or not count.isdigit():
+            return None
+        if rank < first + int(count):
+            return k
+        first += int(count)
+    return None
 
 
 # ---------------------------------------------------------------------------- side effects

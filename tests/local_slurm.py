@@ -44,15 +44,23 @@ def _free_port() -> int:
 
 
 class LocalSlurm:
-    """Start and stop a single-node Slurm cluster; ``env`` is what a client needs (SLURM_CONF, PATH)."""
+    """Start and stop a local Slurm cluster; ``env`` is what a client needs (SLURM_CONF, PATH).
+
+    With ``nodes=1`` (the default) the one node is this host under its own name. With ``nodes=N``
+    there are N slurmd daemons on this host, nodes ``n1`` .. ``nN`` on their own ports, each with
+    ``cpus`` CPUs: Slurm sees N nodes, which heterogeneous jobs need (Slurm 22.05's backfill
+    scheduler never places two components of one heterogeneous job on the same node).
+    """
 
     def __init__(self, cpus: int = 8, partition: str = "debug", base: str | None = None,
-                 extra_conf: str = ""):
+                 extra_conf: str = "", nodes: int = 1):
         self.cpus = cpus
         self.extra_conf = extra_conf
         self.partition = partition
         self.dir = Path(tempfile.mkdtemp(prefix="hpcstagger-slurm-", dir=base))
-        self.node = socket.gethostname().split(".")[0]
+        self.host = socket.gethostname().split(".")[0]
+        self.nodes = [self.host] if nodes == 1 else [f"n{i}" for i in range(1, nodes + 1)]
+        self.node = self.nodes[0]
         self.procs: dict[str, subprocess.Popen] = {}
         self.env: dict[str, str] = {}
 
@@ -64,13 +72,15 @@ class LocalSlurm:
                           ("log", 0o755), ("jobs", 0o777)):
             (d / sub).mkdir()
             (d / sub).chmod(mode)
+        for node in self.nodes:  # slurmd does not create a %n spool directory itself
+            (d / "spool" / node).mkdir()
         key = d / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
         conf = d / "slurm.conf"
         conf.write_text(f"""\
 ClusterName=hpcstagger-test
-SlurmctldHost={self.node}(127.0.0.1)
+SlurmctldHost={self.host}(127.0.0.1)
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 AuthType=auth/munge
@@ -79,9 +89,9 @@ CredType=cred/munge
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation={d}/state
-SlurmdSpoolDir={d}/spool
+SlurmdSpoolDir={d}/spool/%n
 SlurmctldPidFile={d}/run/slurmctld.pid
-SlurmdPidFile={d}/run/slurmd.pid
+SlurmdPidFile={d}/run/slurmd-%n.pid
 SlurmctldLogFile={d}/log/slurmctld.log
 SlurmdLogFile={d}/log/slurmd.log
 SlurmctldDebug=info
@@ -102,10 +112,16 @@ JobCompType=jobcomp/none
 ReturnToService=2
 MinJobAge=3600
 KillWait=5
-NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} State=UNKNOWN
+{self._node_lines()}
 PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 {self.extra_conf}""")
         return conf
+
+    def _node_lines(self) -> str:
+        if self.nodes == [self.host]:
+            return f"NodeName={self.host} NodeAddr=127.0.0.1 CPUs={self.cpus} State=UNKNOWN"
+        return "\n".join(f"NodeName={n} NodeHostname={self.host} NodeAddr=127.0.0.1 Port={_free_port()} "
+                         f"CPUs={self.cpus} State=UNKNOWN" for n in self.nodes)
 
     # ------------------------------------------------------------------ lifecycle
     def _spawn(self, name: str, argv: list[str]) -> None:
@@ -138,14 +154,16 @@ PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP O
                                f"--log-file={d}/log/munged.log", f"--seed-file={d}/munge/seed"])
         self._wait_for(lambda: (d / "run" / "munge.sock").exists(), 10, "munged to create its socket")
         self._spawn("slurmctld", ["slurmctld", "-D", "-c", "-i"])
-        self._spawn("slurmd", ["slurmd", "-D", "-N", self.node])
-        self._wait_for(self._node_idle, timeout, f"node {self.node} to become idle")
+        for node in self.nodes:
+            self._spawn(f"slurmd-{node}", ["slurmd", "-D", "-N", node])
+        self._wait_for(self._node_idle, timeout, f"node(s) {','.join(self.nodes)} to become idle")
         return self
 
     def _node_idle(self) -> bool:
         proc = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True,
                               env=self.env, timeout=10)
-        return proc.returncode == 0 and proc.stdout.strip() == "idle"
+        states = proc.stdout.split()
+        return proc.returncode == 0 and len(states) == len(self.nodes) and set(states) == {"idle"}
 
     def _wait_for(self, ready, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -174,7 +192,8 @@ PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP O
                 if q.returncode != 0 or not q.stdout.strip():
                     break
                 time.sleep(0.2)
-        for name in ("slurmd", "slurmctld", "munged"):
+        order = [n for n in self.procs if n.startswith("slurmd")] + ["slurmctld", "munged"]
+        for name in order:
             proc = self.procs.pop(name, None)
             if proc is None or proc.poll() is not None:
                 continue

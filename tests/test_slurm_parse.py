@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from hpcstagger.errors import ConfigError, LaunchError
-from hpcstagger.slurm import expand_nodelist, job_context, parse_sbatch_parsable, parse_scontrol
+from hpcstagger.slurm import expand_nodelist, het_component, job_context, parse_sbatch_parsable, parse_scontrol
 
 DATA = Path(__file__).parent / "data"
 
@@ -70,3 +70,18 @@ def test_job_context_outside_and_inside_a_job():
                        "SLURM_JOB_NUM_NODES": "2", "SLURM_CPUS_ON_NODE": "8", "SLURM_JOB_NAME": "x"})
     assert ctx["job_id"] == 12 and ctx["nodes"] == ["n1", "n2"] and ctx["ntasks"] == 4
     assert ctx["num_nodes"] == 2 and ctx["cpus_on_node"] == 8 and ctx["array_task_id"] is None
+
+
+# The variables a task of `srun --het-group=0,1` sees, as printed by Slurm 22.05 for 1 + 2 tasks.
+HET_ENV = {"SLURM_HET_SIZE": "2", "SLURM_NTASKS_HET_GROUP_0": "1", "SLURM_NTASKS_HET_GROUP_1": "2",
+           "SLURM_JOB_ID_HET_GROUP_0": "1", "SLURM_JOB_ID_HET_GROUP_1": "2"}
+
+
+@pytest.mark.parametrize("procid, component", [("0", 0), ("1", 1), ("2", 1), ("3", None)])
+def test_het_component_from_procid_and_group_sizes(procid, component):
+    assert het_component({**HET_ENV, "SLURM_PROCID": procid}) == component
+
+
+def test_het_component_outside_a_het_step():
+    assert het_component({"SLURM_PROCID": "0"}) is None
+    assert het_component({**HET_ENV}) is None
