@@ -17,7 +17,7 @@ import stat
 
 from ..errors import CacheError
 
-__all__ = ["validate_name", "open_secure_dir", "open_secure_subdir", "check_secure_file",
+__all__ = ["validate_name", "open_secure_dir", "open_secure_subdir", "check_secure_file", "symlink_error",
            "self_identity", "alive"]
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -52,7 +52,7 @@ def _check(st: os.stat_result, path: str, what: str, kind: str) -> None:
                          f"(hpcstagger creates it 0700), or {_ROOT_HINT}")
 
 
-def _symlink_error(path: str, what: str) -> CacheError:
+def symlink_error(path: str, what: str) -> CacheError:
     return CacheError(f"{what} {path} is a symbolic link; whoever controls the link decides where the "
                       f"data goes, so hpcstagger refuses it. Remove the link, or {_ROOT_HINT}")
 
@@ -79,14 +79,14 @@ def open_secure_dir(path: str, *, create: bool, what: str) -> int:
     except FileNotFoundError:
         raise CacheError(f"{what} {path} does not exist") from None
     if stat.S_ISLNK(lst.st_mode):
-        raise _symlink_error(path, what)
+        raise symlink_error(path, what)
     if not stat.S_ISDIR(lst.st_mode):
         raise CacheError(f"{what} {path} is not a directory; remove it, or {_ROOT_HINT}")
     try:
         fd = os.open(path, _DIR_FLAGS)
     except OSError as exc:
         if exc.errno in (40, 20):  # ELOOP, ENOTDIR: swapped for a link since the lstat
-            raise _symlink_error(path, what) from None
+            raise symlink_error(path, what) from None
         raise CacheError(f"cannot open {what} {path}: {exc.strerror}") from None
     try:
         _check(os.fstat(fd), path, what, "directory")
@@ -111,14 +111,14 @@ def open_secure_subdir(parent_fd: int, name: str, parent_path: str, *, create: b
     except FileNotFoundError:
         raise CacheError(f"{what} {path} does not exist") from None
     if stat.S_ISLNK(lst.st_mode):
-        raise _symlink_error(path, what)
+        raise symlink_error(path, what)
     if not stat.S_ISDIR(lst.st_mode):
         raise CacheError(f"{what} {path} is not a directory; remove it")
     try:
         fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
     except OSError as exc:
         if exc.errno in (40, 20):
-            raise _symlink_error(path, what) from None
+            raise symlink_error(path, what) from None
         raise CacheError(f"cannot open {what} {path}: {exc.strerror}") from None
     try:
         _check(os.fstat(fd), path, what, "directory")

@@ -30,6 +30,7 @@ arena files instead of reusing the old ones, so a view handed out earlier never 
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
@@ -145,7 +146,7 @@ class Ledger:
                     raise CacheError(f"cache {self.name!r} under {self.root} is incomplete (no ledger); "
                                      f"remove it with 'hpcstagger cache clear {self.name}'")
                 self._create(capacity, policy_code, max_entries, stores)
-            self.ledger_fd = os.open("ledger", os.O_RDWR | _FILE_FLAGS, dir_fd=self.dir_fd)
+            self.ledger_fd = self._open_file("ledger")
             st = _fs.check_secure_file(self.ledger_fd, os.path.join(self.path, "ledger"), "cache ledger")
             if st.st_size != LEDGER_BYTES:
                 raise CacheError(f"cache ledger {self.path}/ledger has the wrong size ({st.st_size} bytes); "
@@ -181,13 +182,25 @@ class Ledger:
         finally:
             fcntl.flock(lock_fd, fcntl.LOCK_UN)
 
+    def _open_file(self, name: str) -> int:
+        path = os.path.join(self.path, name)
+        try:
+            return os.open(name, os.O_RDWR | _FILE_FLAGS, dir_fd=self.dir_fd)
+        except FileNotFoundError:
+            raise CacheError(f"cache {self.path} lost its {name}; remove the cache with "
+                             f"'hpcstagger cache clear {self.name}'") from None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise _fs.symlink_error(path, "cache file") from None
+            raise CacheError(f"cannot open cache file {path}: {exc.strerror}") from None
+
     def _create(self, capacity: int, policy_code: int, max_entries: int, stores: bool) -> None:
         for leftover in os.listdir(self.dir_fd):  # a creation that died half way
             os.unlink(leftover, dir_fd=self.dir_fd)
         slots, arena = sizes_for(capacity, max_entries, stores)
         if stores:
-            self._create_sparse("index.1", slots * SLOT.size)
-            self._create_sparse("arena.1", arena)
+            self._create_file("index.1", slots * SLOT.size, allocate=True)
+            self._create_file("arena.1", arena, allocate=False)
         header = [0] * (HEADER_BYTES // 8)
         header[H_MAGIC], header[H_VERSION], header[H_CAPACITY] = MAGIC, VERSION, capacity
         header[H_POLICY], header[H_MAX_ENTRIES], header[H_INDEX_SLOTS] = policy_code, max_entries, slots
@@ -206,12 +219,21 @@ class Ledger:
         os.close(fd)
         os.rename(tmp, "ledger", src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
 
-    def _create_sparse(self, name: str, size: int) -> None:
+    def _create_file(self, name: str, size: int, *, allocate: bool) -> None:
+        """Create ``name`` of ``size`` bytes. Files read through a mapping at arbitrary places (the
+        index) are allocated now: on tmpfs a read fault in a hole allocates a page, and on a full
+        /dev/shm that is a SIGBUS. The arena stays sparse: only regions written by pwrite are read."""
         fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _FILE_FLAGS, 0o600, dir_fd=self.dir_fd)
         try:
+            if allocate and size:
+                os.posix_fallocate(fd, 0, size)
             os.ftruncate(fd, size)
-        finally:
+        except OSError as exc:
             os.close(fd)
+            os.unlink(name, dir_fd=self.dir_fd)
+            raise CacheError(f"cannot create {self.path}/{name} ({size} bytes): {exc.strerror}; free space "
+                             f"in {self.root} (df -h {self.root}) or use a smaller capacity or max_entries") from None
+        os.close(fd)
 
     def _remove_stale_generations(self) -> None:
         keep = {f"index.{self.w[H_GEN]}", f"arena.{self.w[H_GEN]}", "ledger"}
@@ -232,11 +254,7 @@ class Ledger:
         try:
             for kind, size in (("index", self.index_slots * SLOT.size), ("arena", self.arena_bytes)):
                 name = f"{kind}.{gen}"
-                try:
-                    fd = os.open(name, os.O_RDWR | _FILE_FLAGS, dir_fd=self.dir_fd)
-                except FileNotFoundError:
-                    raise CacheError(f"cache {self.path} lost its {name}; remove the cache with "
-                                     f"'hpcstagger cache clear {self.name}'") from None
+                fd = self._open_file(name)
                 fds.append(fd)
                 st = _fs.check_secure_file(fd, os.path.join(self.path, name), "cache file")
                 if st.st_size != size:
@@ -426,8 +444,12 @@ class Ledger:
         w = self.w
         old, new = int(w[H_GEN]), int(w[H_GEN]) + 1
         if self.stores:
-            self._create_sparse(f"index.{new}", self.index_slots * SLOT.size)
-            self._create_sparse(f"arena.{new}", self.arena_bytes)
+            self._create_file(f"index.{new}", self.index_slots * SLOT.size, allocate=True)
+            try:
+                self._create_file(f"arena.{new}", self.arena_bytes, allocate=False)
+            except CacheError:
+                os.unlink(f"index.{new}", dir_fd=self.dir_fd)
+                raise
         w[H_USED] = w[H_ENTRIES] = w[H_INDEX_USED] = w[H_TOP] = w[H_NHOLES] = w[H_WASTED] = 0
         w[H_GEN] = new
         for kind in ("index", "arena"):
@@ -456,7 +478,12 @@ class Ledger:
                 except OSError:
                     pass
             setattr(self, attr, -1)
-        self.imv = self.amv = None
+        self.imv = self.amv = None  # dropped, not closed: views handed out keep their mapping alive
+        if getattr(self, "lmap", None) is not None:
+            self.w.release()
+            self.lmap.close()
+            self.lmap = None
+        _open_ledgers.discard(self)
 
 
 class _Locked:

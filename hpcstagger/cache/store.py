@@ -27,7 +27,7 @@ from ._ledger import (ENTRY, ENTRY_HDR, ENTRY_MAGIC, H_ENTRIES, H_GEN, H_INDEX_U
                       S_REFUSED, S_RES_GEN, S_RES_OFF, S_RES_PAYLOAD, S_RES_SIZE, SLOT, TOMB, Ledger, align)
 from .policy import Policy, Space, get_policy
 
-__all__ = ["ShmCache", "list_caches", "key_hash"]
+__all__ = ["ShmCache", "list_caches", "key_hash", "remove_broken"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,39 @@ def list_caches(root: str | None = None) -> list[str]:
         return names
     finally:
         os.close(fd)
+
+
+def remove_broken(name: str, root: str | None = None) -> bool:
+    """Remove cache directory ``name`` if it is safe to touch (ours, not a link) but not a usable cache.
+
+    For ``hpcstagger cache clear`` on a cache whose creation died half way or whose files were
+    damaged. Returns False (removing nothing) when the directory is missing, unsafe, or healthy.
+    """
+    root = os.path.abspath(root or config.get("shm_root"))
+    try:
+        _fs.validate_name(name)
+        ShmCache(name, None, root=root).close()
+        return False  # healthy
+    except CacheError:
+        pass
+    try:
+        root_fd = _fs.open_secure_dir(root, create=False, what="cache root")
+    except CacheError:
+        return False
+    try:
+        try:
+            dir_fd = _fs.open_secure_subdir(root_fd, name, root, create=False, what="cache directory")
+        except CacheError:
+            return False
+        try:
+            for entry in os.listdir(dir_fd):
+                os.unlink(entry, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+        os.rmdir(name, dir_fd=root_fd)
+        return True
+    finally:
+        os.close(root_fd)
 
 
 class ShmCache:
@@ -165,7 +198,7 @@ class ShmCache:
                 if klo == lo and khi == hi and meta >> 56 == LIVE:
                     n = meta & LEN_MASK
                     start = off + ENTRY_HDR
-                    if start + n <= led.arena_bytes:
+                    if start + n <= led.w[H_TOP]:  # never read unwritten arena (see _create_file)
                         amv = led.amv
                         magic, ehi, elo, elen, ck, _ = _unpack_entry(amv, off)
                         if magic == ENTRY_MAGIC and elo == lo and ehi == hi and elen == n:
@@ -212,7 +245,7 @@ class ShmCache:
         n = meta & LEN_MASK
         start = off + ENTRY_HDR
         amv = led.amv
-        if start + n <= led.arena_bytes:
+        if start + n <= led.w[H_TOP]:
             magic, ehi, elo, elen, ck, _ = _unpack_entry(amv, off)
             if magic == ENTRY_MAGIC and elo == lo and ehi == hi and elen == n:
                 view = amv[start:start + n]
@@ -230,7 +263,7 @@ class ShmCache:
                 return False
             n = meta & LEN_MASK
             try:
-                data = os.pread(led.arena_fd, ENTRY_HDR + n, off) if off + ENTRY_HDR + n <= led.arena_bytes else b""
+                data = os.pread(led.arena_fd, ENTRY_HDR + n, off) if off + ENTRY_HDR + n <= led.w[H_TOP] else b""
             except OSError:
                 data = b""
             if len(data) == ENTRY_HDR + n:
@@ -238,10 +271,9 @@ class ShmCache:
                 if (magic, ehi, elo, elen) == (ENTRY_MAGIC, hi, lo, n) and _checksum(memoryview(data)[ENTRY_HDR:]) == ck:
                     return False  # a torn read of a slot being published, not corruption
             os.pwrite(led.index_fd, ((TOMB << 56) | n).to_bytes(8, "little"), (i << 5) + 24)
-            w = led.w
-            w[H_USED] -= min(int(w[H_USED]), n)
-            w[H_ENTRIES] -= min(int(w[H_ENTRIES]), 1)
-            w[H_WASTED] += align(ENTRY_HDR + n)  # abandoned: someone may still hold a view of it
+            # The region is abandoned (someone may still hold a view of it). The index's own length
+            # may be what was corrupt, so recount the occupancy rather than subtract it.
+            led.recount()
         log.warning("cache %s: entry at offset %d failed verification; dropped it", self.name, off)
         self._count(S_CORRUPT)
         return True
@@ -288,7 +320,16 @@ class ShmCache:
         hi, lo = key_hash(key)
         led = self._led
         w = led.w
-        if not self._stores or n > self.capacity_bytes or self.policy.refuse_fast(int(w[H_USED]), self.capacity_bytes, n):
+        if not self._stores:
+            self._count(S_REFUSED)
+            return False
+        if led.w[H_GEN] != led.gen:
+            with led.lock():
+                led.map_generation()
+        if self._probe(hi, lo)[1] == LIVE:  # lock-free: already cached
+            self._count(S_DUPLICATES)
+            return True
+        if n > self.capacity_bytes or self.policy.refuse_fast(int(w[H_USED]), self.capacity_bytes, n):
             self._count(S_REFUSED)
             return False
         with led.put_lock:  # one reservation in flight per process
