@@ -15,7 +15,7 @@ from typing import Any
 
 _EXPORTS: dict[str, str] = {
     "ShmCache": "store",
-    "list_caches": "store",
+    "list_caches": "admin",
     "key_hash": "store",
     "Policy": "policy",
     "Source": "sources",

@@ -21,13 +21,15 @@ from .. import config
 from .._io import CHECKSUM_ALGORITHM
 from ..errors import CacheError
 from . import _fs
-from ._ledger import (ENTRY, ENTRY_HDR, ENTRY_MAGIC, H_ENTRIES, H_GEN, H_INDEX_USED, H_MAX_ENTRIES, H_POLICY,
-                      H_RESERVED, H_RESERVED_ENTRIES, H_TOP, H_USED, H_WASTED, LEN_MASK, LIVE, S_CORRUPT,
-                      S_DUPLICATES, S_HITS, S_INSERT_BYTES, S_INSERTS, S_MISSES,
-                      S_REFUSED, S_RES_GEN, S_RES_OFF, S_RES_PAYLOAD, S_RES_SIZE, SLOT, TOMB, Ledger, align)
+from ._layout import (ENTRY, ENTRY_HDR, ENTRY_MAGIC, H_ENTRIES, H_GEN, H_INDEX_USED, H_MAX_ENTRIES,
+                      H_POLICY, H_RESERVED, H_RESERVED_ENTRIES, H_TOP, H_USED, H_WASTED, LEN_MASK,
+                      LIVE, SLOT, S_CORRUPT, S_DUPLICATES, S_HITS, S_INSERTS, S_INSERT_BYTES,
+                      S_MISSES, S_REFUSED, S_RES_GEN, S_RES_OFF, S_RES_PAYLOAD, S_RES_SIZE, TOMB,
+                      align)
+from ._ledger import Ledger
 from .policy import Policy, Space, get_policy
 
-__all__ = ["ShmCache", "list_caches", "key_hash", "remove_broken"]
+__all__ = ["ShmCache", "key_hash"]
 
 log = logging.getLogger(__name__)
 
@@ -56,59 +58,6 @@ def key_hash(key: str | int) -> tuple[int, int]:
             raise TypeError(f"cache keys are str or int, not {type(key).__name__}") from None
     hi, lo = _unpack_hash(d)
     return hi, lo if (hi or lo) else 1
-
-
-def list_caches(root: str | None = None) -> list[str]:
-    """Names of the caches under ``root`` (default: the ``shm_root`` knob); [] if it does not exist."""
-    root = os.path.abspath(root or config.get("shm_root"))
-    if not os.path.lexists(root):
-        return []
-    fd = _fs.open_secure_dir(root, create=False, what="cache root")
-    try:
-        names = []
-        for name in sorted(os.listdir(fd)):
-            try:
-                _fs.validate_name(name)
-                os.stat(os.path.join(name, "ledger"), dir_fd=fd, follow_symlinks=False)
-            except (CacheError, OSError):
-                continue
-            names.append(name)
-        return names
-    finally:
-        os.close(fd)
-
-
-def remove_broken(name: str, root: str | None = None) -> bool:
-    """Remove cache directory ``name`` if it is safe to touch (ours, not a link) but not a usable cache.
-
-    For ``hpcstagger cache clear`` on a cache whose creation died half way or whose files were
-    damaged. Returns False (removing nothing) when the directory is missing, unsafe, or healthy.
-    """
-    root = os.path.abspath(root or config.get("shm_root"))
-    try:
-        _fs.validate_name(name)
-        ShmCache(name, None, root=root).close()
-        return False  # healthy
-    except CacheError:
-        pass
-    try:
-        root_fd = _fs.open_secure_dir(root, create=False, what="cache root")
-    except CacheError:
-        return False
-    try:
-        try:
-            dir_fd = _fs.open_secure_subdir(root_fd, name, root, create=False, what="cache directory")
-        except CacheError:
-            return False
-        try:
-            for entry in os.listdir(dir_fd):
-                os.unlink(entry, dir_fd=dir_fd)
-        finally:
-            os.close(dir_fd)
-        os.rmdir(name, dir_fd=root_fd)
-        return True
-    finally:
-        os.close(root_fd)
 
 
 class ShmCache:

@@ -58,7 +58,8 @@ def _root(args: argparse.Namespace) -> str:
 
 
 def run_ls(args: argparse.Namespace) -> int:
-    from ..cache.store import ShmCache, list_caches
+    from ..cache.admin import list_caches
+    from ..cache.store import ShmCache
 
     root = _root(args)
     rows = []
@@ -112,7 +113,8 @@ def run_stats(args: argparse.Namespace) -> int:
 
 
 def run_clear(args: argparse.Namespace) -> int:
-    from ..cache.store import ShmCache, remove_broken
+    from ..cache.admin import remove_broken
+    from ..cache.store import ShmCache
 
     root = _root(args)
     try:
