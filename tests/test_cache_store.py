@@ -219,3 +219,25 @@ def test_full_shm_is_a_refused_insert(tmp_path):
     finally:
         if mounted:
             subprocess.run(["umount", str(mnt)], timeout=30, check=True)
+
+
+def test_closed_cache_raises_and_dropped_cache_detaches(shm_root):
+    cache = ShmCache("z", 1 << 20)
+    cache.put("a", b"x")
+    view = cache.get("a")
+    cache.close()
+    cache.close()  # idempotent
+    for call in (lambda: cache.get("a"), lambda: cache.put("b", b"y"), cache.stats):
+        with pytest.raises(CacheError, match="was closed"):
+            call()
+    assert bytes(view) == b"x"  # views outlive the handle
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        c = ShmCache("z", None)
+        c.get("a")
+        del c  # the finalizer releases the slot and the descriptors
+    assert len(os.listdir("/proc/self/fd")) <= fds + 1
+    c = ShmCache("z", None)
+    assert c.stats()["processes"] == 0 and c.stats()["hits"] == 21
+    c.destroy()
+    assert os.listdir(shm_root) == []

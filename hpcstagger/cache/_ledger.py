@@ -428,9 +428,14 @@ class Ledger:
         words = self.w[HEADER_BYTES // 8:].tolist()
         out = {k: sum(words[i::SLOT_WORDS]) for k, i in COUNTERS.items()}
         out["lookups"] = out["hits"] + out["misses"]
-        out["processes"] = len({words[b + S_PID] for b in range(0, len(words), SLOT_WORDS)
-                                if words[b + S_PID] and _fs.alive(words[b + S_PID], words[b + S_START])})
+        out["processes"] = len(self.live_pids())
         return out
+
+    def live_pids(self) -> set[int]:
+        """Pids of the live processes attached to this cache (those holding a process slot)."""
+        words = self.w[HEADER_BYTES // 8:].tolist()
+        return {words[b + S_PID] for b in range(0, len(words), SLOT_WORDS)
+                if words[b + S_PID] and _fs.alive(words[b + S_PID], words[b + S_START])}
 
     def close(self) -> None:
         for attr in ("ledger_fd", "index_fd", "arena_fd", "dir_fd", "_lock_fd"):

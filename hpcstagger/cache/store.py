@@ -13,6 +13,7 @@ import logging
 import operator
 import os
 import struct
+import weakref
 from typing import Any, Callable
 
 import xxhash
@@ -91,8 +92,11 @@ class ShmCache:
                 max_entries = max(64, capacity_bytes // max(1, per))
             elif isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
                 raise CacheError(f"max_entries must be a positive int, not {max_entries!r}")
-        self._led = Ledger(self.root, self.name, capacity=capacity_bytes, policy_code=pol.code,
-                           max_entries=max_entries or 0, stores=pol.stores)
+        self._led: Any = Ledger(self.root, self.name, capacity=capacity_bytes, policy_code=pol.code,
+                                max_entries=max_entries or 0, stores=pol.stores)
+        # Dropping the object detaches it (its process slot and file descriptors); views handed out
+        # keep their own mappings.
+        self._finalizer = weakref.finalize(self, _detach, self._led)
         w = self._led.w
         self.capacity_bytes = self._led.capacity
         self.max_entries = int(w[H_MAX_ENTRIES])
@@ -416,12 +420,9 @@ class ShmCache:
 
     def close(self) -> None:
         """Detach this process (its counters stay in the totals). The object is unusable afterwards."""
-        led = self._led
-        if led.dir_fd >= 0:
-            try:
-                led.release_slot()
-            finally:
-                led.close()
+        if self._led is not _CLOSED:
+            self._finalizer()
+            self._led = _CLOSED
 
     def destroy(self, *, force: bool = False) -> None:
         """Delete the cache from /dev/shm. Raises CacheError if another live process is attached
@@ -429,7 +430,7 @@ class ShmCache:
         led = self._led
         with led.lock():
             led.release_slot_locked()
-            others = led.totals()["processes"]
+            others = len(led.live_pids() - {os.getpid()})
             if others and not force:
                 raise CacheError(f"cache {self.name!r} is in use by {others} other live process(es); "
                                  f"stop them first, or clear() it instead")
@@ -440,13 +441,31 @@ class ShmCache:
                 os.rmdir(self.name, dir_fd=root_fd)
             finally:
                 os.close(root_fd)
-        led.close()
+        self.close()
 
     def __enter__(self) -> "ShmCache":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class _Closed:
+    """Stands in for the ledger of a closed cache: any use raises CacheError."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise CacheError("this ShmCache was closed; open the cache again with ShmCache(name, ...)")
+
+
+_CLOSED: Any = _Closed()
+
+
+def _detach(led: Ledger) -> None:
+    if led.dir_fd >= 0:
+        try:
+            led.release_slot()
+        finally:
+            led.close()
 
 
 def _reattach(name: str, root: str) -> ShmCache:
