@@ -136,3 +136,32 @@ def test_cache_survives_fork_and_each_child_counts_in_its_own_slot(shm_root):
     s = cache.stats()
     assert s["hits"] == 1 + 150 and s["inserts"] == 4
     assert all(bytes(cache.get(f"c{i}")) == b"child" for i in range(3))
+
+
+@pytest.mark.timeout(180)
+def test_stress_while_a_writer_is_killed_again_and_again(shm_root):
+    """Three stress workers (with clear()s) while a fourth process inserts large entries and is
+    SIGKILLed at random moments, over and over: dead reservations are reclaimed and their space
+    reused under contention, and still no wrong byte is ever returned."""
+    nkeys = 300
+    total = sum(len(sample(k)) for k in range(nkeys))
+    cache = ShmCache("chaos", int(total * 0.6))
+    rng = random.Random(11)
+    with FORK.Pool(3) as pool:
+        result = pool.starmap_async(cache_util.stress_worker,
+                                    [(shm_root, "chaos", seed, 10_000, nkeys, 300) for seed in range(3)])
+        kills = 0
+        while not result.ready() or kills < 3:
+            ready = FORK.Event()
+            proc = FORK.Process(target=cache_util.put_forever, args=(shm_root, "chaos", ready))
+            proc.start()
+            assert ready.wait(30)
+            time.sleep(rng.uniform(0.005, 0.1))
+            _kill(proc)
+            kills += 1
+        outs = result.get(120)
+    assert sum(o["wrong"] for o in outs) == 0 and sum(o["returned"] for o in outs) > 1000
+    assert kills >= 10, kills
+    again = ShmCache("chaos", None)  # reclaims the last victim's reservation
+    check_consistent(again, {k: sample(k) for k in range(nkeys)}
+                     | {k: sample(k, 20_000, 200_000) for k in range(1000, 1300)})

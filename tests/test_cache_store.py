@@ -123,6 +123,12 @@ def test_reopen_attach_and_mismatch(shm_root):
         ShmCache("r", 2 << 20)
     with pytest.raises(CacheError, match="policy='minio'"):
         ShmCache("r", 1 << 20, policy="none")
+    with pytest.raises(CacheError, match="max_entries=256"):
+        ShmCache("r", 1 << 20, max_entries=100)
+    from hpcstagger import config
+
+    with config.override(cache_min_sample_bytes=100):  # only an explicit max_entries must match
+        ShmCache("r", 1 << 20).close()
     with pytest.raises(CacheError, match="no cache named 'nope'"):
         ShmCache("nope", None)
     assert not os.path.exists(os.path.join(shm_root, "nope"))

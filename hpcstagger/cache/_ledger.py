@@ -67,7 +67,7 @@ class Ledger:
     """One process's handle on one cache's shared files. Private to :mod:`hpcstagger.cache`."""
 
     def __init__(self, root: str, name: str, *, capacity: int | None, policy_code: int,
-                 max_entries: int, stores: bool):
+                 max_entries: int, check_max_entries: bool, stores: bool):
         self.root, self.name = root, name
         self.path = os.path.join(root, name)
         self.dir_fd = self.ledger_fd = -1
@@ -91,7 +91,7 @@ class Ledger:
         finally:
             os.close(root_fd)
         try:
-            self._open_or_create(capacity, policy_code, max_entries, stores)
+            self._open_or_create(capacity, policy_code, max_entries, check_max_entries, stores)
         except BaseException:
             self.close()
             raise
@@ -100,7 +100,7 @@ class Ledger:
     # ---- files ---------------------------------------------------------------------------------
 
     def _open_or_create(self, capacity: int | None, policy_code: int, max_entries: int,
-                        stores: bool) -> None:
+                        check_max_entries: bool, stores: bool) -> None:
         lock_fd = self._lockfd()
         fcntl.flock(lock_fd, fcntl.LOCK_EX)  # creation and first attach are serialised
         try:
@@ -121,8 +121,8 @@ class Ledger:
             if w[H_MAGIC] != MAGIC or w[H_VERSION] != VERSION or w[H_NSLOTS] != NSLOTS:
                 raise CacheError(f"{self.path}/ledger is not a version-{VERSION} hpcstagger cache ledger; "
                                  f"remove the cache with 'hpcstagger cache clear {self.name}'")
-            if capacity is not None and (w[H_CAPACITY], w[H_POLICY], w[H_MAX_ENTRIES]) != (
-                    capacity, policy_code, max_entries):
+            if capacity is not None and (w[H_CAPACITY], w[H_POLICY]) != (capacity, policy_code) or (
+                    check_max_entries and w[H_MAX_ENTRIES] != max_entries):
                 from .policy import get_policy
 
                 raise CacheError(
@@ -385,14 +385,20 @@ class Ledger:
             used, entries = int(lengths.sum()), int(live.sum())
             index_used = int(((table[:, 0] | table[:, 1]) != 0).sum())
             live_arena = int(((lengths + np.uint64(ENTRY_HDR + ALIGN - 1)) // np.uint64(ALIGN)).sum()) * ALIGN
+        # The free-hole list may have been half edited: forget it (its space counts as wasted) so
+        # that no region can ever be handed out twice.
+        w[H_NHOLES] = 0
         reserved = reserved_entries = reserved_arena = 0
         for b in self.slot_bases():
             if not w[b + S_RES_SIZE]:
                 continue
-            if _fs.alive(int(w[b + S_PID]), int(w[b + S_START])) and w[b + S_RES_GEN] == w[H_GEN]:
+            if _fs.alive(int(w[b + S_PID]), int(w[b + S_START])):
+                # a live writer still holds it (even from an older generation): it stays accounted
+                # until that writer publishes or gives it back
                 reserved += int(w[b + S_RES_PAYLOAD])
                 reserved_entries += 1
-                reserved_arena += int(w[b + S_RES_SIZE])
+                if w[b + S_RES_GEN] == w[H_GEN]:
+                    reserved_arena += int(w[b + S_RES_SIZE])
                 continue
             # Died inside the lock, perhaps after publishing: only an unpublished region is free.
             published = bool((live_offsets == np.uint64(w[b + S_RES_OFF])).any())

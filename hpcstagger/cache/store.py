@@ -84,16 +84,20 @@ class ShmCache:
         self.name = _fs.validate_name(name)
         self.root = os.path.abspath(os.fspath(root) if root is not None else config.get("shm_root"))
         pol = get_policy(policy)
+        create_max = 0
         if capacity_bytes is not None:
             if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 0:
                 raise CacheError(f"capacity_bytes must be a non-negative int, not {capacity_bytes!r}")
-            if max_entries is None:
-                per = int(config.get("cache_min_sample_bytes"))
-                max_entries = max(64, capacity_bytes // max(1, per))
-            elif isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
+            if max_entries is not None and (isinstance(max_entries, bool) or not isinstance(max_entries, int)
+                                            or max_entries < 1):
                 raise CacheError(f"max_entries must be a positive int, not {max_entries!r}")
+            per = max(1, int(config.get("cache_min_sample_bytes")))
+            create_max = max_entries or max(64, capacity_bytes // per)
+        # An existing cache is checked against an explicit max_entries only: the default derived
+        # from the knob applies when the cache is created.
         self._led: Any = Ledger(self.root, self.name, capacity=capacity_bytes, policy_code=pol.code,
-                                max_entries=max_entries or 0, stores=pol.stores)
+                                max_entries=create_max, check_max_entries=max_entries is not None,
+                                stores=pol.stores)
         # Dropping the object detaches it (its process slot and file descriptors); views handed out
         # keep their own mappings.
         self._finalizer = weakref.finalize(self, _detach, self._led)
@@ -233,10 +237,13 @@ class ShmCache:
 
     def __contains__(self, key: object) -> bool:
         """Whether ``key`` has a live entry (its checksum is not verified; not counted as a lookup)."""
-        if not self._stores or not isinstance(key, (str, int)):
+        if not self._stores:
+            return False
+        try:
+            hi, lo = key_hash(key)  # type: ignore[arg-type]
+        except TypeError:
             return False
         led = self._led
-        hi, lo = key_hash(key)
         if led.w[H_GEN] != led.gen:
             with led.lock():
                 led.map_generation()
