@@ -247,3 +247,21 @@ def test_closed_cache_raises_and_dropped_cache_detaches(shm_root):
     assert c.stats()["processes"] == 0 and c.stats()["hits"] == 21
     c.destroy()
     assert os.listdir(shm_root) == []
+
+
+def test_importing_and_using_the_cache_imports_neither_torch_nor_h5py(shm_root):
+    import json
+    import subprocess
+    import sys
+
+    probe = f"""
+import json, sys
+import hpcstagger.cache as c
+from hpcstagger import ShmCache, DirectorySource, ThrottledSource
+cache = ShmCache("probe", 1 << 20, root={shm_root!r})
+cache.put("a", b"x"); cache.get("a"); cache.stats(); cache.close()
+print(json.dumps({{m: m in sys.modules for m in ("torch", "h5py", "numpy")}}))
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"torch": False, "h5py": False, "numpy": False}
