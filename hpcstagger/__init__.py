@@ -24,6 +24,11 @@ _EXPORTS: dict[str, str] = {
     "CheckpointError": "hpcstagger.errors",
     "LaunchError": "hpcstagger.errors",
     "ModelError": "hpcstagger.errors",
+    "ShmCache": "hpcstagger.cache.store",
+    "DirectorySource": "hpcstagger.cache.sources",
+    "HDF5Source": "hpcstagger.cache.sources",
+    "ThrottledSource": "hpcstagger.cache.throttle",
+    "CachedDataset": "hpcstagger.cache.dataset",
 }
 
 __all__ = ["__version__", *_EXPORTS]

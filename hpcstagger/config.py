@@ -73,6 +73,12 @@ _KNOB_LIST: list[Knob] = [
          "auto: use MPI when launched by mpiexec/srun or when mpi4py is already imported; 1: always; 0: never"),
     Knob("shm_root", str, _default_shm_root, "root directory of the shared node-local sample caches"),
     Knob("state_dir", str, _default_state_dir, "where hpcstagger keeps calibrations and built wheels"),
+    # --- shared sample cache (hpcstagger.cache) ---
+    Knob("cache_min_sample_bytes", int, 4096,
+         "smallest mean sample size a cache's index is sized for: a cache holds at most "
+         "capacity_bytes / this many entries (ShmCache's max_entries overrides it)"),
+    Knob("throttle_dir", str, "",
+         "where ThrottledSource keeps its shared reader state; empty means <shm_root>/.throttle"),
 ]
 
 KNOBS: dict[str, Knob] = {k.name: k for k in _KNOB_LIST}

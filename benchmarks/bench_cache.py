@@ -1,0 +1,385 @@
+#!/usr/bin/env python3
+"""Benchmark of the shared /dev/shm sample cache (issue 3). All measurements come from one run.
+
+(a) Hit path: the throughput of ``ShmCache.get`` hits against two baselines over the same samples
+    in the same random order: reading them as separate files already in the OS page cache (with
+    ``open().read()`` and with the leaner ``os.open``/``os.read``), and a plain in-memory copy
+    (``bytes(memoryview(blob))``, the upper bound). Two sample sets: about 2,000 samples of
+    100 KB..1 MB, and 4 KB samples. Median of several repetitions (methods interleaved), plus one
+    cold pass by a freshly started process that has never mapped the cache.
+(b) Co-located jobs: two processes each read one epoch in their own random order through a
+    ``ThrottledSource`` (one shared, bandwidth-bound budget), once through the cache (capacity >=
+    dataset) and once through a pass-through cache (policy "none"); the second process starts
+    together with the first, when the first has read half its epoch, or when the first is done.
+    Wall time and hit rate of each process.
+(c) Stress: 4 processes x 20,000 random get / get_or_load / put calls on overlapping keys, capacity
+    40% of the dataset, occasional clear() so the cache refills under contention; every returned
+    sample is compared byte for byte with the source.
+
+Usage: python benchmarks/bench_cache.py [--quick] [--parts abc] [--json PATH] [--file-dir DIR]
+Prints tables with the ratios, and writes JSON (default benchmarks/out/bench_cache.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import os
+import platform
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from hpcstagger.cache import CachedDataset, DirectorySource, ShmCache, ThrottledSource  # noqa: E402
+from hpcstagger.cache.sources import read_file  # noqa: E402
+
+FORK = mp.get_context("fork")
+SPAWN = mp.get_context("spawn")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def sample(key: int, lo: int, hi: int) -> bytes:
+    rng = random.Random(key * 7919 + 17)
+    return rng.randbytes(rng.randint(lo, hi))
+
+
+# ---- (a) hit path ------------------------------------------------------------------------------
+
+def _cold_pass(root: str, name: str, order: list[int]) -> float:
+    cache = ShmCache(name, None, root=root)
+    t = time.perf_counter()
+    for k in order:
+        cache.get(k)
+    return time.perf_counter() - t
+
+
+def hit_path(label: str, n: int, lo: int, hi: int, reps: int, shm: str, file_dir: str) -> dict:
+    log(f"(a) {label}: preparing {n} samples of {lo}..{hi} bytes")
+    blobs = [os.urandom(random.Random(k).randint(lo, hi)) for k in range(n)]
+    total = sum(map(len, blobs))
+    cache = ShmCache(f"hit-{label}", total, root=shm, max_entries=n + 16)
+    for k, b in enumerate(blobs):
+        assert cache.put(k, b)
+    fdir = tempfile.mkdtemp(prefix=f"pagecache-{label}-", dir=file_dir)
+    paths = []
+    for k, b in enumerate(blobs):
+        p = os.path.join(fdir, f"{k:06d}.bin")
+        with open(p, "wb") as f:
+            f.write(b)
+        paths.append(p)
+    for p in paths:  # into the page cache
+        read_file(p)
+
+    def cache_get(order):
+        get = cache.get
+        for k in order:
+            get(k)
+
+    def cache_get_copy(order):
+        get = cache.get
+        for k in order:
+            bytes(get(k))
+
+    def files_open_read(order):
+        for k in order:
+            with open(paths[k], "rb") as f:
+                f.read()
+
+    def files_os_read(order):
+        for k in order:
+            read_file(paths[k])
+
+    def memory_copy(order):
+        for k in order:
+            bytes(memoryview(blobs[k]))
+
+    methods = {"cache get (zero-copy, verified)": cache_get, "cache get + bytes() copy": cache_get_copy,
+               "files open().read()": files_open_read, "files os.read": files_os_read,
+               "memory copy": memory_copy}
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    rng = random.Random(1)
+    for r in range(reps + 1):
+        order = list(range(n))
+        rng.shuffle(order)
+        for m, fn in methods.items():
+            t = time.perf_counter()
+            fn(order)
+            if r:  # repetition 0 warms everything up
+                times[m].append(time.perf_counter() - t)
+    order = list(range(n))
+    rng.shuffle(order)
+    with SPAWN.Pool(1) as pool:
+        cold = pool.apply(_cold_pass, (shm, cache.name, order))
+    res = {m: {"median_s": statistics.median(ts), "runs_s": ts, "gb_per_s": total / statistics.median(ts) / 1e9,
+               "us_per_sample": statistics.median(ts) / n * 1e6} for m, ts in times.items()}
+    res["cache get, cold (new process)"] = {"median_s": cold, "runs_s": [cold], "gb_per_s": total / cold / 1e9,
+                                            "us_per_sample": cold / n * 1e6}
+    hit = res["cache get (zero-copy, verified)"]["median_s"]
+    ratios = {"hit / files open().read()": res["files open().read()"]["median_s"] / hit,
+              "hit / files os.read": res["files os.read"]["median_s"] / hit,
+              "hit / memory copy": res["memory copy"]["median_s"] / hit,
+              "hit+copy / files os.read": res["files os.read"]["median_s"] / res["cache get + bytes() copy"]["median_s"],
+              "cold hit / files os.read": res["files os.read"]["median_s"] / cold}
+    s = cache.stats()
+    assert s["hits"] >= n * (2 * reps + 2), s  # every get was a hit
+    cache.destroy()
+    shutil.rmtree(fdir)
+    print(f"\n(a) hit path, {label}: {n} samples, {lo}..{hi} bytes, {total / 1e6:.0f} MB, median of {reps}")
+    print(f"  {'method':34s} {'GB/s':>7s} {'us/sample':>10s}")
+    for m, v in res.items():
+        print(f"  {m:34s} {v['gb_per_s']:7.2f} {v['us_per_sample']:10.2f}")
+    for k, v in ratios.items():
+        print(f"  ratio {k:28s} {v:6.2f}x")
+    return {"n": n, "size_range": [lo, hi], "total_bytes": total, "reps": reps, "methods": res, "ratios": ratios}
+
+
+# ---- (b) co-located jobs -----------------------------------------------------------------------
+
+class _CountMisses:
+    """source_read_hook counting this process's source reads (its misses)."""
+
+    def __init__(self):
+        self.n = 0
+
+    def enter(self) -> None:
+        self.n += 1
+
+    def exit(self) -> None:
+        pass
+
+
+def _epoch(dataset_args, seed: int, wait_for, halfway, done, q) -> None:  # noqa: ANN001
+    source, cache_name, root = dataset_args
+    hook = _CountMisses()
+    ds = CachedDataset(source, ShmCache(cache_name, None, root=root), source_read_hook=hook)
+    order = list(range(len(ds)))
+    random.Random(seed).shuffle(order)
+    if wait_for is not None:
+        wait_for.wait(600)
+    t0 = time.monotonic()
+    for j, i in enumerate(order):
+        ds[i]
+        if j + 1 == len(order) // 2 and halfway is not None:
+            halfway.set()
+    t1 = time.monotonic()
+    if done is not None:
+        done.set()
+    q.put({"seed": seed, "start": t0, "wall_s": t1 - t0, "misses": hook.n, "hit_rate": 1 - hook.n / len(order)})
+
+
+def colocated(n: int, size: int, bw: float, reps: int, shm: str, file_dir: str) -> dict:
+    ddir = tempfile.mkdtemp(prefix="colocated-", dir=file_dir)
+    for i in range(n):
+        with open(os.path.join(ddir, f"{i:05d}.bin"), "wb") as f:
+            f.write(os.urandom(size))
+    total = n * size
+    log(f"(b) co-located: {n} samples x {size} B = {total / 1e6:.1f} MB at {bw / 1e6:.1f} MB/s "
+        f"(one epoch alone ~{total / bw:.1f} s)")
+    results: dict = {"n": n, "sample_bytes": size, "dataset_bytes": total, "bandwidth_bytes_per_s": [bw, bw],
+                     "reps": reps, "scenarios": {}}
+    for start in ("together", "at half", "after first"):
+        for cached in (False, True):
+            runs = []
+            for r in range(reps):
+                name = f"coloc-{'c' if cached else 'n'}-{r}-{start.replace(' ', '')}"
+                cache = ShmCache(name, total if cached else 0, root=shm, policy="minio" if cached else "none")
+                source = ThrottledSource(DirectorySource(ddir), [bw, bw], shared_name=f"bench-{os.getpid()}",
+                                         state_dir=os.path.join(shm, ".throttle"))
+                args = (source, name, shm)
+                go, half, done, q = FORK.Event(), FORK.Event(), FORK.Event(), FORK.Queue()
+                second_waits = {"together": go, "at half": half, "after first": done}[start]
+                p1 = FORK.Process(target=_epoch, args=(args, 1, go, half, done, q))
+                p2 = FORK.Process(target=_epoch, args=(args, 2, second_waits, None, None, q))
+                p1.start()
+                p2.start()
+                time.sleep(0.5)  # both attached and waiting
+                go.set()
+                out = sorted((q.get(timeout=600) for _ in range(2)), key=lambda o: o["seed"])
+                for p in (p1, p2):
+                    p.join(60)
+                    assert p.exitcode == 0
+                runs.append({"first": out[0], "second": out[1]})
+                cache.destroy()
+                source.unlink()
+            key = f"{start}, {'cache' if cached else 'no cache'}"
+            results["scenarios"][key] = {
+                "first_wall_s": statistics.median(r["first"]["wall_s"] for r in runs),
+                "second_wall_s": statistics.median(r["second"]["wall_s"] for r in runs),
+                "first_hit_rate": statistics.median(r["first"]["hit_rate"] for r in runs),
+                "second_hit_rate": statistics.median(r["second"]["hit_rate"] for r in runs),
+                "runs": runs}
+            s = results["scenarios"][key]
+            log(f"    {key:26s} first {s['first_wall_s']:6.2f} s ({100 * s['first_hit_rate']:5.1f}% hits)  "
+                f"second {s['second_wall_s']:6.2f} s ({100 * s['second_hit_rate']:5.1f}% hits)")
+    shutil.rmtree(ddir)
+    speedups = {}
+    print(f"\n(b) co-located jobs: 2 processes, {n} x {size / 1e3:.0f} KB = {total / 1e6:.1f} MB, shared "
+          f"{bw / 1e6:.1f} MB/s, cache capacity = dataset, median of {reps}")
+    print(f"  {'second process starts':22s} {'cache':>6s} {'1st wall s':>10s} {'1st hits':>8s} "
+          f"{'2nd wall s':>10s} {'2nd hits':>8s}")
+    for start in ("together", "at half", "after first"):
+        for cached in (False, True):
+            s = results["scenarios"][f"{start}, {'cache' if cached else 'no cache'}"]
+            print(f"  {start:22s} {'yes' if cached else 'no':>6s} {s['first_wall_s']:10.2f} "
+                  f"{100 * s['first_hit_rate']:7.1f}% {s['second_wall_s']:10.2f} {100 * s['second_hit_rate']:7.1f}%")
+        no, yes = (results["scenarios"][f"{start}, {c}"] for c in ("no cache", "cache"))
+        speedups[start] = {"second": no["second_wall_s"] / yes["second_wall_s"],
+                           "first": no["first_wall_s"] / yes["first_wall_s"]}
+    for start, v in speedups.items():
+        print(f"  speed-up with the cache, second starts {start:12s}: second process {v['second']:5.2f}x, "
+              f"first {v['first']:5.2f}x")
+    results["speedup"] = speedups
+    return results
+
+
+# ---- (c) stress --------------------------------------------------------------------------------
+
+def _stress(root: str, name: str, seed: int, nops: int, nkeys: int, clear_every: int) -> dict:
+    cache = ShmCache(name, None, root=root)
+    data = [sample(k, 500, 64_000) for k in range(nkeys)]
+    rng = random.Random(seed)
+    out = dict(ops=0, gets=0, puts=0, compared=0, wrong_samples=0, wrong_bytes=0, clears=0)
+
+    def compare(v, k):
+        out["compared"] += 1
+        if bytes(v) != data[k]:
+            out["wrong_samples"] += 1
+            b = bytes(v)
+            out["wrong_bytes"] += sum(x != y for x, y in zip(b, data[k])) + abs(len(b) - len(data[k]))
+
+    t = time.perf_counter()
+    for _ in range(nops):
+        k = rng.randrange(nkeys)
+        op = rng.random()
+        out["ops"] += 1
+        if op < 0.5:
+            loaded = []
+            v = cache.get_or_load(k, lambda k=k: loaded.append(1) or data[k])
+            out["gets"] += 1
+            out["puts"] += len(loaded)
+            compare(v, k)
+        elif op < 0.8:
+            v = cache.get(k)
+            out["gets"] += 1
+            if v is not None:
+                compare(v, k)
+        else:
+            cache.put(k, data[k])
+            out["puts"] += 1
+        if rng.randrange(clear_every) == 0:
+            cache.clear()
+            out["clears"] += 1
+    out["wall_s"] = time.perf_counter() - t
+    cache.close()
+    return out
+
+
+def stress(procs: int, nops: int, nkeys: int, shm: str) -> dict:
+    log(f"(c) stress: {procs} processes x {nops} calls on {nkeys} keys")
+    total = sum(len(sample(k, 500, 64_000)) for k in range(nkeys))
+    cache = ShmCache("stress", int(total * 0.4), root=shm)
+    t = time.perf_counter()
+    with FORK.Pool(procs) as pool:
+        outs = pool.starmap(_stress, [(shm, "stress", seed, nops, nkeys, 5000) for seed in range(procs)])
+    wall = time.perf_counter() - t
+    s = cache.stats()
+    # end state: every visible entry exact, accounting equal to the entries present
+    present = 0
+    for k in range(nkeys):
+        if k in cache:
+            v = cache.get(k)
+            assert bytes(v) == sample(k, 500, 64_000), k
+            present += len(v)
+    agg = {k: sum(o[k] for o in outs) for k in ("ops", "gets", "puts", "compared", "wrong_samples",
+                                                "wrong_bytes", "clears")}
+    checks = {"lookups == hits + misses == gets made": s["lookups"] == s["hits"] + s["misses"] == agg["gets"],
+              "inserts + refused + duplicates == puts": s["inserts"] + s["refused"] + s["duplicates"] == agg["puts"],
+              "bytes_used == bytes of entries present": s["bytes_used"] == present,
+              "bytes_used <= capacity": s["bytes_used"] <= s["capacity_bytes"],
+              "no reservation left": s["reserved_bytes"] == 0}
+    res = {"processes": procs, "calls_per_process": nops, "keys": nkeys, "dataset_bytes": total,
+           "capacity_bytes": s["capacity_bytes"], "wall_s": wall, "calls_per_s": agg["ops"] / wall, **agg,
+           "stats": {k: s[k] for k in ("hits", "misses", "inserts", "refused", "duplicates", "corrupt",
+                                       "generation")}, "checks": checks}
+    cache.destroy()
+    print(f"\n(c) stress: {procs} processes x {nops} calls, {nkeys} keys of 0.5..64 KB "
+          f"({total / 1e6:.0f} MB), capacity 40%")
+    print(f"  {agg['ops']} calls in {wall:.1f} s ({agg['ops'] / wall:.0f}/s), {agg['compared']} samples compared, "
+          f"{agg['clears']} clears, hits {s['hits']}, inserts {s['inserts']}, refused {s['refused']}")
+    print(f"  wrong samples: {agg['wrong_samples']}, wrong bytes: {agg['wrong_bytes']}")
+    for k, v in checks.items():
+        print(f"  check {k}: {'ok' if v else 'FAILED'}")
+    return res
+
+
+# ---- main --------------------------------------------------------------------------------------
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes and one repetition (about 30 s)")
+    ap.add_argument("--parts", default="abc", help="which parts to run (default: abc)")
+    ap.add_argument("--json", default=str(HERE / "out" / "bench_cache.json"), help="where to write the JSON")
+    ap.add_argument("--file-dir", default=str(HERE / "out"),
+                    help="a directory on a regular file system for the page-cache files (default benchmarks/out)")
+    args = ap.parse_args()
+    os.makedirs(args.file_dir, exist_ok=True)
+    q = args.quick
+    shm = tempfile.mkdtemp(prefix="hpcs-bench-", dir="/dev/shm")
+    load0 = os.getloadavg()
+    out: dict = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+                 "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                 "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                             "python": platform.python_version(), "loadavg_start": load0}}
+    t0 = time.time()
+    try:
+        if "a" in args.parts:
+            out["hit_path_large"] = hit_path("100KB-1MB", 300 if q else 2000, 100_000, 1_000_000, 2 if q else 5,
+                                             shm, args.file_dir)
+            out["hit_path_4KB"] = hit_path("4KB", 5000 if q else 20_000, 4096, 4096, 2 if q else 5,
+                                           shm, args.file_dir)
+        if "b" in args.parts:
+            out["colocated"] = (colocated(100, 50_000, 5e6, 1, shm, args.file_dir) if q
+                                else colocated(200, 100_000, 10e6, 2, shm, args.file_dir))
+        if "c" in args.parts:
+            out["stress"] = stress(4, 3000 if q else 20_000, 2000, shm)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    out["machine"]["loadavg_end"] = os.getloadavg()
+    out["wall_s"] = time.time() - t0
+    targets = {}
+    if "hit_path_large" in out:
+        for label in ("hit_path_large", "hit_path_4KB"):
+            r = out[label]["ratios"]
+            targets[f"{label}: hit >= 1.0x page-cache files (os.read, the faster)"] = r["hit / files os.read"] >= 1.0
+            targets[f"{label}: hit >= 1.0x page-cache files (open().read())"] = r["hit / files open().read()"] >= 1.0
+        targets["hit_path_large: hit >= 0.5x memory copy"] = out["hit_path_large"]["ratios"]["hit / memory copy"] >= 0.5
+    if "colocated" in out:
+        for start, v in out["colocated"]["speedup"].items():
+            targets[f"co-located, second starts {start}: second process >= 3x faster with cache"] = v["second"] >= 3
+    if "stress" in out:
+        targets["stress: zero wrong bytes"] = out["stress"]["wrong_bytes"] == 0 and out["stress"]["wrong_samples"] == 0
+    out["targets"] = targets
+    print(f"\ntargets (load average {load0[0]:.1f} -> {out['machine']['loadavg_end'][0]:.1f}, {out['wall_s']:.0f} s):")
+    for k, v in targets.items():
+        print(f"  {'MET    ' if v else 'NOT MET'} {k}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1, sort_keys=True)
+    print(f"wrote {args.json}")
+    return 0 if out.get("stress", {}).get("wrong_bytes", 0) == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""The shared node-local sample cache in /dev/shm, its data sources, and a torch Dataset over both.
+
+Importing this package imports neither torch nor h5py; each name is loaded on first use.
+
+- :class:`ShmCache`: a named cache shared by every process on the node (MinIO policy).
+- :class:`DirectorySource`, :class:`HDF5Source`: map-style sources of byte samples.
+- :class:`ThrottledSource`: an emulated shared remote repository, for tests, benchmarks and the demo.
+- :class:`CachedDataset`: a torch map-style Dataset reading through the cache.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS: dict[str, str] = {
+    "ShmCache": "store",
+    "list_caches": "admin",
+    "key_hash": "store",
+    "Policy": "policy",
+    "Source": "sources",
+    "DirectorySource": "sources",
+    "HDF5Source": "sources",
+    "ThrottledSource": "throttle",
+    "CachedDataset": "dataset",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hpcstagger.cache' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,479 @@
+"""``ShmCache``: the node-local sample cache in /dev/shm shared by every process of every job.
+
+The first reader of a sample fills the cache and every later reader, in any process, hits it. A
+hit is a lock-free lookup in a shared hash index and a zero-copy, read-only ``memoryview`` of the
+entry in a shared arena, verified (magic, key hash, length, xxh3-64 checksum) on every read. The
+layout, locking and crash recovery are described in :mod:`hpcstagger.cache._ledger`.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import operator
+import os
+import struct
+import weakref
+from typing import Any, Callable
+
+import xxhash
+
+from .. import config
+from .._io import CHECKSUM_ALGORITHM
+from ..errors import CacheError
+from . import _fs
+from ._layout import (ENTRY, ENTRY_HDR, ENTRY_MAGIC, H_ENTRIES, H_GEN, H_INDEX_USED, H_MAX_ENTRIES,
+                      H_POLICY, H_RESERVED, H_RESERVED_ENTRIES, H_TOP, H_USED, H_WASTED, LEN_MASK,
+                      LIVE, SLOT, S_CORRUPT, S_DUPLICATES, S_HITS, S_INSERTS, S_INSERT_BYTES,
+                      S_MISSES, S_REFUSED, S_RES_GEN, S_RES_OFF, S_RES_PAYLOAD, S_RES_SIZE, TOMB,
+                      align)
+from ._ledger import Ledger
+from .policy import Policy, Space, get_policy
+
+__all__ = ["ShmCache", "key_hash"]
+
+log = logging.getLogger(__name__)
+
+assert CHECKSUM_ALGORITHM == "xxh3_64"  # entries carry hpcstagger's checksum, as an integer
+_checksum = xxhash.xxh3_64_intdigest
+_hash128 = xxhash.xxh3_128_digest
+_OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+_unpack_slot = SLOT.unpack_from
+_unpack_entry = ENTRY.unpack_from
+_unpack_hash = struct.Struct("<QQ").unpack
+
+
+def key_hash(key: str | int) -> tuple[int, int]:
+    """The 128-bit xxh3 hash (hi, lo) a key is stored under; str and int keys never collide by type.
+
+    Raises TypeError for keys that are neither str nor int (anything with ``__index__`` is an int).
+    """
+    if isinstance(key, str):
+        d = _hash128(str(key).encode("utf-8", "surrogatepass"), 1)
+    else:
+        try:
+            d = _hash128(b"%d" % operator.index(key), 2)
+        except TypeError:
+            raise TypeError(f"cache keys are str or int, not {type(key).__name__}") from None
+    hi, lo = _unpack_hash(d)
+    return hi, lo if (hi or lo) else 1
+
+
+class ShmCache:
+    """A named cache of byte samples in shared memory, shared by every process on the node.
+
+    ``ShmCache(name, capacity_bytes)`` creates the cache or attaches to it; ``capacity_bytes=None``
+    attaches to an existing cache only. ``capacity_bytes`` bounds the payload bytes stored (each
+    entry also costs a 64-byte header). ``max_entries`` caps the number of entries (default
+    ``capacity_bytes // cache_min_sample_bytes``; the index is sized for it). ``root`` defaults to
+    the ``shm_root`` knob (``HPCSTAGGER_SHM_ROOT``, else ``/dev/shm/hpcstagger-<uid>``).
+
+    Policies: ``"minio"`` (default) inserts while samples fit and then never changes the contents;
+    ``"none"`` is pass-through. Keys are str or int, stored under a 128-bit hash. Stats are counted
+    in shared memory and summed over every process using the cache.
+
+    ShmCache objects can be pickled (they reattach by name) and survive fork. Raises CacheError for
+    a bad name, an unsafe root or cache directory, an unknown cache (``capacity_bytes=None``), or an
+    existing cache created with a different capacity, policy or max_entries.
+    """
+
+    def __init__(self, name: str, capacity_bytes: int | None, *, policy: str = "minio",
+                 root: str | os.PathLike[str] | None = None, max_entries: int | None = None):
+        self.name = _fs.validate_name(name)
+        self.root = os.path.abspath(os.fspath(root) if root is not None else config.get("shm_root"))
+        pol = get_policy(policy)
+        create_max = 0
+        if capacity_bytes is not None:
+            if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 0:
+                raise CacheError(f"capacity_bytes must be a non-negative int, not {capacity_bytes!r}")
+            if max_entries is not None and (isinstance(max_entries, bool) or not isinstance(max_entries, int)
+                                            or max_entries < 1):
+                raise CacheError(f"max_entries must be a positive int, not {max_entries!r}")
+            per = max(1, int(config.get("cache_min_sample_bytes")))
+            create_max = max_entries or max(64, capacity_bytes // per)
+        # An existing cache is checked against an explicit max_entries only: the default derived
+        # from the knob applies when the cache is created.
+        self._led: Any = Ledger(self.root, self.name, capacity=capacity_bytes, policy_code=pol.code,
+                                max_entries=create_max, check_max_entries=max_entries is not None,
+                                stores=pol.stores)
+        # Dropping the object detaches it (its process slot and file descriptors); views handed out
+        # keep their own mappings.
+        self._finalizer = weakref.finalize(self, _detach, self._led)
+        w = self._led.w
+        self.capacity_bytes = self._led.capacity
+        self.max_entries = int(w[H_MAX_ENTRIES])
+        self.policy: Policy = get_policy(int(w[H_POLICY]))
+        self._stores = self.policy.stores
+
+    # ---- pickling: reattach by name in the other process ----------------------------------------
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_reattach, (self.name, self.root))
+
+    def __repr__(self) -> str:
+        return (f"ShmCache({self.name!r}, {self.capacity_bytes}, policy={self.policy.name!r}, "
+                f"root={self.root!r})")
+
+    # ---- counting ------------------------------------------------------------------------------
+
+    def _count(self, field: int, n: int = 1, field2: int = -1, n2: int = 0) -> None:
+        led = self._led
+        with led.clock:
+            b = led.base
+            if b < 0:
+                b = led.claim_slot()
+            w = led.w
+            w[b + field] += n
+            if field2 >= 0:
+                w[b + field2] += n2
+
+    # ---- reading -------------------------------------------------------------------------------
+
+    def get(self, key: str | int) -> memoryview | None:
+        """The sample stored under ``key`` as a read-only memoryview, or None (a miss).
+
+        The view is verified against its checksum before it is returned and never changes
+        afterwards (entries are never rewritten in place). A corrupt entry counts as a miss, is
+        dropped, and is replaced by the next ``put``.
+        """
+        # The hit path is written out flat: at 4 KB samples every call and attribute lookup shows.
+        if type(key) is str:
+            hi, lo = _unpack_hash(_hash128(key.encode("utf-8", "surrogatepass"), 1))
+        elif type(key) is int:
+            hi, lo = _unpack_hash(_hash128(b"%d" % key, 2))
+        else:
+            hi, lo = key_hash(key)
+        if not (hi or lo):
+            lo = 1
+        led = self._led
+        view = None
+        if self._stores:
+            if led.w[H_GEN] == led.gen:
+                khi, klo, off, meta = _unpack_slot(led.imv, (lo & led.mask) << 5)
+                if klo == lo and khi == hi and meta >> 56 == LIVE:
+                    n = meta & LEN_MASK
+                    start = off + ENTRY_HDR
+                    if start + n <= led.w[H_TOP]:  # never read unwritten arena (see _create_file)
+                        amv = led.amv
+                        magic, ehi, elo, elen, ck, _ = _unpack_entry(amv, off)
+                        if magic == ENTRY_MAGIC and elo == lo and ehi == hi and elen == n:
+                            view = amv[start:start + n]
+                            if _checksum(view) != ck:
+                                view = None
+            if view is None:  # everything else, corruption included, takes the careful path
+                view = self._read(hi, lo)
+        lock = led.clock
+        lock.acquire()
+        try:
+            b = led.base
+            if b < 0:
+                b = led.claim_slot()
+            if view is None:
+                led.w[b + S_MISSES] += 1
+            else:
+                led.w[b + S_HITS] += 1
+        finally:
+            lock.release()
+        return view
+
+    def _read(self, hi: int, lo: int, retry: bool = True) -> memoryview | None:
+        led = self._led
+        if led.w[H_GEN] != led.gen:
+            with led.lock():
+                led.map_generation()
+        imv = led.imv
+        mask = led.mask
+        i = lo & mask
+        khi, klo, off, meta = _unpack_slot(imv, i << 5)
+        if klo != lo or khi != hi:  # a collision chain (or a miss): probe on
+            for _ in range(mask):
+                if not (khi or klo):
+                    return None
+                i = (i + 1) & mask
+                khi, klo, off, meta = _unpack_slot(imv, i << 5)
+                if klo == lo and khi == hi:
+                    break
+            else:
+                return None
+        if meta >> 56 != LIVE:
+            return None
+        n = meta & LEN_MASK
+        start = off + ENTRY_HDR
+        amv = led.amv
+        if start + n <= led.w[H_TOP]:
+            magic, ehi, elo, elen, ck, _ = _unpack_entry(amv, off)
+            if magic == ENTRY_MAGIC and elo == lo and ehi == hi and elen == n:
+                view = amv[start:start + n]
+                if _checksum(view) == ck:
+                    return view
+        if self._drop_corrupt(i, hi, lo, off, meta, imv) or not retry:
+            return None
+        return self._read(hi, lo, retry=False)  # the slot changed under us: look again
+
+    def _drop_corrupt(self, i: int, hi: int, lo: int, off: int, meta: int, imv: Any) -> bool:
+        """Under the lock: if slot ``i`` still holds this entry and it is still bad, tombstone it."""
+        led = self._led
+        with led.lock():
+            if led.imv is not imv or SLOT.unpack_from(imv, i << 5) != (hi, lo, off, meta):
+                return False
+            n = meta & LEN_MASK
+            try:
+                data = os.pread(led.arena_fd, ENTRY_HDR + n, off) if off + ENTRY_HDR + n <= led.w[H_TOP] else b""
+            except OSError:
+                data = b""
+            if len(data) == ENTRY_HDR + n:
+                magic, ehi, elo, elen, ck, _ = ENTRY.unpack_from(data)
+                if (magic, ehi, elo, elen) == (ENTRY_MAGIC, hi, lo, n) and _checksum(memoryview(data)[ENTRY_HDR:]) == ck:
+                    return False  # a torn read of a slot being published, not corruption
+            os.pwrite(led.index_fd, ((TOMB << 56) | n).to_bytes(8, "little"), (i << 5) + 24)
+            # The region is abandoned (someone may still hold a view of it). The index's own length
+            # may be what was corrupt, so recount the occupancy rather than subtract it.
+            led.recount()
+        log.warning("cache %s: entry at offset %d failed verification; dropped it", self.name, off)
+        self._count(S_CORRUPT)
+        return True
+
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` has a live entry (its checksum is not verified; not counted as a lookup)."""
+        if not self._stores:
+            return False
+        try:
+            hi, lo = key_hash(key)  # type: ignore[arg-type]
+        except TypeError:
+            return False
+        led = self._led
+        if led.w[H_GEN] != led.gen:
+            with led.lock():
+                led.map_generation()
+        found = self._probe(hi, lo)
+        return found[1] == LIVE
+
+    def _probe(self, hi: int, lo: int) -> tuple[int, int]:
+        """(slot, state): the slot holding ``key`` (state LIVE or TOMB) or the empty slot ending its chain."""
+        led = self._led
+        imv, mask = led.imv, led.mask
+        i = lo & mask
+        for _ in range(led.index_slots):
+            khi, klo, _, meta = SLOT.unpack_from(imv, i << 5)
+            if klo == lo and khi == hi:
+                return i, meta >> 56
+            if not (khi or klo):
+                return i, 0
+            i = (i + 1) & mask
+        return -1, 0
+
+    # ---- writing -------------------------------------------------------------------------------
+
+    def put(self, key: str | int, data: Any) -> bool:
+        """Store ``data`` (any bytes-like object) under ``key``.
+
+        Returns True if the key is now cached (inserted, or already there), False if the policy
+        refused it: the cache is full, the sample is larger than the capacity, the policy is
+        ``"none"``, or /dev/shm ran out of space (ENOSPC). Raises CacheError on other I/O errors.
+        """
+        view = memoryview(data)
+        if view.ndim != 1 or view.itemsize != 1 or not view.c_contiguous:
+            view = view.cast("B") if view.c_contiguous else memoryview(view.tobytes())
+        n = view.nbytes
+        hi, lo = key_hash(key)
+        led = self._led
+        w = led.w
+        if not self._stores:
+            self._count(S_REFUSED)
+            return False
+        if led.w[H_GEN] != led.gen:
+            with led.lock():
+                led.map_generation()
+        if self._probe(hi, lo)[1] == LIVE:  # lock-free: already cached
+            self._count(S_DUPLICATES)
+            return True
+        if n > self.capacity_bytes or self.policy.refuse_fast(int(w[H_USED]), self.capacity_bytes, n):
+            self._count(S_REFUSED)
+            return False
+        with led.put_lock:  # one reservation in flight per process
+            b = led.base if led.base >= 0 else led.claim_slot()
+            with led.lock():
+                led.map_generation()
+                _, state = self._probe(hi, lo)
+                if state == LIVE:
+                    outcome = "duplicate"
+                else:
+                    outcome = self._reserve(b, n)
+            if outcome == "duplicate":
+                self._count(S_DUPLICATES)
+                return True
+            if outcome != "reserved":
+                self._count(S_REFUSED)
+                return False
+            off, gen = int(w[b + S_RES_OFF]), int(w[b + S_RES_GEN])
+            header = ENTRY.pack(ENTRY_MAGIC, hi, lo, n, _checksum(view), gen).ljust(ENTRY_HDR, b"\0")
+            try:
+                self._write_entry(led.arena_fd, header, view, off)
+            except OSError as exc:
+                with led.lock():
+                    led._drop_reservation(b, reuse=True)
+                if exc.errno in _OUT_OF_SPACE:
+                    log.info("cache %s: out of space in %s; insert refused", self.name, self.root)
+                    self._count(S_REFUSED)
+                    return False
+                raise CacheError(f"cannot write to cache {led.path}: {exc.strerror}") from exc
+            with led.lock():
+                outcome = self._publish(b, hi, lo, n, off, gen)
+        field = {"inserted": S_INSERTS, "duplicate": S_DUPLICATES}.get(outcome, S_REFUSED)
+        self._count(field, 1, S_INSERT_BYTES, n if outcome == "inserted" else 0)
+        return outcome != "refused"
+
+    def _reserve(self, b: int, n: int) -> str:
+        """Reserve payload and arena space for one entry in slot ``b`` (under the lock)."""
+        led = self._led
+        w = led.w
+        for attempt in (0, 1):
+            space = Space(self.capacity_bytes, int(w[H_USED]), int(w[H_RESERVED]), int(w[H_INDEX_USED]),
+                          int(w[H_RESERVED_ENTRIES]), self.max_entries)
+            if self.policy.admit(space, n):
+                off = led.alloc(align(ENTRY_HDR + n))
+                if off >= 0:
+                    w[b + S_RES_OFF], w[b + S_RES_SIZE] = off, align(ENTRY_HDR + n)
+                    w[b + S_RES_PAYLOAD], w[b + S_RES_GEN] = n, led.gen
+                    w[H_RESERVED] += n
+                    w[H_RESERVED_ENTRIES] += 1
+                    return "reserved"
+            if attempt or not (w[H_RESERVED] or w[H_RESERVED_ENTRIES]) or not led.reclaim_dead():
+                return "refused"
+        return "refused"
+
+    def _write_entry(self, fd: int, header: bytes, view: memoryview, off: int) -> None:
+        """Write one entry's header and payload at ``off`` (overridden by tests to inject faults)."""
+        parts = [memoryview(header), view]
+        while parts:
+            done = os.pwritev(fd, parts, off)
+            off += done
+            while parts and done >= len(parts[0]):
+                done -= len(parts[0])
+                parts.pop(0)
+            if parts and done:
+                parts[0] = parts[0][done:]
+
+    def _publish(self, b: int, hi: int, lo: int, n: int, off: int, gen: int) -> str:
+        """Make a written entry visible (under the lock), or give its space back."""
+        led = self._led
+        w = led.w
+        if gen != w[H_GEN]:  # cleared while we wrote: the region belongs to a dead generation
+            led._drop_reservation(b, reuse=False)
+            return "refused"
+        led.map_generation()
+        i, state = self._probe(hi, lo)
+        if state == LIVE or i < 0:
+            led._drop_reservation(b, reuse=True)
+            return "duplicate" if state == LIVE else "refused"
+        try:
+            # offset and meta first, the key last: a lock-free reader that sees the key sees the rest
+            os.pwrite(led.index_fd, SLOT.pack(0, 0, off, (LIVE << 56) | n)[16:], (i << 5) + 16)
+            if state == 0:
+                os.pwrite(led.index_fd, SLOT.pack(hi, lo, 0, 0)[:16], i << 5)
+        except OSError as exc:
+            led._drop_reservation(b, reuse=True)
+            if exc.errno in _OUT_OF_SPACE:
+                return "refused"
+            raise CacheError(f"cannot write to cache {led.path}: {exc.strerror}") from exc
+        w[H_RESERVED] -= min(int(w[H_RESERVED]), n)
+        w[H_RESERVED_ENTRIES] -= min(int(w[H_RESERVED_ENTRIES]), 1)
+        w[b + S_RES_OFF] = w[b + S_RES_SIZE] = w[b + S_RES_PAYLOAD] = w[b + S_RES_GEN] = 0
+        w[H_USED] += n
+        w[H_ENTRIES] += 1
+        if state == 0:
+            w[H_INDEX_USED] += 1
+        return "inserted"
+
+    def get_or_load(self, key: str | int, loader: Callable[[], Any]) -> Any:
+        """The cached sample for ``key``, or ``loader()``'s bytes-like result, inserted if the policy allows.
+
+        The caller always gets its bytes: a refused insert (full cache, full /dev/shm) only means
+        the next reader loads it again.
+        """
+        view = self.get(key)
+        if view is not None:
+            return view
+        data = loader()
+        self.put(key, data)
+        return data
+
+    # ---- management ----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Node-wide statistics: counters summed over every process, occupancy, configuration.
+
+        Keys: lookups (= hits + misses: every get() is exactly one of them), hits, misses, inserts, refused, duplicates (puts
+        of keys already cached), corrupt, insert_bytes, hit_rate, bytes_used, entries,
+        reserved_bytes, wasted_bytes, capacity_bytes, max_entries, processes (live attached),
+        generation, name, policy, path.
+        """
+        led = self._led
+        w = led.w
+        out: dict[str, Any] = led.totals()
+        out["hit_rate"] = out["hits"] / out["lookups"] if out["lookups"] else 0.0
+        out.update(bytes_used=int(w[H_USED]), entries=int(w[H_ENTRIES]), reserved_bytes=int(w[H_RESERVED]),
+                   wasted_bytes=int(w[H_WASTED]), arena_top=int(w[H_TOP]), capacity_bytes=self.capacity_bytes,
+                   max_entries=self.max_entries, generation=int(w[H_GEN]), name=self.name,
+                   policy=self.policy.name, path=led.path)
+        return out
+
+    def clear(self) -> None:
+        """Remove every entry (counters are kept). Views handed out earlier stay valid."""
+        with self._led.lock() as led:
+            led.clear()
+
+    def close(self) -> None:
+        """Detach this process (its counters stay in the totals). The object is unusable afterwards."""
+        if self._led is not _CLOSED:
+            self._finalizer()
+            self._led = _CLOSED
+
+    def destroy(self, *, force: bool = False) -> None:
+        """Delete the cache from /dev/shm. Raises CacheError if another live process is attached
+        (unless ``force``); attached processes would otherwise keep stale files alive."""
+        led = self._led
+        with led.lock():
+            led.release_slot_locked()
+            others = len(led.live_pids() - {os.getpid()})
+            if others and not force:
+                raise CacheError(f"cache {self.name!r} is in use by {others} other live process(es); "
+                                 f"stop them first, or clear() it instead")
+            for entry in os.listdir(led.dir_fd):
+                os.unlink(entry, dir_fd=led.dir_fd)
+            root_fd = _fs.open_secure_dir(self.root, create=False, what="cache root")
+            try:
+                os.rmdir(self.name, dir_fd=root_fd)
+            finally:
+                os.close(root_fd)
+        self.close()
+
+    def __enter__(self) -> "ShmCache":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class _Closed:
+    """Stands in for the ledger of a closed cache: any use raises CacheError."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise CacheError("this ShmCache was closed; open the cache again with ShmCache(name, ...)")
+
+
+_CLOSED: Any = _Closed()
+
+
+def _detach(led: Ledger) -> None:
+    if led.dir_fd >= 0:
+        try:
+            led.release_slot()
+        finally:
+            led.close()
+
+
+def _reattach(name: str, root: str) -> ShmCache:
+    return ShmCache(name, None, root=root)
