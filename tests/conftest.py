@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,73 @@ def run_cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None,
     """Run ``python -m hpcstagger ARGS`` in a subprocess and capture its output."""
     return subprocess.run([sys.executable, "-m", "hpcstagger", *args], capture_output=True, text=True,
                           timeout=timeout, env=env or cli_env(), cwd=cwd)
+
+
+# ---------------------------------------------------------------------------- /dev/shm hygiene
+SHM = Path("/dev/shm")
+_SESSION_START = time.time()
+
+
+def _in_use_by_live_process() -> set[str]:
+    """Paths under /dev/shm that some live process has open or mapped."""
+    used: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                used.update(line.split(None, 5)[5].strip() for line in f
+                            if len(line.split(None, 5)) == 6 and "/dev/shm/" in line)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("/dev/shm/"):
+                    used.add(target)
+        except OSError:
+            continue
+    return {u.replace(" (deleted)", "") for u in used}
+
+
+def new_shm_entries(since: float) -> list[Path]:
+    """Entries of /dev/shm created after ``since`` that no live process holds."""
+    used = _in_use_by_live_process()
+    out = []
+    for entry in SHM.iterdir():
+        try:
+            if entry.lstat().st_mtime >= since - 1 and str(entry) not in used:
+                out.append(entry)
+        except FileNotFoundError:
+            continue
+    return out
+
+
+def remove_stale_mpich_segments(since: float) -> int:
+    """Remove MPICH shared-memory segments that an aborted or killed MPI run left behind.
+
+    MPI_Abort and SIGKILL skip MPICH's cleanup of /dev/shm/mpich_shm_*. Only segments created
+    after ``since`` and not held by any live process are removed, so concurrent MPI jobs are safe.
+    """
+    removed = 0
+    for entry in new_shm_entries(since):
+        if entry.name.startswith("mpich_shm_"):
+            entry.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Clean MPICH leftovers of aborted runs, then fail (under CI) if a test left /dev/shm files."""
+    remove_stale_mpich_segments(_SESSION_START)
+    rank = os.environ.get("PMI_RANK", "0")
+    if rank != "0":
+        return  # under mpiexec, rank 0 reports for all
+    leftovers = [str(p) for p in new_shm_entries(_SESSION_START)]
+    if leftovers:
+        msg = f"tests left {len(leftovers)} entr(y/ies) in /dev/shm: {', '.join(sorted(leftovers)[:10])}"
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"{'ERROR' if in_ci() else 'WARNING'}: {msg}", red=True)
+        if in_ci() and session.exitstatus == 0:
+            session.exitstatus = 1
 
 
 @pytest.fixture(scope="session")
