@@ -106,3 +106,12 @@ def test_clear_removes_a_damaged_cache(shm_root):
     out = run_cli("cache", "clear", "broken", "--root", shm_root)
     assert out.returncode == 0 and "removed damaged cache 'broken'" in out.stdout
     assert os.listdir(shm_root) == []
+
+
+def test_unknown_name_when_no_cache_was_ever_created(tmp_path):
+    missing_root = tmp_path / "never-created"
+    out = run_cli("cache", "stats", "nope", "--root", str(missing_root))
+    assert out.returncode == 1
+    assert "no cache named 'nope'" in out.stderr and "does not exist" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert not missing_root.exists()  # looking a cache up never creates the root

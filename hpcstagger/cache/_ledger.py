@@ -81,6 +81,10 @@ class Ledger:
         self.clock = threading.Lock()
         self.put_lock = threading.Lock()
         self.base = -1
+        if capacity is None and not os.path.lexists(root):
+            raise CacheError(f"no cache named {name!r}: the cache root {root} does not exist, so no "
+                             "cache has been created there yet (set HPCSTAGGER_SHM_ROOT or --root if "
+                             "the caches live elsewhere)")
         root_fd = _fs.open_secure_dir(root, create=capacity is not None, what="cache root")
         try:
             if capacity is None and not _exists(name, root_fd):
