@@ -1,0 +1,331 @@
+"""The job spec: one TOML file describing co-located jobs, their data, cache, checkpoints and plan.
+
+``hpcstagger launch``, ``hpcstagger slurm render|submit`` and :func:`hpcstagger.init` (inside every
+rank, through ``HPCSTAGGER_SPEC``) all read it. The format::
+
+    [run]
+    name = "sweep"                 # names the run, the cache and the Slurm job
+    workdir = "runs/sweep"         # logs, status, checkpoints (default hpcstagger-runs/<name>)
+    timeout = 3600                 # seconds before `hpcstagger launch` stops the run
+
+    [dataset]
+    path = "data/train.h5"         # an HDF5 file, or a directory of sample files
+    format = "hdf5"                # hdf5 | directory (default: from the path)
+    name = "images"                # the HDF5 dataset (format hdf5)
+    throttle = [4.0e7, 2.4e7]      # optional: emulate a slow shared source (ThrottledSource), bytes/s
+                                   # with 1, 2, ... concurrent readers
+
+    [cache]
+    capacity = "120MB"             # bytes or a size; 0 = no cache
+    policy = "minio"               # minio | none
+
+    [checkpoint]
+    directory = "checkpoints"      # one subdirectory per job
+    staging_dir = "/dev/shm/ckpt"  # optional fast level, flushed to directory in the background
+    keep = 3
+    every = 100                    # steps between saves (0: at the end of each epoch)
+
+    [plan]
+    mode = "plan"                  # plan | simultaneous | sequential | fixed
+    scenario = "scenario.toml"     # optional calibrated scenario to plan from
+    delays = { vit = 30.0 }        # mode = "fixed": seconds per job (missing jobs start at 0)
+
+    [slurm]
+    partition = "gpu"
+    time = "02:00:00"
+    launcher = "srun"              # srun (srun --multi-prog) | mpiexec (MPMD mpiexec)
+
+    [[job]]
+    name = "resnet"
+    command = "python examples/train_ddp.py --model resnet"
+    ranks = 2
+    epochs = 3
+    backend = "ddp"                # ddp | horovod | none
+    env = { LR = "0.1" }
+
+Relative paths are taken relative to the directory of the spec file. Every field is validated, an
+unknown key lists the valid keys with their defaults, and a bad value names its dotted path.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from . import _schema as S
+from .errors import ConfigError
+
+__all__ = ["Spec", "RunSpec", "DatasetSpec", "CacheSpec", "CheckpointSpec", "PlanSpec", "SlurmSpec",
+           "JobSpec", "PLAN_MODES", "BACKENDS"]
+
+PLAN_MODES = ("plan", "simultaneous", "sequential", "fixed")
+BACKENDS = ("ddp", "horovod", "none")
+_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
+_NAME_HINT = "use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Run-wide settings: ``name``, ``workdir`` (absolute) and ``timeout`` seconds."""
+
+    name: str = "hpcstagger"
+    workdir: str = ""
+    timeout: float = 3600.0
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """Where the samples come from; ``path`` is absolute or empty when the jobs bring their own data."""
+
+    path: str = ""
+    format: str = ""
+    name: str = ""
+    pattern: str = "**/*"
+    throttle: tuple[float, ...] = ()
+    latency: float = 0.0
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """The shared node-local cache; ``capacity`` 0 means no cache."""
+
+    name: str = ""
+    capacity: int = 0
+    policy: str = "minio"
+    root: str = ""
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """Asynchronous checkpoints: ``directory`` (absolute), optional ``staging_dir``, ``keep``, ``every``."""
+
+    directory: str = ""
+    staging_dir: str = ""
+    keep: int = 3
+    every: int = 0
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """How start delays are chosen: ``mode``, an optional ``scenario`` file, fixed ``delays``."""
+
+    mode: str = "plan"
+    scenario: str = ""
+    delays: Mapping[str, float] = field(default_factory=dict)
+    max_delay: float | None = None
+    calibrate: bool = True
+
+
+@dataclass(frozen=True)
+class SlurmSpec:
+    """What ``hpcstagger slurm render`` puts in the batch script."""
+
+    partition: str = ""
+    account: str = ""
+    time: str = "01:00:00"
+    cpus_per_task: int = 1
+    launcher: str = "srun"
+    options: tuple[str, ...] = ()
+    setup: tuple[str, ...] = ()
+    output: str = "%x-%j.out"
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One co-located training job: its ``command`` runs on each of its ``ranks``."""
+
+    name: str
+    command: tuple[str, ...]
+    ranks: int = 1
+    epochs: int = 1
+    backend: str = "none"
+    env: Mapping[str, str] = field(default_factory=dict)
+    sample_time: float | None = None
+
+
+_RUN = S.Table("run", [
+    S.Field("name", S.string(pattern=_NAME, hint=_NAME_HINT), "hpcstagger"),
+    S.Field("workdir", S.string(), "", shown='"hpcstagger-runs/<name>"'),
+    S.Field("timeout", S.number(minimum=0, exclusive=True), 3600.0),
+])
+_DATASET = S.Table("dataset", [
+    S.Field("path", S.string(allow_empty=True), "", shown="unset (the jobs read their own data)"),
+    S.Field("format", S.choice("hdf5", "directory"), "", shown="from the path"),
+    S.Field("name", S.string(), "", shown="required for hdf5"),
+    S.Field("pattern", S.string(), "**/*"),
+    S.Field("throttle", S.number_list(minimum=0, exclusive=True), (), shown="unset (no emulation)"),
+    S.Field("latency", S.number(minimum=0), 0.0),
+])
+_CACHE = S.Table("cache", [
+    S.Field("name", S.string(pattern=_NAME, hint=_NAME_HINT), "", shown="the run name"),
+    S.Field("capacity", S.size, 0),
+    S.Field("policy", S.choice("minio", "none"), "minio"),
+    S.Field("root", S.string(), "", shown="HPCSTAGGER_SHM_ROOT or /dev/shm/hpcstagger-<uid>"),
+])
+_CHECKPOINT = S.Table("checkpoint", [
+    S.Field("directory", S.string(), "checkpoints", shown='"checkpoints" under the workdir'),
+    S.Field("staging_dir", S.string(allow_empty=True), "", shown="unset (one level)"),
+    S.Field("keep", S.integer(minimum=1), 3),
+    S.Field("every", S.integer(minimum=0), 0, shown="0 (end of each epoch)"),
+])
+_PLAN = S.Table("plan", [
+    S.Field("mode", S.choice(*PLAN_MODES), "plan"),
+    S.Field("scenario", S.string(allow_empty=True), "", shown="unset"),
+    S.Field("delays", S.table, {}, shown="{}"),
+    S.Field("max_delay", S.optional(S.number(minimum=0)), None),
+    S.Field("calibrate", S.boolean(), True),
+])
+_SLURM = S.Table("slurm", [
+    S.Field("partition", S.string(allow_empty=True), "", shown="the cluster default"),
+    S.Field("account", S.string(allow_empty=True), "", shown="unset"),
+    S.Field("time", S.string(pattern=r"(\d+-)?\d{1,2}(:\d{2}){0,2}", hint="use [D-]HH:MM:SS"), "01:00:00"),
+    S.Field("cpus_per_task", S.integer(minimum=1), 1),
+    S.Field("launcher", S.choice("srun", "mpiexec"), "srun"),
+    S.Field("options", S.command, (), shown="[] (extra #SBATCH options)"),
+    S.Field("setup", lambda w, v: tuple(S.string()(f"{w}[{i}]", x) for i, x in enumerate(_as_list(w, v))),
+            (), shown="[] (shell lines before the launch)"),
+    S.Field("output", S.string(), "%x-%j.out"),
+])
+_JOB = S.Table("job", [
+    S.Field("name", S.string(pattern=_NAME, hint=_NAME_HINT)),
+    S.Field("command", S.command),
+    S.Field("ranks", S.integer(minimum=1), 1),
+    S.Field("epochs", S.integer(minimum=1), 1),
+    S.Field("backend", S.choice(*BACKENDS), "none"),
+    S.Field("env", S.str_map, {}, shown="{}"),
+    S.Field("sample_time", S.optional(S.number(minimum=0, exclusive=True)), None,
+            shown="unset (measured by the job)"),
+])
+_TABLES = {"run": _RUN, "dataset": _DATASET, "cache": _CACHE, "checkpoint": _CHECKPOINT, "plan": _PLAN,
+           "slurm": _SLURM}
+
+
+def _as_list(where: str, value: Any) -> list[Any]:
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{where} must be a list, got {value!r}")
+    return list(value)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A validated job spec. Build it with :meth:`from_toml` or :meth:`from_dict`."""
+
+    jobs: tuple[JobSpec, ...]
+    run: RunSpec = field(default_factory=RunSpec)
+    dataset: DatasetSpec = field(default_factory=DatasetSpec)
+    cache: CacheSpec = field(default_factory=CacheSpec)
+    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    plan: PlanSpec = field(default_factory=PlanSpec)
+    slurm: SlurmSpec = field(default_factory=SlurmSpec)
+    path: str = ""
+
+    # ---- construction --------------------------------------------------------------------------
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike[str]) -> "Spec":
+        """Read and validate a spec file. Raises ConfigError naming the file and the bad field."""
+        p = Path(path)
+        try:
+            text = p.read_bytes()
+        except FileNotFoundError:
+            raise ConfigError(f"spec file {p} does not exist") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read spec file {p}: {exc.strerror}") from None
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:  # pragma: no cover - Python 3.10
+            import tomli as tomllib
+        try:
+            data = tomllib.loads(text.decode("utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"spec file {p} is not valid TOML: {exc}") from None
+        try:
+            return cls.from_dict(data, base_dir=p.resolve().parent, path=str(p.resolve()))
+        except ConfigError as exc:
+            raise ConfigError(f"spec file {p}: {exc}") from None
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, base_dir: str | os.PathLike[str] = ".",
+                  path: str = "") -> "Spec":
+        """Validate a dict shaped like the TOML format; relative paths resolve against ``base_dir``."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"a spec must be a table, got {type(data).__name__}")
+        valid = [*(f"[{t}]" for t in _TABLES), "[[job]]"]
+        for key in data:
+            if key not in _TABLES and key != "job":
+                raise ConfigError(f"unknown table [{key}]; valid tables: {', '.join(valid)}")
+        base = Path(base_dir).resolve()
+
+        def resolve(p: str) -> str:
+            return str((base / os.path.expanduser(p)).resolve()) if p else ""
+
+        run = _RUN.parse("run", data.get("run"))
+        run["workdir"] = resolve(run["workdir"] or f"hpcstagger-runs/{run['name']}")
+
+        ds = _DATASET.parse("dataset", data.get("dataset"))
+        ds["path"] = resolve(ds["path"])
+        if ds["path"] and not ds["format"]:
+            ds["format"] = "directory" if os.path.isdir(ds["path"]) else "hdf5"
+        if ds["format"] == "hdf5" and ds["path"] and not ds["name"]:
+            raise ConfigError("missing dataset.name: the HDF5 dataset to read (format hdf5)")
+
+        ca = _CACHE.parse("cache", data.get("cache"))
+        ca["name"] = ca["name"] or run["name"]
+        ca["root"] = resolve(ca["root"]) if ca["root"] else ""
+
+        ck = _CHECKPOINT.parse("checkpoint", data.get("checkpoint"))
+        ck["directory"] = str((Path(run["workdir"]) / os.path.expanduser(ck["directory"])).resolve())
+        ck["staging_dir"] = resolve(ck["staging_dir"])
+
+        raw_jobs = data.get("job")
+        if not raw_jobs:
+            raise ConfigError("missing [[job]]: give at least one [[job]] table with name and command")
+        if not isinstance(raw_jobs, list):
+            raise ConfigError("job must be an array of tables: write each job as [[job]]")
+        jobs = tuple(JobSpec(**_JOB.parse(f"job[{i}]", j)) for i, j in enumerate(raw_jobs))
+        names = [j.name for j in jobs]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ConfigError(f"job names must be unique; repeated: {', '.join(dupes)}")
+
+        pl = _PLAN.parse("plan", data.get("plan"))
+        pl["scenario"] = resolve(pl["scenario"])
+        delays = {}
+        for name, value in pl["delays"].items():
+            if name not in names:
+                raise ConfigError(f"plan.delays.{name}: no job named {name!r}; jobs: {', '.join(names)}")
+            delays[name] = S.number(minimum=0)(f"plan.delays.{name}", value)
+        pl["delays"] = delays
+        if pl["mode"] == "fixed" and not delays:
+            raise ConfigError('plan.mode = "fixed" needs plan.delays, e.g. delays = { b = 30.0 }')
+
+        sl = _SLURM.parse("slurm", data.get("slurm"))
+        return cls(jobs=jobs, run=RunSpec(**run), dataset=DatasetSpec(**ds), cache=CacheSpec(**ca),
+                   checkpoint=CheckpointSpec(**ck), plan=PlanSpec(**pl), slurm=SlurmSpec(**sl), path=path)
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def job_names(self) -> tuple[str, ...]:
+        return tuple(j.name for j in self.jobs)
+
+    @property
+    def total_ranks(self) -> int:
+        """Ranks over all jobs: the size of the MPI world a launch of this spec creates."""
+        return sum(j.ranks for j in self.jobs)
+
+    def job(self, name: str) -> JobSpec:
+        """The job called ``name``; raises ConfigError listing the job names."""
+        for j in self.jobs:
+            if j.name == name:
+                return j
+        raise ConfigError(f"no job named {name!r} in the spec; jobs: {', '.join(self.job_names)}")
+
+    def layout(self) -> list[tuple[JobSpec, int]]:
+        """Each job with its first world rank, in launch order (MPMD places jobs consecutively)."""
+        out, first = [], 0
+        for j in self.jobs:
+            out.append((j, first))
+            first += j.ranks
+        return out
