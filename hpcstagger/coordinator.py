@@ -1,0 +1,447 @@
+"""Co-located jobs in one MPI world: who is which job, the stagger plan, the wait, the backend.
+
+A training script calls :func:`init` first (``session = hpcstagger.init()``). In one MPI world that
+holds every job's ranks (MPMD ``mpiexec -n 2 python a.py : -n 2 python b.py``, ``srun
+--multi-prog``, or a Slurm heterogeneous job step) it:
+
+1. works out which job this rank belongs to: the ``job`` argument, else ``HPCSTAGGER_JOB`` (a
+   name or an index), else the MPMD application number, else the heterogeneous-job component,
+   else the only job;
+2. meets every rank at world rank 0 (the coordinator) with a deadline, so a job that crashed or
+   never started is reported by name instead of hanging the others, and splits the world into one
+   communicator per job;
+3. gathers each job's calibration (its leader's per-sample time) at world rank 0, which plans the
+   start delays with the performance model (or takes them from the spec's mode) and sends them
+   back;
+4. waits out this job's delay, running the given idle work meanwhile, then starts the job's data-
+   parallel backend on its own communicator: Horovod (``hvd.init(comm=...)``) or torch.distributed
+   with gloo, the rendezvous address sent over MPI.
+
+Every step records its time; :attr:`Session.overhead` is the coordinator's own cost (split,
+gather, plan, broadcast). Each rank writes a small status file (``<workdir>/status``) at every
+stage, so ``hpcstagger launch`` can say which job failed and how long each one took.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from . import _io, config
+from ._rendezvous import rendezvous
+from .comm import Comm, as_comm
+from .errors import CollectiveError, CollectiveTimeout, ConfigError
+from .spec import Spec
+
+__all__ = ["Session", "init", "resolve_job", "ENV_SPEC", "ENV_JOB", "ENV_MODE", "ENV_DELAYS", "ENV_RUN_DIR"]
+
+log = logging.getLogger(__name__)
+
+ENV_SPEC = "HPCSTAGGER_SPEC"        # path of the job spec
+ENV_JOB = "HPCSTAGGER_JOB"          # this rank's job: a name, or an index into the spec's jobs
+ENV_MODE = "HPCSTAGGER_PLAN_MODE"   # overrides [plan] mode (hpcstagger launch --mode)
+ENV_DELAYS = "HPCSTAGGER_DELAYS"    # JSON {job: seconds}, for mode "fixed" (hpcstagger launch --delays)
+ENV_RUN_DIR = "HPCSTAGGER_RUN_DIR"  # where status files go (default: <workdir>/status)
+
+IdleWork = Callable[[float], bool]
+"""Work done while a job waits: called with the seconds left, does a bounded step, returns whether
+more is left."""
+
+
+def resolve_job(names: Sequence[str], *, explicit: str | None = None,
+                environ: Mapping[str, str] | None = None, appnum: int | None = None,
+                het_component: int | None = None) -> int:
+    """Index into ``names`` of this rank's job (see the module docstring for the order).
+
+    Raises ConfigError when the identity names no known job or cannot be told apart.
+    """
+    env = os.environ if environ is None else environ
+
+    def pick(value: str, source: str) -> int:
+        if value in names:
+            return list(names).index(value)
+        if value.isdigit() and int(value) < len(names):
+            return int(value)
+        raise ConfigError(f"{source} = {value!r} names no job; jobs: {', '.join(names)} "
+                          f"(or an index 0..{len(names) - 1})")
+
+    if explicit is not None:
+        return pick(explicit, "job")
+    if env.get(ENV_JOB):
+        return pick(env[ENV_JOB], ENV_JOB)
+    for value, source in ((appnum, "the MPMD application number"),
+                          (het_component, "the heterogeneous-job component")):
+        if value is not None:
+            if 0 <= value < len(names):
+                return value
+            raise ConfigError(f"{source} is {value} but the spec has {len(names)} job(s) "
+                              f"({', '.join(names)}); launch one MPMD part per job, in spec order")
+    if len(names) == 1:
+        return 0
+    raise ConfigError(f"cannot tell which job this rank belongs to among {', '.join(names)}: launch with "
+                      f"MPMD mpiexec or srun --multi-prog, or set {ENV_JOB}")
+
+
+@dataclass
+class Session:
+    """What :func:`init` returns: this rank's job, its communicator, its delay, and the run's timing."""
+
+    world: Comm
+    comm: Comm
+    job: str
+    job_index: int
+    jobs: dict[str, list[int]]
+    delays: dict[str, float]
+    mode: str
+    plan: dict[str, Any]
+    spec: Spec | None
+    t0: float
+    timings: dict[str, float] = field(default_factory=dict)
+    run_dir: str = ""
+    backend: str = "none"
+    verbose: bool = True
+    _closed: bool = False
+
+    # ---- facts ---------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This rank within its job."""
+        return self.comm.rank
+
+    @property
+    def delay(self) -> float:
+        """Seconds this job waits after the plan before it starts."""
+        return self.delays[self.job]
+
+    @property
+    def is_leader(self) -> bool:
+        """True on rank 0 of this job."""
+        return self.comm.rank == 0
+
+    @property
+    def overhead(self) -> float:
+        """The coordinator's own cost in seconds: split, gather, plan and broadcast."""
+        return sum(self.timings.get(k, 0.0) for k in ("rendezvous", "split", "plan_exchange"))
+
+    def elapsed(self) -> float:
+        """Seconds since the run's time zero (when the plan reached this rank)."""
+        return time.time() - self.t0
+
+    def say(self, message: str) -> None:
+        """Print a progress line on this job's leader (when verbose)."""
+        if self.verbose and self.is_leader:
+            print(f"[hpcstagger {self.job} +{self.elapsed():.1f}s] {message}", file=sys.stderr, flush=True)
+
+    # ---- stages --------------------------------------------------------------------------------
+    def wait(self, idle_work: Sequence[IdleWork] = ()) -> float:
+        """Wait out this job's delay, running ``idle_work`` meanwhile; return the seconds waited."""
+        start = time.time()
+        until = self.t0 + self.delay
+        work = list(idle_work)
+        if self.delay > 0:
+            self.say(f"waiting {self.delay:.1f} s (planned start)")
+        while True:
+            left = until - time.time()
+            if left <= 0:
+                break
+            if work:
+                if not work[0](left):
+                    work.pop(0)
+            else:
+                time.sleep(min(left, 0.5))
+        waited = time.time() - start
+        self.timings["waited"] = waited
+        self.write_status("started")
+        return waited
+
+    def start_backend(self, backend: str | None = None) -> None:
+        """Start this job's data-parallel backend on its own communicator.
+
+        ``"horovod"`` runs ``hvd.init(comm=...)``; ``"ddp"`` starts torch.distributed (gloo) with the
+        rendezvous address sent over MPI; ``"none"`` does nothing. Raises DependencyError when the
+        backend's package is missing.
+        """
+        backend = backend or self.backend
+        t = time.perf_counter()
+        if backend == "horovod":
+            from .integrations.horovod import init_horovod
+
+            init_horovod(self.comm)
+        elif backend == "ddp":
+            from .integrations.torch_ddp import init_process_group
+
+            init_process_group(self.comm)
+        elif backend != "none":
+            raise ConfigError(f"backend must be 'horovod', 'ddp' or 'none', not {backend!r}")
+        self.backend = backend
+        self.timings["backend_start"] = time.perf_counter() - t
+
+    def write_status(self, state: str, **extra: Any) -> None:
+        """Record this rank's stage and timings in ``<run_dir>/<job>.<rank>.json`` (no-op without a run dir)."""
+        if not self.run_dir:
+            return
+        record = {"job": self.job, "rank": self.rank, "world_rank": self.world.rank, "state": state,
+                  "host": socket.gethostname(), "pid": os.getpid(), "t0": self.t0, "time": time.time(),
+                  "elapsed": self.elapsed(), "delay": self.delay, "mode": self.mode,
+                  "timings": self.timings, "plan": self.plan if self.rank == 0 else {}, **extra}
+        _io.atomic_write_json(os.path.join(self.run_dir, f"{self.job}.{self.rank}.json"), record, durable=False)
+
+    def finish(self, **metrics: Any) -> None:
+        """Mark this rank done (its status file records ``metrics`` and its finish time)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.timings["finished_at"] = self.elapsed()
+        self.write_status("done", metrics=metrics)
+        self.say(f"finished after {self.elapsed():.1f} s")
+
+
+# ---------------------------------------------------------------------------- init
+
+
+def _appnum(world: Comm) -> int | None:
+    if not world.is_mpi:
+        return None
+    from mpi4py import MPI
+
+    value = world.mpi.Get_attr(MPI.APPNUM)
+    return None if value is None or value < 0 else int(value)
+
+
+def _load_spec(spec: Spec | str | os.PathLike[str] | None) -> Spec | None:
+    if isinstance(spec, Spec):
+        return spec
+    path = spec if spec is not None else os.environ.get(ENV_SPEC)
+    return Spec.from_toml(path) if path else None
+
+
+def _calibration_of(calibration: Mapping[str, float] | Callable[[], Mapping[str, float]] | None) -> dict[str, float]:
+    if calibration is None:
+        return {}
+    value = calibration() if callable(calibration) else calibration
+    return {str(k): float(v) for k, v in dict(value).items()}
+
+
+def _install_fail_fast(session: Session) -> None:
+    """On an uncaught exception: record it, say which job failed, and leave without MPI_Finalize.
+
+    mpi4py finalizes MPI at exit, and MPICH's MPI_Finalize waits for every rank, so a rank that
+    died of a Python exception would otherwise sit there while its job's other ranks wait for it in
+    a collective. Leaving with os._exit makes the launcher (mpiexec, srun --kill-on-bad-exit) stop
+    the run at once, and the status file names the job for ``hpcstagger launch``.
+    """
+    previous = sys.excepthook
+
+    def hook(exc_type: Any, exc: BaseException, tb: Any) -> None:
+        try:
+            previous(exc_type, exc, tb)
+            message = f"{exc_type.__name__}: {exc}"
+            print(f"[hpcstagger] job {session.job!r} rank {session.rank} (world rank {session.world.rank}) "
+                  f"failed: {message}; stopping the run", file=sys.stderr, flush=True)
+            session.write_status("failed", error=message)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+    if session.world.is_mpi and session.world.size > 1:
+        sys.excepthook = hook
+
+
+def init(spec: Spec | str | os.PathLike[str] | None = None, *, job: str | None = None,
+         calibration: Mapping[str, float] | Callable[[], Mapping[str, float]] | None = None,
+         backend: str | None = None, wait: bool = True, idle_work: Sequence[IdleWork] = (),
+         world: Comm | Any | None = None, timeout: float | None = None, verbose: bool = True,
+         fail_fast: bool = True) -> Session:
+    """Join the co-located run: identify the job, plan, wait out the delay, start the backend.
+
+    ``spec`` is a :class:`~hpcstagger.spec.Spec` or the path of one (default ``HPCSTAGGER_SPEC``);
+    without a spec every MPMD part (or ``HPCSTAGGER_JOB`` value) is its own job and all start at
+    once. ``calibration`` (a dict, or a function called on the job's leader only) reports the job's
+    measured ``sample_time`` to the planner. ``backend`` overrides the spec's (``"none"`` skips it).
+    ``wait=False`` returns before the delay: call :meth:`Session.wait` and
+    :meth:`Session.start_backend` yourself. ``timeout`` bounds each coordination step (default: the
+    ``collective_timeout`` knob). With ``fail_fast`` (the default) an uncaught exception on any rank
+    is recorded in its status file and ends the whole run at once instead of leaving the other
+    ranks waiting for it.
+
+    Raises ConfigError for a bad spec or identity, CollectiveTimeout naming the jobs that never
+    arrived, and CollectiveError on every rank when planning fails.
+    """
+    world_comm = as_comm(world) if world is not None else Comm.world()
+    multi = fail_fast and world_comm.is_mpi and world_comm.size > 1
+    try:
+        return _init(spec, job=job, calibration=calibration, backend=backend, wait=wait, idle_work=idle_work,
+                     world=world_comm, timeout=timeout, verbose=verbose, fail_fast=fail_fast)
+    except CollectiveError as exc:
+        if multi and isinstance(exc, CollectiveTimeout):
+            # Some rank never arrived or never answered: it cannot take part in a clean exit.
+            print(f"[hpcstagger] {exc}; aborting the run", file=sys.stderr, flush=True)
+            world_comm.abort(1)
+        raise  # raised identically on every rank: they all leave together
+    except Exception as exc:
+        if multi:  # raised on this rank alone: the others would wait for it
+            print(f"[hpcstagger] hpcstagger.init failed on world rank {world_comm.rank}: "
+                  f"{type(exc).__name__}: {exc}; aborting the run", file=sys.stderr, flush=True)
+            world_comm.abort(1)
+        raise
+
+
+def _init(spec: Spec | str | os.PathLike[str] | None, *, job: str | None,
+          calibration: Mapping[str, float] | Callable[[], Mapping[str, float]] | None,
+          backend: str | None, wait: bool, idle_work: Sequence[IdleWork], world: Comm,
+          timeout: float | None, verbose: bool, fail_fast: bool) -> Session:
+    from . import slurm
+
+    t_begin = time.perf_counter()
+    spec_obj = _load_spec(spec)
+    limit = float(timeout if timeout is not None else config.get("collective_timeout"))
+    timings: dict[str, float] = {}
+
+    # 1. identity
+    names = list(spec_obj.job_names) if spec_obj else []
+    appnum = _appnum(world)
+    if spec_obj:
+        index = resolve_job(names, explicit=job, appnum=appnum, het_component=slurm.het_component())
+        name = names[index]
+    else:
+        name = job or os.environ.get(ENV_JOB) or (f"job{appnum}" if appnum is not None else "job0")
+        index = -1
+
+    # 2. rendezvous: every rank says who it is; rank 0 checks the layout against the spec
+    t = time.perf_counter()
+
+    def describe_missing(ranks: list[int]) -> str:
+        if not spec_obj:
+            return f"world rank(s) {ranks}"
+        owners = sorted({j.name for j, first in spec_obj.layout() for r in ranks if first <= r < first + j.ranks})
+        return f"world rank(s) {ranks} (job(s) {', '.join(repr(o) for o in owners)} by the spec's layout)"
+
+    def assign(hellos: list[Any]) -> dict[int, Any]:
+        by_job: dict[str, list[int]] = {}
+        for r, h in enumerate(hellos):
+            by_job.setdefault(h["job"], []).append(r)
+        if spec_obj:
+            problems = [f"job {j.name!r} has {len(by_job.get(j.name, []))} rank(s), the spec says {j.ranks}"
+                        for j in spec_obj.jobs if len(by_job.get(j.name, [])) != j.ranks]
+            if problems:
+                raise ConfigError("; ".join(problems) + "; launch each job with its spec's number of ranks")
+            order = names
+        else:
+            order = sorted(by_job, key=lambda n: by_job[n][0])
+        return {r: {"jobs": {n: by_job[n] for n in order}, "color": order.index(hellos[r]["job"])}
+                for r in range(len(hellos))}
+
+    hello = {"job": name, "host": socket.gethostname(), "pid": os.getpid()}
+    layout = rendezvous(world, hello, assign, timeout=limit, describe_missing=describe_missing,
+                        what="hpcstagger.init")
+    timings["rendezvous"] = time.perf_counter() - t
+    jobs: dict[str, list[int]] = layout["jobs"]
+    order = list(jobs)
+    index = layout["color"]
+
+    t = time.perf_counter()
+    comm = world.split(index, key=world.rank, timeout=limit) if world.is_mpi else Comm.single()
+    assert comm is not None
+    timings["split"] = time.perf_counter() - t
+
+    # 3. calibration on each job's leader, plan on world rank 0
+    t = time.perf_counter()
+    calib = _calibration_of(calibration) if comm.rank == 0 else {}
+    timings["calibration"] = time.perf_counter() - t
+    mode = os.environ.get(ENV_MODE) or (spec_obj.plan.mode if spec_obj else "simultaneous")
+
+    def plan(hellos: list[Any]) -> dict[int, Any]:
+        leaders = {h["job"]: h["calibration"] for h in hellos if h["leader"]}
+        decided = _plan_delays(spec_obj, order, leaders, mode)
+        return {r: decided for r in range(len(hellos))}
+
+    t = time.perf_counter()
+    decided = rendezvous(world, {"job": name, "leader": comm.rank == 0, "calibration": calib}, plan,
+                         timeout=limit, what="hpcstagger.init planning")
+    timings["plan_exchange"] = time.perf_counter() - t
+    t0 = time.time()
+    timings["init"] = time.perf_counter() - t_begin
+
+    run_dir = os.environ.get(ENV_RUN_DIR) or (os.path.join(spec_obj.run.workdir, "status") if spec_obj else "")
+    if run_dir:
+        os.makedirs(run_dir, exist_ok=True)
+    job_backend = backend or (spec_obj.job(name).backend if spec_obj else "none")
+    session = Session(world=world, comm=comm, job=name, job_index=index, jobs=jobs, delays=decided["delays"],
+                      mode=decided["mode"], plan=decided, spec=spec_obj, t0=t0, timings=timings,
+                      run_dir=run_dir, backend=job_backend, verbose=verbose)
+    if fail_fast:
+        _install_fail_fast(session)
+    session.write_status("planned")
+    summary = ", ".join(f"{n} +{d:.1f}s" for n, d in decided["delays"].items())
+    extra = ""
+    if decided.get("predicted"):
+        p = decided["predicted"]
+        extra = "; predicted makespan " + ", ".join(f"{k} {v:.1f}s" for k, v in p.items())
+    session.say(f"mode {decided['mode']}: delays {summary}{extra} (coordinator {session.overhead * 1000:.0f} ms)")
+    if wait:
+        session.wait(idle_work)
+        session.start_backend()
+    return session
+
+
+def _plan_delays(spec: Spec | None, order: list[str], calibrations: Mapping[str, Mapping[str, float]],
+                 mode: str) -> dict[str, Any]:
+    """The delays for ``mode`` (run on world rank 0), with the predicted makespans when known."""
+    zero = {n: 0.0 for n in order}
+    if mode == "simultaneous" or len(order) == 1:
+        return {"mode": mode, "delays": zero}
+    if mode == "sequential":
+        raise ConfigError("plan mode 'sequential' runs the jobs one after another, each in its own launch: "
+                          "use 'hpcstagger launch --mode sequential' (or the rendered Slurm script), not "
+                          "one MPI world")
+    if mode == "fixed":
+        fixed = dict(json.loads(os.environ[ENV_DELAYS])) if os.environ.get(ENV_DELAYS) else (
+            dict(spec.plan.delays) if spec else {})
+        unknown = sorted(set(fixed) - set(order))
+        if unknown:
+            raise ConfigError(f"fixed delays name unknown job(s) {', '.join(unknown)}; jobs: {', '.join(order)}")
+        return {"mode": mode, "delays": {n: float(fixed.get(n, 0.0)) for n in order}}
+    if mode != "plan":
+        raise ConfigError(f"plan mode must be plan, simultaneous, sequential or fixed, not {mode!r}")
+    from .model import optimal_plan
+
+    scenario = _scenario_for(spec, order, calibrations)
+    max_delay = spec.plan.max_delay if spec else None
+    p = optimal_plan(scenario, max_delay=max_delay)
+    return {"mode": mode, "delays": {n: float(p.delays.get(n, 0.0)) for n in order},
+            "predicted": {"plan": float(p.makespan), "simultaneous": float(p.simultaneous),
+                          "sequential": float(p.sequential)}}
+
+
+def _scenario_for(spec: Spec | None, order: list[str], calibrations: Mapping[str, Mapping[str, float]]) -> Any:
+    """The scenario to plan with: the spec's calibrated scenario file, with each job's epochs from
+    the spec and its sample time from the job's own calibration when it sent one."""
+    from .model import Scenario
+
+    if spec is None or not spec.plan.scenario:
+        raise ConfigError("plan mode 'plan' needs a calibrated scenario: run 'hpcstagger calibrate' and set "
+                          "[plan] scenario in the spec, or choose mode 'simultaneous' or 'fixed'")
+    base = Scenario.from_toml(spec.plan.scenario).to_dict()
+    known = {j["name"]: j for j in base.get("job", [])}
+    jobs = []
+    for name in order:
+        entry = dict(known.get(name, {}))
+        js = spec.job(name)
+        entry["name"] = name
+        entry["epochs"] = js.epochs
+        measured = calibrations.get(name, {}).get("sample_time")
+        sample_time = measured or js.sample_time or entry.get("sample_time")
+        if not sample_time:
+            raise ConfigError(f"no sample_time for job {name!r}: the scenario {spec.plan.scenario} lacks it, the spec "
+                              "gives none, and the job sent no calibration")
+        entry["sample_time"] = float(sample_time)
+        jobs.append(entry)
+    base["job"] = jobs
+    return Scenario.from_dict(base)
