@@ -39,7 +39,8 @@ from .comm import Comm, as_comm
 from .errors import CollectiveError, CollectiveTimeout, ConfigError
 from .spec import Spec
 
-__all__ = ["Session", "init", "resolve_job", "ENV_SPEC", "ENV_JOB", "ENV_MODE", "ENV_DELAYS", "ENV_RUN_DIR"]
+__all__ = ["Session", "init", "resolve_job", "ENV_SPEC", "ENV_JOB", "ENV_MODE", "ENV_DELAYS", "ENV_RUN_DIR",
+           "ENV_ONLY"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ ENV_JOB = "HPCSTAGGER_JOB"          # this rank's job: a name, or an index into 
 ENV_MODE = "HPCSTAGGER_PLAN_MODE"   # overrides [plan] mode (hpcstagger launch --mode)
 ENV_DELAYS = "HPCSTAGGER_DELAYS"    # JSON {job: seconds}, for mode "fixed" (hpcstagger launch --delays)
 ENV_RUN_DIR = "HPCSTAGGER_RUN_DIR"  # where status files go (default: <workdir>/status)
+ENV_ONLY = "HPCSTAGGER_ONLY_JOBS"   # comma-separated: this launch runs only these jobs of the spec
 
 IdleWork = Callable[[float], bool]
 """Work done while a job waits: called with the seconds left, does a bounded step, returns whether
@@ -157,6 +159,7 @@ class Session:
                 time.sleep(min(left, 0.5))
         waited = time.time() - start
         self.timings["waited"] = waited
+        self.timings["started_at"] = self.elapsed()
         self.write_status("started")
         return waited
 
@@ -215,10 +218,13 @@ def _appnum(world: Comm) -> int | None:
 
 
 def _load_spec(spec: Spec | str | os.PathLike[str] | None) -> Spec | None:
-    if isinstance(spec, Spec):
-        return spec
-    path = spec if spec is not None else os.environ.get(ENV_SPEC)
-    return Spec.from_toml(path) if path else None
+    if not isinstance(spec, Spec):
+        path = spec if spec is not None else os.environ.get(ENV_SPEC)
+        spec = Spec.from_toml(path) if path else None
+    only = os.environ.get(ENV_ONLY)
+    if spec is not None and only:
+        spec = spec.only([n for n in only.split(",") if n])
+    return spec
 
 
 def _calibration_of(calibration: Mapping[str, float] | Callable[[], Mapping[str, float]] | None) -> dict[str, float]:

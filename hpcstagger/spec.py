@@ -51,9 +51,9 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from . import _schema as S
 from .errors import ConfigError
@@ -321,6 +321,12 @@ class Spec:
             if j.name == name:
                 return j
         raise ConfigError(f"no job named {name!r} in the spec; jobs: {', '.join(self.job_names)}")
+
+    def only(self, names: "Sequence[str]") -> "Spec":
+        """This spec restricted to the jobs ``names`` (in spec order); raises ConfigError for unknown names."""
+        for n in names:
+            self.job(n)
+        return replace(self, jobs=tuple(j for j in self.jobs if j.name in set(names)))
 
     def layout(self) -> list[tuple[JobSpec, int]]:
         """Each job with its first world rank, in launch order (MPMD places jobs consecutively)."""

@@ -14,6 +14,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from local_slurm import LocalSlurm, missing_binaries  # noqa: E402
 
+from hpcstagger._shm import remove_stale_mpich_segments, unheld_entries  # noqa: E402,F401
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
@@ -38,54 +40,12 @@ def run_cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None,
 
 
 # ---------------------------------------------------------------------------- /dev/shm hygiene
-SHM = Path("/dev/shm")
 _SESSION_START = time.time()
-
-
-def _in_use_by_live_process() -> set[str]:
-    """Paths under /dev/shm that some live process has open or mapped."""
-    used: set[str] = set()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                used.update(line.split(None, 5)[5].strip() for line in f
-                            if len(line.split(None, 5)) == 6 and "/dev/shm/" in line)
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("/dev/shm/"):
-                    used.add(target)
-        except OSError:
-            continue
-    return {u.replace(" (deleted)", "") for u in used}
 
 
 def new_shm_entries(since: float) -> list[Path]:
     """Entries of /dev/shm created after ``since`` that no live process holds."""
-    used = _in_use_by_live_process()
-    out = []
-    for entry in SHM.iterdir():
-        try:
-            if entry.lstat().st_mtime >= since - 1 and str(entry) not in used:
-                out.append(entry)
-        except FileNotFoundError:
-            continue
-    return out
-
-
-def remove_stale_mpich_segments(since: float) -> int:
-    """Remove MPICH shared-memory segments that an aborted or killed MPI run left behind.
-
-    MPI_Abort and SIGKILL skip MPICH's cleanup of /dev/shm/mpich_shm_*. Only segments created
-    after ``since`` and not held by any live process are removed, so concurrent MPI jobs are safe.
-    """
-    removed = 0
-    for entry in new_shm_entries(since):
-        if entry.name.startswith("mpich_shm_"):
-            entry.unlink(missing_ok=True)
-            removed += 1
-    return removed
+    return unheld_entries(since)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -1,0 +1,72 @@
+"""``hpcstagger launch SPEC``: run co-located jobs locally with MPMD mpiexec."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("launch", help="run the jobs of a spec locally with MPMD mpiexec",
+                       description="Run every job of a job spec in one MPI world with MPMD mpiexec. "
+                                   "hpcstagger.init() in each job plans the start delays and holds the "
+                                   "jobs back; afterwards each job's start, finish and the makespan are "
+                                   "printed. Mode sequential runs the jobs one after another instead.")
+    p.add_argument("spec", help="the job spec (TOML)")
+    p.add_argument("--mode", choices=["plan", "simultaneous", "sequential", "fixed"],
+                   help="override the spec's [plan] mode")
+    p.add_argument("--delays", metavar="JOB=S,...", help="fixed start delays, e.g. a=0,b=12.5 (implies --mode fixed)")
+    p.add_argument("--timeout", type=float, metavar="S", help="stop the run after S seconds (default [run] timeout)")
+    p.add_argument("--dry-run", action="store_true", help="print the mpiexec command(s) and exit")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.set_defaults(func=run)
+
+
+def format_result(result: Any) -> str:
+    """The human-readable table of a RunResult."""
+    lines = [f"run {result.run_dir}", f"mode {result.mode}"]
+    if result.makespan is not None:
+        pred = result.predicted.get("plan") if result.mode == "plan" else result.predicted.get(result.mode)
+        lines[-1] += f", makespan {result.makespan:.1f} s" + (f" (predicted {pred:.1f} s)" if pred else "")
+    if result.overhead is not None:
+        lines[-1] += f", coordinator {result.overhead * 1000:.0f} ms"
+    rows = [("JOB", "RANKS", "DELAY", "START", "FINISH", "STATE")]
+
+    def s(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1f}"
+
+    for j in result.jobs.values():
+        rows.append((j.name, str(j.ranks), s(j.delay), s(j.start), s(j.finish), j.state))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..errors import LaunchError
+    from ..launch import launch, mpmd_command, parse_delays
+    from ..spec import Spec
+
+    spec = Spec.from_toml(args.spec)
+    delays = parse_delays(args.delays) if args.delays else None
+    mode = args.mode or ("fixed" if delays else None)
+    if args.dry_run:
+        if (mode or spec.plan.mode) == "sequential":
+            for job in spec.jobs:
+                print(shlex.join(mpmd_command(spec, jobs=[job.name])))
+        else:
+            print(shlex.join(mpmd_command(spec)))
+        return 0
+    result = launch(spec, mode=mode, delays=delays, timeout=args.timeout)
+    if args.json:
+        json.dump(result.to_dict(), sys.stdout, default=str)
+        sys.stdout.write("\n")
+    else:
+        print(format_result(result))
+    if not result.ok:
+        problems = result.failures() or [f"mpiexec exited with status {result.returncode}"]
+        raise LaunchError("; ".join(problems) + f" (status files in {result.run_dir})")
+    return 0

@@ -1,0 +1,115 @@
+"""`hpcstagger launch`: MPMD runs in every mode, the result table, and failures named by job."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from conftest import run_cli
+from hpcstagger.errors import ConfigError
+from hpcstagger.launch import mpmd_command, parse_delays
+from hpcstagger.spec import Spec
+
+pytestmark = pytest.mark.timeout(180)
+
+WORK = textwrap.dedent("""
+    import os, time
+    from hpcstagger.coordinator import init
+    s = init()
+    if os.environ.get("FAIL_JOB") == s.job and s.rank == s.comm.size - 1:
+        raise ValueError("loss is NaN at step 7")
+    time.sleep(float(os.environ.get("WORK_" + s.job, "0.5")))
+    s.finish(steps=3)
+""")
+
+
+def _spec(tmp_path, mode="simultaneous", extra=""):
+    (tmp_path / "work.py").write_text(WORK)
+    path = tmp_path / "spec.toml"
+    path.write_text(textwrap.dedent(f"""
+        [run]
+        name = "lt"
+        timeout = 120
+        [plan]
+        mode = "{mode}"
+        {extra}
+        [[job]]
+        name = "a"
+        command = "python work.py"
+        env = {{ WORK_a = "0.5" }}
+        [[job]]
+        name = "b"
+        command = "python work.py"
+        ranks = 2
+        env = {{ WORK_b = "1.0" }}
+    """))
+    return path
+
+
+def test_simultaneous_fixed_and_sequential_runs(tmp_path):
+    spec = _spec(tmp_path)
+    out = run_cli("launch", str(spec), "--json", cwd=tmp_path, timeout=150)
+    assert out.returncode == 0, out.stderr
+    sim = json.loads(out.stdout)
+    assert sim["mode"] == "simultaneous" and sim["jobs"]["b"]["state"] == "done"
+    assert 1.0 <= sim["makespan"] < 2.5 and sim["jobs"]["b"]["metrics"] == {"steps": 3}
+
+    fixed = json.loads(run_cli("launch", str(spec), "--delays", "b=1.5", "--json", cwd=tmp_path).stdout)
+    assert fixed["mode"] == "fixed" and fixed["delays"] == {"a": 0.0, "b": 1.5}
+    assert fixed["jobs"]["b"]["start"] >= 1.5 and 2.5 <= fixed["makespan"] < 4.0
+
+    seq = json.loads(run_cli("launch", str(spec), "--mode", "sequential", "--json", cwd=tmp_path).stdout)
+    a, b = seq["jobs"]["a"], seq["jobs"]["b"]
+    assert b["start"] >= a["finish"] and abs(seq["makespan"] - (a["finish"] + 1.0)) < 0.5
+
+    text = run_cli("launch", str(spec), cwd=tmp_path)
+    assert text.returncode == 0
+    assert "mode simultaneous, makespan" in text.stdout and "JOB  RANKS  DELAY  START  FINISH  STATE" in text.stdout
+
+
+def test_a_failing_job_is_named_and_stops_the_run(tmp_path):
+    spec = _spec(tmp_path)
+    (tmp_path / "spec.toml").write_text(spec.read_text().replace('WORK_b = "1.0"', 'WORK_b = "60", FAIL_JOB = "b"'))
+    out = run_cli("launch", str(spec), cwd=tmp_path, timeout=100)
+    assert out.returncode == 1
+    last = out.stderr.strip().splitlines()[-1]
+    assert "job 'b' (2 rank(s)) failed: rank 1: ValueError: loss is NaN at step 7" in last
+    assert "job 'a' (1 rank(s)) did not finish: stopped when job 'b' failed" in last
+
+
+def test_timeout_stops_the_run(tmp_path):
+    spec = _spec(tmp_path)
+    (tmp_path / "spec.toml").write_text(spec.read_text().replace('WORK_b = "1.0"', 'WORK_b = "60"'))
+    out = run_cli("launch", str(spec), "--timeout", "5", cwd=tmp_path, timeout=60)
+    assert out.returncode == 1
+    assert "exceeded its timeout of 5 s" in out.stderr
+    assert "job 'b' (2 rank(s)) did not finish: stopped by the run's timeout" in out.stderr
+
+
+def test_dry_run_and_bad_input(tmp_path):
+    spec = _spec(tmp_path)
+    out = run_cli("launch", str(spec), "--dry-run")
+    assert out.returncode == 0
+    assert " -n 1 env HPCSTAGGER_JOB=a WORK_a=0.5 " in out.stdout and " : -n 2 env HPCSTAGGER_JOB=b " in out.stdout
+    out = run_cli("launch", str(spec), "--delays", "b=soon")
+    assert out.returncode == 1 and "cannot read 'b=soon'" in out.stderr
+    out = run_cli("launch", str(spec), "--delays", "z=1")
+    assert out.returncode == 1 and "no job named 'z'" in out.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[job]]\nname = "a"\ncommand = "x"\nranks = -1\n')
+    out = run_cli("launch", str(bad))
+    assert out.returncode == 1 and "job[0].ranks must be an integer >= 1" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_mpmd_command_is_pure(tmp_path):
+    spec = Spec.from_toml(_spec(tmp_path))
+    argv = mpmd_command(spec, mpiexec="mpiexec", python="/py")
+    assert argv == ["mpiexec", "-n", "1", "env", "HPCSTAGGER_JOB=a", "WORK_a=0.5", "/py", "work.py", ":",
+                    "-n", "2", "env", "HPCSTAGGER_JOB=b", "WORK_b=1.0", "/py", "work.py"]
+    assert mpmd_command(spec, mpiexec="m", python="/py", jobs=["b"])[:3] == ["m", "-n", "2"]
+    assert parse_delays("a=0, b=12.5") == {"a": 0.0, "b": 12.5}
+    with pytest.raises(ConfigError):
+        parse_delays("a=-1")
