@@ -24,6 +24,7 @@ stage, so ``hpcstagger launch`` can say which job failed and how long each one t
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -260,6 +261,14 @@ def _install_fail_fast(session: Session) -> None:
         sys.excepthook = hook
 
 
+def _record_exit(session: Session) -> None:
+    """At interpreter exit: a rank that never called finish() (sys.exit, or the script just ended)
+    is recorded as 'exited', so the launcher does not report it as still running."""
+    if not session._closed:
+        session.write_status("exited", error="the process exited without calling Session.finish() "
+                                             "(sys.exit, or the script ended early)")
+
+
 def init(spec: Spec | str | os.PathLike[str] | None = None, *, job: str | None = None,
          calibration: Mapping[str, float] | Callable[[], Mapping[str, float]] | None = None,
          backend: str | None = None, wait: bool = True, idle_work: Sequence[IdleWork] = (),
@@ -384,6 +393,7 @@ def _init(spec: Spec | str | os.PathLike[str] | None, *, job: str | None,
                       run_dir=run_dir, backend=job_backend, verbose=verbose)
     if fail_fast:
         _install_fail_fast(session)
+    atexit.register(_record_exit, session)
     session.write_status("planned")
     summary = ", ".join(f"{n} +{d:.1f}s" for n, d in decided["delays"].items())
     extra = ""

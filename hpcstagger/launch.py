@@ -66,10 +66,11 @@ class RunResult:
 
     def failures(self) -> list[str]:
         """One line per job that did not finish, naming it; the failed jobs first."""
-        failed = [j for j in self.jobs.values() if j.state == "failed"]
-        out = [f"job {j.name!r} ({j.ranks} rank(s)) failed: {j.error}" for j in failed]
+        failed = [j for j in self.jobs.values() if j.state in ("failed", "exited")]
+        out = [f"job {j.name!r} ({j.ranks} rank(s)) {'failed' if j.state == 'failed' else 'ended early'}: "
+               f"{j.error}" for j in failed]
         for j in self.jobs.values():
-            if j.state in ("done", "failed"):
+            if j.state in ("done", "failed", "exited"):
                 continue
             if j.state == "missing":
                 why = "never reached hpcstagger.init (see its output)"
@@ -132,14 +133,23 @@ def mpmd_command(spec: Spec, *, mpiexec: str = "mpiexec", python: str | None = N
 
 def collect_results(spec: Spec, run_dir: str | os.PathLike[str], *, jobs: Sequence[str] | None = None,
                     mode: str = "", returncode: int = 0) -> RunResult:
-    """Read the status files in ``run_dir`` into a RunResult (jobs with no file are 'missing')."""
+    """Read the status files of a run into a RunResult (jobs with no file are 'missing').
+
+    A sequential run keeps one subdirectory per job (in spec order); their times are chained, so
+    each job starts when the one before it finished and the makespan is the sum.
+    """
+    run_dir = Path(run_dir)
+    subdirs = [j.name for j in spec.jobs if (run_dir / j.name).is_dir()]
+    if subdirs and (jobs is None or len(jobs) > 1):
+        return _collect_sequential(spec, run_dir, returncode)
     statuses: dict[str, list[dict[str, Any]]] = {}
-    for p in sorted(Path(run_dir).glob("*.json")):
+    for p in sorted(run_dir.glob("*.json")):
         try:
             rec = json.loads(p.read_text())
         except (OSError, ValueError):
             continue
-        statuses.setdefault(rec.get("job", ""), []).append(rec)
+        if isinstance(rec, dict) and "job" in rec:
+            statuses.setdefault(rec["job"], []).append(rec)
     results: dict[str, JobResult] = {}
     delays: dict[str, float] = {}
     predicted: dict[str, float] = {}
@@ -152,8 +162,8 @@ def collect_results(spec: Spec, run_dir: str | os.PathLike[str], *, jobs: Sequen
             state = "missing" if not recs else next((r["state"] for r in recs if r["state"] != "done"), "missing")
         else:
             states = [r["state"] for r in recs]
-            state = ("done" if all(s == "done" for s in states) else
-                     "failed" if "failed" in states else next(s for s in states if s != "done"))
+            state = ("done" if all(s == "done" for s in states) else "failed" if "failed" in states else
+                     "exited" if "exited" in states else next(s for s in states if s != "done"))
         jr = JobResult(job.name, job.ranks, state)
         for r in recs:
             jr.delay = float(r.get("delay", 0.0))
@@ -175,6 +185,29 @@ def collect_results(spec: Spec, run_dir: str | os.PathLike[str], *, jobs: Sequen
     makespan = max(finishes) if finishes and len(finishes) == len(results) else None
     return RunResult(mode=mode, returncode=returncode, run_dir=str(run_dir), jobs=results, delays=delays,
                      makespan=makespan, predicted=predicted, overhead=max(overheads) if overheads else None)
+
+
+def _collect_sequential(spec: Spec, run_dir: Path, returncode: int) -> RunResult:
+    results: dict[str, JobResult] = {}
+    total = 0.0
+    stopped = False
+    for job in spec.jobs:
+        if stopped or not (run_dir / job.name).is_dir():
+            results[job.name] = JobResult(job.name, job.ranks, "not started")
+            stopped = True
+            continue
+        one = collect_results(spec, run_dir / job.name, jobs=[job.name]).jobs[job.name]
+        one.delay = total  # it waits for every job before it
+        if one.start is not None:
+            one.start += total
+        if one.finish is not None:
+            one.finish += total
+            total = one.finish
+        results[job.name] = one
+        stopped = one.state != "done"
+    done = all(j.state == "done" for j in results.values())
+    return RunResult(mode="sequential", returncode=returncode, run_dir=str(run_dir), jobs=results,
+                     delays={n: j.delay for n, j in results.items()}, makespan=total if done else None)
 
 
 def _run(argv: list[str], env: dict[str, str], timeout: float, cwd: str) -> int:
@@ -241,30 +274,16 @@ def launch(spec: Spec, *, mode: str | None = None, delays: Mapping[str, float] |
         rc = _run(mpmd_command(spec, mpiexec=exe), {**base_env, ENV_RUN_DIR: str(run_dir)}, limit, cwd)
         result = collect_results(spec, run_dir, mode=mode, returncode=rc)
     else:
-        results: dict[str, JobResult] = {}
-        total, rc = 0.0, 0
+        rc = 0
         for job in spec.jobs:
             sub = run_dir / job.name
             sub.mkdir(exist_ok=True)
             left = limit - (time.monotonic() - start)
             job_env = {**base_env, ENV_RUN_DIR: str(sub), ENV_ONLY: job.name, ENV_MODE: "simultaneous"}
             rc = _run(mpmd_command(spec, mpiexec=exe, jobs=[job.name]), job_env, max(left, 1.0), cwd)
-            one = collect_results(spec, sub, jobs=[job.name], mode=mode, returncode=rc).jobs[job.name]
-            one.delay = total  # it waits for every job before it
-            if one.start is not None:
-                one.start += total
-            if one.finish is not None:
-                one.finish += total
-                total = one.finish
-            results[job.name] = one
-            if rc != 0 or one.state != "done":
+            if rc != 0 or collect_results(spec, sub, jobs=[job.name]).jobs[job.name].state != "done":
                 break
-        for job in spec.jobs:
-            results.setdefault(job.name, JobResult(job.name, job.ranks, "not started"))
-        done = all(j.state == "done" for j in results.values())
-        result = RunResult(mode=mode, returncode=rc, run_dir=str(run_dir), jobs=results,
-                           delays={n: (j.start or 0.0) for n, j in results.items()},
-                           makespan=total if done else None)
+        result = collect_results(spec, run_dir, returncode=rc)
     result.wall = time.monotonic() - start
     from . import _io
 

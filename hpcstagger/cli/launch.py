@@ -23,6 +23,42 @@ def register(sub: Any) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the mpiexec command(s) and exit")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=run)
+    st = sub.add_parser("status", help="print each job's times for a run of a spec",
+                        description="Print each job's delay, start, finish and state, and the makespan, from "
+                                    "the status files of a run (by default the newest run of SPEC).")
+    st.add_argument("spec", help="the job spec (TOML)")
+    st.add_argument("run_dir", nargs="?", help="the run's status directory (default: the newest under "
+                                              "<workdir>/runs)")
+    st.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    st.set_defaults(func=run_status)
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ..errors import ConfigError
+    from ..launch import collect_results
+    from ..spec import Spec
+
+    spec = Spec.from_toml(args.spec)
+    if args.run_dir:
+        run_dir = Path(args.run_dir)
+        if not run_dir.is_dir():
+            raise ConfigError(f"run directory {run_dir} does not exist")
+    else:
+        runs = sorted((p for p in (Path(spec.run.workdir) / "runs").glob("*") if p.is_dir()),
+                      key=lambda p: p.stat().st_mtime)
+        if not runs:
+            raise ConfigError(f"no runs of {spec.run.name!r} under {spec.run.workdir}/runs yet; "
+                              f"start one with 'hpcstagger launch {args.spec}'")
+        run_dir = runs[-1]
+    result = collect_results(spec, run_dir)
+    if args.json:
+        json.dump(result.to_dict(), sys.stdout, default=str)
+        sys.stdout.write("\n")
+    else:
+        print(format_result(result))
+    return 0 if all(j.state == "done" for j in result.jobs.values()) else 1
 
 
 def format_result(result: Any) -> str:

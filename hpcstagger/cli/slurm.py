@@ -1,0 +1,80 @@
+"""``hpcstagger slurm render|submit SPEC``: the sbatch script for a job spec, and its submission."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("slurm", help="render or submit the sbatch script of a job spec",
+                       description="Render the sbatch script that runs a job spec's co-located jobs on one "
+                                   "node, or submit it (optionally waiting for it to end).")
+    acts = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    r = acts.add_parser("render", help="print the sbatch script", description="Print the sbatch script for SPEC.")
+    r.add_argument("spec", help="the job spec (TOML)")
+    r.add_argument("--out", metavar="FILE", help="write the script to FILE instead of standard output")
+    r.set_defaults(func=run_render)
+    s = acts.add_parser("submit", help="submit the sbatch script",
+                        description="Render SPEC's sbatch script into <workdir>/slurm/, submit it with sbatch, "
+                                    "and print the job id. With --wait, poll the job until it ends, print each "
+                                    "job's times, and exit non-zero unless it completed.")
+    s.add_argument("spec", help="the job spec (TOML)")
+    s.add_argument("--wait", action="store_true", help="wait for the job to end")
+    s.add_argument("--timeout", type=float, metavar="S",
+                   help="with --wait, give up after S seconds (default: [run] timeout + 10 minutes)")
+    s.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
+                   help="an extra sbatch argument (repeatable), e.g. --sbatch-arg=--qos=debug")
+    s.set_defaults(func=run_submit)
+
+
+def _render(spec: Any) -> str:
+    from .._version import __version__
+    from ..slurm import render_batch
+
+    return render_batch(spec, python_bin=os.path.dirname(sys.executable), version=__version__)
+
+
+def run_render(args: argparse.Namespace) -> int:
+    from .._io import atomic_write
+    from ..spec import Spec
+
+    text = _render(Spec.from_toml(args.spec))
+    if args.out:
+        atomic_write(args.out, text.encode(), mode=0o755)
+        print(f"wrote {args.out}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def run_submit(args: argparse.Namespace) -> int:
+    from .._io import atomic_write
+    from ..errors import LaunchError
+    from ..launch import collect_results
+    from ..slurm import submit, wait_for_job
+    from ..spec import Spec
+    from .launch import format_result
+
+    spec = Spec.from_toml(args.spec)
+    script_dir = os.path.join(spec.run.workdir, "slurm")
+    os.makedirs(script_dir, exist_ok=True)
+    script = os.path.join(script_dir, f"{spec.run.name}.sbatch")
+    atomic_write(script, _render(spec).encode(), mode=0o755)
+    workdir = os.path.dirname(spec.path)
+    job_id = submit(script, ["--chdir", workdir, *args.sbatch_arg])
+    output = os.path.join(workdir, spec.slurm.output.replace("%x", spec.run.name).replace("%j", str(job_id)))
+    print(f"submitted job {job_id} (script {script}, output {output})", flush=True)
+    if not args.wait:
+        return 0
+    record = wait_for_job(job_id, args.timeout or spec.run.timeout + 600)
+    state, code = record.get("JobState", "?"), record.get("ExitCode", "?")
+    run_dir = os.path.join(spec.run.workdir, "runs", f"slurm-{job_id}")
+    if os.path.isdir(run_dir):
+        print(format_result(collect_results(spec, run_dir)))
+    if state != "COMPLETED":
+        raise LaunchError(f"job {job_id} ended {state} (exit code {code}); see {output}")
+    print(f"job {job_id} COMPLETED")
+    return 0

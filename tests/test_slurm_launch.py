@@ -1,0 +1,92 @@
+"""`hpcstagger slurm render|submit` on the real local Slurm: srun --multi-prog, mpiexec, sequential."""
+
+from __future__ import annotations
+
+import json
+import re
+import textwrap
+
+import pytest
+
+from conftest import run_cli
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(240)]
+
+WORK = textwrap.dedent("""
+    import os, sys, time
+    from hpcstagger.coordinator import init
+    s = init()
+    print(f"{s.job} rank {s.rank}/{s.comm.size} argv={sys.argv[1:]}", flush=True)
+    time.sleep(0.3)
+    s.finish()
+""")
+
+
+def _spec(tmp_path, launcher="srun", mode="fixed"):
+    (tmp_path / "work.py").write_text(WORK)
+    path = tmp_path / "spec.toml"
+    path.write_text(textwrap.dedent(f"""
+        [run]
+        name = "sl"
+        [plan]
+        mode = "{mode}"
+        delays = {{ b = 1.0 }}
+        [slurm]
+        launcher = "{launcher}"
+        time = "00:10:00"
+        [[job]]
+        name = "a"
+        command = "python work.py 'two words'"
+        [[job]]
+        name = "b"
+        command = "python work.py"
+        ranks = 2
+    """))
+    return path
+
+
+@pytest.mark.parametrize("launcher", ["srun", "mpiexec"])
+def test_submit_runs_every_job_with_its_delay(slurm_cluster, tmp_path, launcher):
+    spec = _spec(tmp_path, launcher)
+    out = run_cli("slurm", "submit", str(spec), "--wait", "--timeout", "180", env=slurm_cluster.env, timeout=200)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job_id = re.search(r"submitted job (\d+)", out.stdout).group(1)
+    assert f"job {job_id} COMPLETED" in out.stdout
+    log = (tmp_path / f"sl-{job_id}.out").read_text()
+    assert "a rank 0/1 argv=['two words']" in log  # quoted arguments survive the launcher
+    assert "b rank 1/2" in log
+    assert "mode fixed: delays a +0.0s, b +1.0s" in log and "waiting 1.0 s (planned start)" in log
+    status = json.loads(run_cli("status", str(spec), "--json").stdout)
+    assert status["run_dir"].endswith(f"slurm-{job_id}")
+    assert all(j["state"] == "done" for j in status["jobs"].values())
+    assert status["jobs"]["b"]["start"] >= 1.0
+
+
+def test_sequential_batch_script_runs_jobs_one_after_another(slurm_cluster, tmp_path):
+    spec = _spec(tmp_path, mode="sequential")
+    out = run_cli("slurm", "submit", str(spec), "--wait", "--timeout", "180", env=slurm_cluster.env, timeout=200)
+    assert out.returncode == 0, out.stdout + out.stderr
+    status = json.loads(run_cli("status", str(spec), "--json").stdout)
+    a, b = status["jobs"]["a"], status["jobs"]["b"]
+    assert a["state"] == b["state"] == "done" and b["start"] >= a["finish"]
+
+
+@pytest.mark.parametrize("how, state", [("raise RuntimeError('boom')", "failed"), ("sys.exit('boom')", "exited")])
+def test_failed_batch_job_exits_nonzero_and_names_the_job(slurm_cluster, tmp_path, how, state):
+    spec = _spec(tmp_path)
+    (tmp_path / "work.py").write_text(WORK.replace("time.sleep(0.3)", f"time.sleep(0.3)\nif s.job == 'b': {how}"))
+    out = run_cli("slurm", "submit", str(spec), "--wait", "--timeout", "180", env=slurm_cluster.env, timeout=200)
+    assert out.returncode == 1
+    assert "ended FAILED" in out.stderr
+    assert re.search(rf"b\s+2\s+1\.0\s+1\.\d\s+-\s+{state}", out.stdout), out.stdout
+
+
+def test_render_is_pure_and_golden(tmp_path):
+    spec = _spec(tmp_path)
+    out = run_cli("slurm", "render", str(spec))
+    assert out.returncode == 0
+    text = out.stdout
+    assert "#SBATCH --ntasks=3" in text and "#SBATCH --job-name=sl" in text
+    assert "0 bash $run_dir/job-a.sh\n1-2 bash $run_dir/job-b.sh" in text
+    assert "exec python work.py 'two words'" in text
+    assert text.rstrip().endswith('exit "$rc"')
