@@ -27,7 +27,7 @@ from .coordinator import ENV_DELAYS, ENV_JOB, ENV_MODE, ENV_ONLY, ENV_RUN_DIR, E
 from .errors import ConfigError, LaunchError
 from .spec import PLAN_MODES, JobSpec, Spec
 
-__all__ = ["JobResult", "RunResult", "mpmd_command", "launch", "collect_results", "parse_delays"]
+__all__ = ["JobResult", "RunResult", "mpmd_command", "launch", "collect_results", "parse_delays", "exec_job"]
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +129,37 @@ def mpmd_command(spec: Spec, *, mpiexec: str = "mpiexec", python: str | None = N
             argv.append(":")
         argv += ["-n", str(job.ranks), *_job_argv(job, python)]
     return argv
+
+
+def exec_job(spec: Spec, environ: Mapping[str, str] | None = None) -> tuple[list[str], dict[str, str], str]:
+    """This rank's job command: (argv, environment, working directory), for ``hpcstagger exec``.
+
+    The job is ``HPCSTAGGER_JOB``, else the heterogeneous-job component, else the job whose place in
+    the spec's layout holds this rank (``SLURM_PROCID``, ``PMI_RANK`` or ``OMPI_COMM_WORLD_RANK``).
+    Raises ConfigError when none of them tells.
+    """
+    from .coordinator import resolve_job
+    from .slurm import het_component
+
+    env = dict(os.environ if environ is None else environ)
+    names = list(spec.job_names)
+    if not env.get(ENV_JOB) and het_component(env) is None:
+        rank_text = env.get("SLURM_PROCID") or env.get("PMI_RANK") or env.get("OMPI_COMM_WORLD_RANK")
+        if rank_text is None or not rank_text.isdigit():
+            raise ConfigError("hpcstagger exec cannot tell this rank's job: set HPCSTAGGER_JOB, or start it "
+                              "with srun or mpiexec so that its rank is known")
+        rank = int(rank_text)
+        owner = next((j.name for j, first in spec.layout() if first <= rank < first + j.ranks), None)
+        if owner is None:
+            raise ConfigError(f"rank {rank} is beyond the spec's {spec.total_ranks} rank(s); launch exactly "
+                              f"{spec.total_ranks} tasks")
+        env[ENV_JOB] = owner
+    index = resolve_job(names, environ=env, het_component=het_component(env))
+    job = spec.jobs[index]
+    env.update(job.env)
+    env[ENV_JOB] = job.name
+    env.setdefault(ENV_SPEC, spec.path)
+    return list(job.command), env, os.path.dirname(spec.path) or "."
 
 
 def collect_results(spec: Spec, run_dir: str | os.PathLike[str], *, jobs: Sequence[str] | None = None,
@@ -236,15 +267,36 @@ def _run(argv: list[str], env: dict[str, str], timeout: float, cwd: str) -> int:
         raise
 
 
+def _srun_commands(spec: Spec, run_dir: Path, jobs: Sequence[str] | None) -> list[str]:
+    """Write the per-job wrappers (and the multi-prog file) into ``run_dir``; return the srun argv."""
+    from .slurm import job_wrapper, multiprog_conf
+
+    exe = shutil.which("srun")
+    if not exe or not os.environ.get("SLURM_JOB_ID"):
+        raise LaunchError("the srun launcher runs inside a Slurm allocation (sbatch or salloc); "
+                          "use the default mpiexec launcher elsewhere")
+    workdir = os.path.dirname(spec.path)
+    chosen = [j for j in spec.jobs if jobs is None or j.name in jobs]
+    for job in chosen:
+        (run_dir / f"job-{job.name}.sh").write_text(job_wrapper(job, workdir))
+    base = [exe, "--mpi=pmi2", "--kill-on-bad-exit=1", f"--ntasks={sum(j.ranks for j in chosen)}"]
+    if len(chosen) == 1:
+        return base + ["bash", str(run_dir / f"job-{chosen[0].name}.sh")]
+    sub = spec.only([j.name for j in chosen])
+    (run_dir / "multiprog.conf").write_text(multiprog_conf(sub, lambda n: str(run_dir / f"job-{n}.sh")))
+    return base + ["--multi-prog", str(run_dir / "multiprog.conf")]
+
+
 def launch(spec: Spec, *, mode: str | None = None, delays: Mapping[str, float] | None = None,
            mpiexec: str | None = None, timeout: float | None = None, run_name: str | None = None,
-           env: Mapping[str, str] | None = None) -> RunResult:
-    """Run every job of ``spec`` locally under MPMD ``mpiexec`` and return what happened.
+           env: Mapping[str, str] | None = None, launcher: str = "mpiexec") -> RunResult:
+    """Run every job of ``spec`` in one MPI world and return what happened.
 
-    ``mode`` overrides the spec's ``[plan] mode``; ``delays`` (job -> seconds) implies mode fixed.
-    Mode sequential runs one ``mpiexec`` per job in spec order, and its makespan is the sum of the
-    jobs' own run times. Raises LaunchError when mpiexec is missing; a failed job is reported in the
-    result (``RunResult.failures()``), not raised.
+    ``launcher`` is ``"mpiexec"`` (MPMD mpiexec, anywhere) or ``"srun"`` (``srun --multi-prog``,
+    inside a Slurm allocation). ``mode`` overrides the spec's ``[plan] mode``; ``delays`` (job ->
+    seconds) implies mode fixed. Mode sequential runs one launch per job in spec order, and its
+    makespan is the sum of the jobs' own run times. Raises LaunchError when the launcher is missing;
+    a failed job is reported in the result (``RunResult.failures()``), not raised.
     """
     mode = mode or ("fixed" if delays else spec.plan.mode)
     if mode not in PLAN_MODES:
@@ -254,8 +306,10 @@ def launch(spec: Spec, *, mode: str | None = None, delays: Mapping[str, float] |
     if delays:
         for name in delays:
             spec.job(name)
+    if launcher not in ("mpiexec", "srun"):
+        raise ConfigError(f"launcher must be 'mpiexec' or 'srun', not {launcher!r}")
     exe = mpiexec or shutil.which("mpiexec") or shutil.which("mpiexec", path=os.path.dirname(sys.executable))
-    if not exe:
+    if launcher == "mpiexec" and not exe:
         raise LaunchError("no mpiexec on PATH; install an MPI (pip install mpich) or load your site's MPI module")
     if not spec.path:
         raise LaunchError("launch needs a spec read from a file (Spec.from_toml), so every rank can read it too")
@@ -270,8 +324,13 @@ def launch(spec: Spec, *, mode: str | None = None, delays: Mapping[str, float] |
     limit = float(timeout or spec.run.timeout)
     cwd = os.path.dirname(spec.path)
     start = time.monotonic()
+    def command(jobs: Sequence[str] | None, where: Path) -> list[str]:
+        if launcher == "srun":
+            return _srun_commands(spec, where, jobs)
+        return mpmd_command(spec, mpiexec=exe, jobs=jobs)
+
     if mode != "sequential":
-        rc = _run(mpmd_command(spec, mpiexec=exe), {**base_env, ENV_RUN_DIR: str(run_dir)}, limit, cwd)
+        rc = _run(command(None, run_dir), {**base_env, ENV_RUN_DIR: str(run_dir)}, limit, cwd)
         result = collect_results(spec, run_dir, mode=mode, returncode=rc)
     else:
         rc = 0
@@ -280,7 +339,7 @@ def launch(spec: Spec, *, mode: str | None = None, delays: Mapping[str, float] |
             sub.mkdir(exist_ok=True)
             left = limit - (time.monotonic() - start)
             job_env = {**base_env, ENV_RUN_DIR: str(sub), ENV_ONLY: job.name, ENV_MODE: "simultaneous"}
-            rc = _run(mpmd_command(spec, mpiexec=exe, jobs=[job.name]), job_env, max(left, 1.0), cwd)
+            rc = _run(command([job.name], sub), job_env, max(left, 1.0), cwd)
             if rc != 0 or collect_results(spec, sub, jobs=[job.name]).jobs[job.name].state != "done":
                 break
         result = collect_results(spec, run_dir, returncode=rc)

@@ -32,6 +32,8 @@ __all__ = [
     "job_record",
     "wait_for_job",
     "render_batch",
+    "multiprog_conf",
+    "job_wrapper",
 ]
 
 log = logging.getLogger(__name__)
@@ -262,11 +264,22 @@ def wait_for_job(job_id: int | str, timeout: float, *, poll: float = 0.2,
 _EOF = "HPCSTAGGER_EOF"
 
 
-def _job_wrapper(job: Any, workdir: str) -> str:
-    """A small shell script that runs one job's command on each of its ranks."""
+def job_wrapper(job: Any, workdir: str) -> str:
+    """A small shell script that runs one job's command on each of its ranks (``srun --multi-prog``
+    splits its lines on white space, so commands with quoted arguments go through these)."""
     env = " ".join(shlex.quote(f"{k}={v}") for k, v in {"HPCSTAGGER_JOB": job.name, **job.env}.items())
     return (f"#!/bin/bash\nexport {env}\ncd {shlex.quote(workdir)}\n"
             f"exec {shlex.join(job.command)}\n")
+
+
+def multiprog_conf(spec: Any, wrapper: Any) -> str:
+    """The ``srun --multi-prog`` configuration: each job's task range runs ``bash wrapper(job name)``."""
+    conf, first = [], 0
+    for job in spec.jobs:
+        ranks = f"{first}" if job.ranks == 1 else f"{first}-{first + job.ranks - 1}"
+        conf.append(f"{ranks} bash {wrapper(job.name)}")
+        first += job.ranks
+    return "\n".join(conf) + "\n"
 
 
 def render_batch(spec: Any, *, python_bin: str | None = None, version: str = "") -> str:
@@ -314,7 +327,7 @@ def render_batch(spec: Any, *, python_bin: str | None = None, version: str = "")
     else:
         for job in spec.jobs:
             lines += [f'cat > "$run_dir/job-{job.name}.sh" <<\'{_EOF}\'',
-                      _job_wrapper(job, workdir).rstrip("\n"), _EOF]
+                      job_wrapper(job, workdir).rstrip("\n"), _EOF]
     if spec.plan.mode == "sequential":
         for job in spec.jobs:
             env = (f'env HPCSTAGGER_ONLY_JOBS={job.name} HPCSTAGGER_PLAN_MODE=simultaneous '
@@ -325,11 +338,7 @@ def render_batch(spec: Any, *, python_bin: str | None = None, version: str = "")
             else:
                 lines.append(f"step {env} mpiexec -n {job.ranks} {_env_command(job)}")
     elif sl.launcher == "srun":
-        conf, first = [], 0
-        for job in spec.jobs:
-            ranks = f"{first}" if job.ranks == 1 else f"{first}-{first + job.ranks - 1}"
-            conf.append(f'{ranks} bash $run_dir/job-{job.name}.sh')
-            first += job.ranks
+        conf = multiprog_conf(spec, lambda name: f"$run_dir/job-{name}.sh").rstrip("\n").split("\n")
         lines += [f'cat > "$run_dir/multiprog.conf" <<{_EOF}', *conf, _EOF,
                   f'step env HPCSTAGGER_RUN_DIR="$run_dir" {srun} --multi-prog "$run_dir/multiprog.conf"']
     else:

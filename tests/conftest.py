@@ -90,21 +90,43 @@ def slurm_cluster():
 
 
 @pytest.fixture
-def batch_job(slurm_cluster, tmp_path):
-    """Submit a batch script body and wait for it; returns (job record, output text)."""
-    from hpcstagger import slurm
+def batch_job(batch_job_on, slurm_cluster):
+    """Submit a batch script body to the local Slurm and wait; returns (job id, record, output)."""
 
     def submit(body: str, *sbatch_args: str, timeout: float = 120, name: str = "job"):
+        return batch_job_on(slurm_cluster, body, *sbatch_args, timeout=timeout, name=name)
+
+    return submit
+
+
+@pytest.fixture
+def batch_job_on(tmp_path):
+    """Submit a batch script body to a given LocalSlurm and wait; returns (job id, record, output)."""
+    from hpcstagger import slurm
+
+    def submit(cluster, body: str, *sbatch_args: str, timeout: float = 120, name: str = "job"):
         workdir = tmp_path / name
         workdir.mkdir(exist_ok=True)
         workdir.chmod(0o777)
         script = workdir / f"{name}.sbatch"
         script.write_text("#!/bin/bash\n" + textwrap.dedent(body).lstrip())
         out = workdir / "out.txt"
+        submitted = time.time()
         job_id = slurm.submit(script, ["--chdir", str(workdir), "--output", str(out), "--job-name", name,
-                                       *sbatch_args], env=slurm_cluster.env)
-        record = slurm.wait_for_job(job_id, timeout, env=slurm_cluster.env)
+                                       *sbatch_args], env=cluster.env)
+        record = slurm.wait_for_job(job_id, timeout, env=cluster.env)
+        remove_stale_mpich_segments(submitted)  # a failed or killed step skips MPICH's cleanup
         text = out.read_text() if out.exists() else ""
         return job_id, record, text
 
     return submit
+
+
+@pytest.fixture(scope="session")
+def slurm_two_nodes(slurm_cluster):
+    """A second local Slurm with two nodes on this host (heterogeneous jobs need two nodes)."""
+    cluster = LocalSlurm(nodes=2, cpus=4).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

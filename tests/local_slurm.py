@@ -56,6 +56,10 @@ class LocalSlurm:
                  extra_conf: str = "", nodes: int = 1):
         self.cpus = cpus
         self.extra_conf = extra_conf
+        # MPICH names its /dev/shm segment after the PMI key-value space, which under srun is
+        # "<job id>.<step id>": a fresh cluster reusing job ids would collide with a segment that
+        # an aborted job of an earlier cluster left behind.
+        self.first_job_id = int.from_bytes(os.urandom(3), "little") + 1000
         self.partition = partition
         self.dir = Path(tempfile.mkdtemp(prefix="hpcstagger-slurm-", dir=base))
         self.host = socket.gethostname().split(".")[0]
@@ -80,6 +84,7 @@ class LocalSlurm:
         conf = d / "slurm.conf"
         conf.write_text(f"""\
 ClusterName=hpcstagger-test
+FirstJobId={self.first_job_id}
 SlurmctldHost={self.host}(127.0.0.1)
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}

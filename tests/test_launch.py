@@ -113,3 +113,27 @@ def test_mpmd_command_is_pure(tmp_path):
     assert parse_delays("a=0, b=12.5") == {"a": 0.0, "b": 12.5}
     with pytest.raises(ConfigError):
         parse_delays("a=-1")
+
+
+@pytest.mark.parametrize("env, job", [
+    ({"HPCSTAGGER_JOB": "b"}, "b"), ({"SLURM_PROCID": "0"}, "a"), ({"SLURM_PROCID": "2"}, "b"), ({"PMI_RANK": "1"}, "b"),
+    ({"SLURM_PROCID": "1", "SLURM_HET_SIZE": "2", "SLURM_NTASKS_HET_GROUP_0": "1", "SLURM_NTASKS_HET_GROUP_1": "2"}, "b"),
+])
+def test_exec_job_picks_the_rank_s_job(tmp_path, env, job):
+    from hpcstagger.launch import exec_job
+
+    spec = Spec.from_toml(_spec(tmp_path))
+    argv, out_env, cwd = exec_job(spec, env)
+    assert argv == ["python", "work.py"] and cwd == str(tmp_path)
+    assert out_env["HPCSTAGGER_JOB"] == job and out_env[f"WORK_{job}"] == spec.job(job).env[f"WORK_{job}"]
+    assert out_env["HPCSTAGGER_SPEC"] == spec.path
+
+
+def test_exec_job_errors(tmp_path):
+    from hpcstagger.launch import exec_job
+
+    spec = Spec.from_toml(_spec(tmp_path))
+    with pytest.raises(ConfigError, match="cannot tell this rank's job"):
+        exec_job(spec, {})
+    with pytest.raises(ConfigError, match="rank 3 is beyond the spec's 3 rank"):
+        exec_job(spec, {"SLURM_PROCID": "3"})

@@ -90,3 +90,31 @@ def test_render_is_pure_and_golden(tmp_path):
     assert "0 bash $run_dir/job-a.sh\n1-2 bash $run_dir/job-b.sh" in text
     assert "exec python work.py 'two words'" in text
     assert text.rstrip().endswith('exit "$rc"')
+
+
+def test_heterogeneous_job_with_hpcstagger_exec(slurm_two_nodes, batch_job_on, tmp_path):
+    spec = _spec(tmp_path, mode="fixed")
+    body = f"""\
+        #SBATCH --ntasks=1
+        #SBATCH hetjob
+        #SBATCH --ntasks=2
+        export HPCSTAGGER_RUN_DIR=$PWD/status
+        # The two local "nodes" are one host: MPICH's UCX then trips over its own shared-memory
+        # transport between them; TCP is what real separate nodes would use anyway.
+        export UCX_TLS=tcp
+        srun --mpi=pmi2 --kill-on-bad-exit=1 --het-group=0,1 hpcstagger exec {spec}
+        hpcstagger status {spec} $HPCSTAGGER_RUN_DIR
+    """
+    _, record, text = batch_job_on(slurm_two_nodes, body, name="het")
+    assert record["JobState"] == "COMPLETED", text
+    assert "a rank 0/1 argv=['two words']" in text and "b rank 1/2" in text
+    assert "waiting 1.0 s (planned start)" in text
+    assert "b    2      1.0" in text  # the status table printed by the batch script
+
+
+def test_launch_with_srun_inside_an_allocation(slurm_cluster, batch_job_on, tmp_path):
+    spec = _spec(tmp_path, mode="fixed")
+    _, record, text = batch_job_on(slurm_cluster, f"hpcstagger launch {spec} --launcher srun\n",
+                                   "--ntasks=3", name="srunlaunch")
+    assert record["JobState"] == "COMPLETED", text
+    assert "mode fixed, makespan" in text and "a rank 0/1 argv=['two words']" in text

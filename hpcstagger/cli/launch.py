@@ -20,6 +20,8 @@ def register(sub: Any) -> None:
                    help="override the spec's [plan] mode")
     p.add_argument("--delays", metavar="JOB=S,...", help="fixed start delays, e.g. a=0,b=12.5 (implies --mode fixed)")
     p.add_argument("--timeout", type=float, metavar="S", help="stop the run after S seconds (default [run] timeout)")
+    p.add_argument("--launcher", choices=["mpiexec", "srun"], default="mpiexec",
+                   help="mpiexec (MPMD, anywhere; the default) or srun (--multi-prog, inside a Slurm allocation)")
     p.add_argument("--dry-run", action="store_true", help="print the mpiexec command(s) and exit")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=run)
@@ -31,6 +33,26 @@ def register(sub: Any) -> None:
                                               "<workdir>/runs)")
     st.add_argument("--json", action="store_true", help="print the result as one JSON object")
     st.set_defaults(func=run_status)
+    ex = sub.add_parser("exec", help="run this rank's job command (for srun steps and heterogeneous jobs)",
+                        description="Inside one launch of every rank (srun -n N, or srun --het-group=0,1 for a "
+                                    "heterogeneous job), work out which job of SPEC this rank belongs to "
+                                    "(HPCSTAGGER_JOB, else the heterogeneous-job component, else the rank's place "
+                                    "in the spec's layout) and replace this process with that job's command.")
+    ex.add_argument("spec", help="the job spec (TOML)")
+    ex.set_defaults(func=run_exec)
+
+
+def run_exec(args: argparse.Namespace) -> int:
+    import os
+
+    from ..launch import exec_job
+    from ..spec import Spec
+
+    spec = Spec.from_toml(args.spec)
+    argv, env, cwd = exec_job(spec)
+    os.chdir(cwd)
+    os.execvpe(argv[0], argv, env)
+    return 1  # not reached
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -96,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(shlex.join(mpmd_command(spec)))
         return 0
-    result = launch(spec, mode=mode, delays=delays, timeout=args.timeout)
+    result = launch(spec, mode=mode, delays=delays, timeout=args.timeout, launcher=args.launcher)
     if args.json:
         json.dump(result.to_dict(), sys.stdout, default=str)
         sys.stdout.write("\n")
