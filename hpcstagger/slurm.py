@@ -30,6 +30,7 @@ __all__ = [
     "het_component",
     "submit",
     "job_record",
+    "job_records",
     "wait_for_job",
     "render_batch",
     "multiprog_conf",
@@ -209,12 +210,12 @@ def _command(name: str) -> str:
 
 def submit(script: str | os.PathLike[str], args: Sequence[str] = (), *,
            env: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
-           timeout: float = 60.0) -> int:
-    """Submit a batch script file with ``sbatch --parsable``; return the job id.
+           timeout: float = 60.0, script_args: Sequence[str] = ()) -> int:
+    """Submit a batch script file with ``sbatch --parsable [args] script [script_args]``; return the job id.
 
     Raises LaunchError with sbatch's own message when the submission is refused.
     """
-    cmd = [_command("sbatch"), "--parsable", *args, os.fspath(script)]
+    cmd = [_command("sbatch"), "--parsable", *args, os.fspath(script), *script_args]
     log.info("submitting: %s", " ".join(cmd))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env=None if env is None else dict(env), cwd=cwd)
@@ -223,39 +224,47 @@ def submit(script: str | os.PathLike[str], args: Sequence[str] = (), *,
     return parse_sbatch_parsable(proc.stdout)
 
 
-def job_record(job_id: int | str, *, env: Mapping[str, str] | None = None) -> dict[str, str] | None:
-    """``scontrol show job`` for one job as a dict (the first record for arrays); None if unknown."""
+def job_records(job_id: int | str, *, env: Mapping[str, str] | None = None) -> list[dict[str, str]]:
+    """``scontrol show job`` for a job as a list of records: one, or one per task of an array or
+    component of a heterogeneous job; [] when Slurm does not know the job."""
     proc = subprocess.run([_command("scontrol"), "show", "job", str(job_id)], capture_output=True,
                           text=True, timeout=30, env=None if env is None else dict(env))
     if proc.returncode != 0:
         if "Invalid job id" in proc.stderr:
-            return None
+            return []
         raise LaunchError(f"scontrol show job {job_id} failed: {proc.stderr.strip()}")
-    records = parse_scontrol(proc.stdout)
+    return parse_scontrol(proc.stdout)
+
+
+def job_record(job_id: int | str, *, env: Mapping[str, str] | None = None) -> dict[str, str] | None:
+    """The first record of :func:`job_records`, or None if Slurm does not know the job."""
+    records = job_records(job_id, env=env)
     return records[0] if records else None
 
 
 def wait_for_job(job_id: int | str, timeout: float, *, poll: float = 0.2,
                  env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Poll ``scontrol show job`` until the job reaches a terminal state; return its record.
+    """Poll ``scontrol show job`` until the job (every task of an array, every component of a
+    heterogeneous job) reaches a terminal state; return its record, or the first record that did
+    not complete.
 
     Raises LaunchError if the job is unknown to the controller or still running after ``timeout``
     seconds (the job is left alone; cancel it with ``scancel`` if it should not go on).
-    For array jobs give one task's id (``123_4`` works too).
     """
     deadline = time.monotonic() + timeout
-    state = "UNKNOWN"
     while True:
-        rec = job_record(job_id, env=env)
-        if rec is None:
+        records = job_records(job_id, env=env)
+        if not records:
             raise LaunchError(f"Slurm does not know job {job_id}: it was never submitted or has aged "
                               "out of the controller (MinJobAge)")
-        state = rec.get("JobState", "UNKNOWN").split()[0]
-        if state in TERMINAL_STATES:
-            return rec
+        states = [r.get("JobState", "UNKNOWN").split()[0] for r in records]
+        if all(s in TERMINAL_STATES for s in states):
+            bad = [r for r, s in zip(records, states) if s != "COMPLETED"]
+            return bad[0] if bad else records[0]
         if time.monotonic() >= deadline:
-            raise LaunchError(f"job {job_id} is still {state} after {timeout:g} s "
-                              f"(reason: {rec.get('Reason', '?')}); cancel it with 'scancel {job_id}'")
+            waiting = next(r for r, s in zip(records, states) if s not in TERMINAL_STATES)
+            raise LaunchError(f"job {job_id} is still {waiting.get('JobState', '?')} after {timeout:g} s "
+                              f"(reason: {waiting.get('Reason', '?')}); cancel it with 'scancel {job_id}'")
         time.sleep(poll)
 
 

@@ -93,8 +93,10 @@ def slurm_cluster():
 def batch_job(batch_job_on, slurm_cluster):
     """Submit a batch script body to the local Slurm and wait; returns (job id, record, output)."""
 
-    def submit(body: str, *sbatch_args: str, timeout: float = 120, name: str = "job"):
-        return batch_job_on(slurm_cluster, body, *sbatch_args, timeout=timeout, name=name)
+    def submit(body: str, *sbatch_args: str, timeout: float = 120, name: str = "job",
+               script_args: tuple[str, ...] = ()):
+        return batch_job_on(slurm_cluster, body, *sbatch_args, timeout=timeout, name=name,
+                            script_args=script_args)
 
     return submit
 
@@ -104,7 +106,8 @@ def batch_job_on(tmp_path):
     """Submit a batch script body to a given LocalSlurm and wait; returns (job id, record, output)."""
     from hpcstagger import slurm
 
-    def submit(cluster, body: str, *sbatch_args: str, timeout: float = 120, name: str = "job"):
+    def submit(cluster, body: str, *sbatch_args: str, timeout: float = 120, name: str = "job",
+               script_args: tuple[str, ...] = ()):
         workdir = tmp_path / name
         workdir.mkdir(exist_ok=True)
         workdir.chmod(0o777)
@@ -113,7 +116,7 @@ def batch_job_on(tmp_path):
         out = workdir / "out.txt"
         submitted = time.time()
         job_id = slurm.submit(script, ["--chdir", str(workdir), "--output", str(out), "--job-name", name,
-                                       *sbatch_args], env=cluster.env)
+                                       *sbatch_args], env=cluster.env, script_args=script_args)
         record = slurm.wait_for_job(job_id, timeout, env=cluster.env)
         remove_stale_mpich_segments(submitted)  # a failed or killed step skips MPICH's cleanup
         text = out.read_text() if out.exists() else ""
