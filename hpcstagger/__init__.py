@@ -13,6 +13,9 @@ from ._version import __version__
 
 # Public name -> module that defines it. Resolved lazily by __getattr__.
 _EXPORTS: dict[str, str] = {
+    "init": "hpcstagger.coordinator",
+    "Session": "hpcstagger.coordinator",
+    "Spec": "hpcstagger.spec",
     "Comm": "hpcstagger.comm",
     "as_comm": "hpcstagger.comm",
     "HpcstaggerError": "hpcstagger.errors",
