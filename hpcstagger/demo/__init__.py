@@ -1,0 +1,8 @@
+"""``hpcstagger demo``: two co-located training jobs on a slow emulated shared source, planned,
+simultaneous and sequential, with predicted and measured makespans.
+
+- :mod:`.data`: the synthetic image-like dataset (HDF5)
+- :mod:`.models`: two small models
+- :mod:`.job`: the training job each rank runs (``python -m hpcstagger.demo.job``)
+- :mod:`.run`: the driver behind ``hpcstagger demo``
+"""
