@@ -141,6 +141,45 @@ class Session:
         if self.verbose and self.is_leader:
             print(f"[hpcstagger {self.job} +{self.elapsed():.1f}s] {message}", file=sys.stderr, flush=True)
 
+    # ---- what the spec describes ---------------------------------------------------------------
+    def _need_spec(self, what: str) -> Spec:
+        if self.spec is None:
+            raise ConfigError(f"session.{what}() reads the job spec, but this run has none: launch with "
+                              f"'hpcstagger launch SPEC' or pass init(spec=...)")
+        return self.spec
+
+    def source(self) -> Any:
+        """The spec's ``[dataset]`` as a source: HDF5Source or DirectorySource, wrapped in a
+        ThrottledSource (shared by every job of the run) when ``throttle`` is set."""
+        spec = self._need_spec("source")
+        ds = spec.dataset
+        if not ds.path:
+            raise ConfigError("the spec has no [dataset] path; set it, or build your own source")
+        from .cache import DirectorySource, HDF5Source, ThrottledSource
+
+        base: Any = HDF5Source(ds.path, ds.name) if ds.format == "hdf5" else DirectorySource(ds.path, ds.pattern)
+        if ds.throttle:
+            return ThrottledSource(base, list(ds.throttle), shared_name=f"{spec.run.name}-source",
+                                   latency=ds.latency)
+        return base
+
+    def cache(self) -> Any:
+        """The spec's ``[cache]`` as a ShmCache shared by every job on the node, or None (capacity 0)."""
+        spec = self._need_spec("cache")
+        c = spec.cache
+        if c.capacity <= 0 or c.policy == "none":
+            return None
+        from .cache import ShmCache
+
+        return ShmCache(c.name, c.capacity, policy=c.policy, root=c.root or None)
+
+    def checkpoint_dir(self) -> tuple[str, str | None]:
+        """This job's checkpoint directory and staging directory (None without a fast level)."""
+        spec = self._need_spec("checkpoint_dir")
+        ck = spec.checkpoint
+        return (os.path.join(ck.directory, self.job),
+                os.path.join(ck.staging_dir, spec.run.name, self.job) if ck.staging_dir else None)
+
     # ---- stages --------------------------------------------------------------------------------
     def wait(self, idle_work: Sequence[IdleWork] = ()) -> float:
         """Wait out this job's delay, running ``idle_work`` meanwhile; return the seconds waited."""

@@ -73,7 +73,8 @@ def test_mpmd_jobs_split_wait_and_report(tmp_path):
     assert [(r["job"], r["rank"], r["size"], r["total"]) for r in rows] == [("a", 0, 1, 1), ("b", 0, 2, 2), ("b", 1, 2, 2)]
     assert all(r["jobs"] == {"a": [0], "b": [1, 2]} for r in rows)
     assert all(r["delays"] == {"a": 0.0, "b": 1.5} and r["mode"] == "fixed" for r in rows)
-    assert rows[0]["started"] < 0.5 and all(1.5 <= r["started"] < 3.0 for r in rows[1:])
+    # a starts at once, b after its 1.5 s delay (upper bounds leave room for a loaded machine)
+    assert rows[0]["started"] < 1.0 and all(1.5 <= r["started"] < 4.0 for r in rows[1:])
     assert all(r["overhead"] < 5 for r in rows)  # behaviour, not a benchmark: it is reported, and small
     status = {p.name: json.loads(p.read_text()) for p in (tmp_path / "hpcstagger-runs" / "coord" / "status").iterdir()}
     assert sorted(status) == ["a.0.json", "b.0.json", "b.1.json"]

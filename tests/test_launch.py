@@ -54,15 +54,15 @@ def test_simultaneous_fixed_and_sequential_runs(tmp_path):
     assert out.returncode == 0, out.stderr
     sim = json.loads(out.stdout)
     assert sim["mode"] == "simultaneous" and sim["jobs"]["b"]["state"] == "done"
-    assert 1.0 <= sim["makespan"] < 2.5 and sim["jobs"]["b"]["metrics"] == {"steps": 3}
+    assert 1.0 <= sim["makespan"] < 3.5 and sim["jobs"]["b"]["metrics"] == {"steps": 3}
 
     fixed = json.loads(run_cli("launch", str(spec), "--delays", "b=1.5", "--json", cwd=tmp_path).stdout)
     assert fixed["mode"] == "fixed" and fixed["delays"] == {"a": 0.0, "b": 1.5}
-    assert fixed["jobs"]["b"]["start"] >= 1.5 and 2.5 <= fixed["makespan"] < 4.0
+    assert fixed["jobs"]["b"]["start"] >= 1.5 and 2.5 <= fixed["makespan"] < 5.0
 
     seq = json.loads(run_cli("launch", str(spec), "--mode", "sequential", "--json", cwd=tmp_path).stdout)
     a, b = seq["jobs"]["a"], seq["jobs"]["b"]
-    assert b["start"] >= a["finish"] and abs(seq["makespan"] - (a["finish"] + 1.0)) < 0.5
+    assert b["start"] >= a["finish"] and a["finish"] + 1.0 <= seq["makespan"] < a["finish"] + 3.0
 
     text = run_cli("launch", str(spec), cwd=tmp_path)
     assert text.returncode == 0
