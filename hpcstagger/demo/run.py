@@ -1,0 +1,251 @@
+"""The driver behind ``hpcstagger demo``.
+
+1. Generate a synthetic image-like dataset (HDF5) unless one is already there.
+2. Serve it through a ThrottledSource: a slow shared repository whose aggregate bandwidth
+   degrades when two jobs read at once.
+3. Calibrate the scenario from short measurements (the source at 1 and 2 readers, the cache's hit
+   bandwidth, each model's seconds per sample) and plan the stagger with the performance model.
+4. Run the two co-located jobs (two different small models, one rank each, under MPMD mpiexec) at
+   the planned stagger, simultaneously and sequentially, each run with a cold cache and
+   asynchronous checkpoints, and compare predicted with measured makespans.
+5. Print a table, write ``demo.json`` and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from .. import _io
+from ..errors import ConfigError
+
+__all__ = ["DemoConfig", "run_demo", "format_table"]
+
+log = logging.getLogger(__name__)
+
+JOB_MODELS = {"convnet": "convnet", "mlp": "mlp"}
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """The demo's knobs; the defaults finish in a few minutes on 2 cores."""
+
+    workdir: str = "hpcstagger-demo"
+    samples: int = 6000
+    shape: tuple[int, int, int] = (3, 64, 64)
+    bandwidth: tuple[float, ...] = (2.0e7, 8.0e6)   # bytes/s with 1 and 2 concurrent readers
+    cache_fraction: float = 1.0                     # cache capacity as a fraction of the dataset
+    epochs: Mapping[str, int] = field(default_factory=lambda: {"convnet": 3, "mlp": 3})
+    checkpoint_every: int = 60                      # steps between asynchronous checkpoints
+    calibrate_budget: float = 20.0
+    modes: tuple[str, ...] = ("plan", "simultaneous", "sequential")
+    sweep: tuple[float, ...] = ()                   # extra fixed delays of the later job to measure
+    run_timeout: float = 600.0
+
+
+def _progress(desc: str, total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="sample", file=sys.stderr, leave=False)
+
+
+def _ensure_dataset(cfg: DemoConfig, path: Path) -> int:
+    """Reuse a dataset of the right shape, or generate it; return the bytes per sample."""
+    import h5py
+
+    from .data import make_dataset
+
+    row = 1 + cfg.shape[0] * cfg.shape[1] * cfg.shape[2]
+    if path.exists():
+        try:
+            with h5py.File(path, "r") as f:
+                if f["samples"].shape == (cfg.samples, row):
+                    return row
+        except (OSError, KeyError):
+            pass
+    print(f"demo: generating {cfg.samples} samples of {row} bytes ({cfg.samples * row / 1e6:.0f} MB) in {path}",
+          file=sys.stderr)
+    with _progress("dataset", cfg.samples) as bar:
+        make_dataset(str(path), cfg.samples, cfg.shape, progress=bar.update)
+    return row
+
+
+def _write_spec(cfg: DemoConfig, work: Path, data: Path, scenario: Path, capacity: int) -> Path:
+    jobs = "".join(textwrap.dedent(f"""
+        [[job]]
+        name = "{name}"
+        command = "python -m hpcstagger.demo.job --model {model}"
+        epochs = {cfg.epochs[name]}
+        env = {{ HPCSTAGGER_DEMO_SHAPE = "{','.join(map(str, cfg.shape))}" }}
+        """) for name, model in JOB_MODELS.items())
+    text = textwrap.dedent(f"""\
+        # Written by `hpcstagger demo`: two co-located jobs on an emulated slow shared source.
+        [run]
+        name = "hpcstagger-demo"
+        workdir = "."
+        timeout = {cfg.run_timeout}
+        [dataset]
+        path = "{data.name}"
+        name = "samples"
+        throttle = [{", ".join(f"{b:.6g}" for b in cfg.bandwidth)}]
+        [cache]
+        capacity = {capacity}
+        [checkpoint]
+        directory = "checkpoints"
+        every = {cfg.checkpoint_every}
+        keep = 2
+        [plan]
+        mode = "plan"
+        scenario = "{scenario.name}"
+        """) + jobs
+    path = work / "spec.toml"
+    _io.atomic_write(path, text.encode(), durable=False)
+    return path
+
+
+def _calibrate(cfg: DemoConfig, data: Path, scenario_path: Path, capacity: int) -> Any:
+    from ..cache import HDF5Source, ShmCache, ThrottledSource
+    from ..model import calibrate
+    from .job import make_step
+
+    source = ThrottledSource(HDF5Source(str(data), "samples"), list(cfg.bandwidth),
+                             shared_name="hpcstagger-demo-calibrate")
+    cache = ShmCache("hpcstagger-demo-calibrate", capacity)
+    try:
+        jobs = {name: make_step(model, cfg.shape)[2] for name, model in JOB_MODELS.items()}
+        return calibrate(source, jobs, epochs=dict(cfg.epochs), capacity=capacity, cache=cache,
+                         budget=cfg.calibrate_budget, batch=32, out=str(scenario_path))
+    finally:
+        cache.destroy(force=True)
+        source.unlink()
+
+
+def _reset_shared_state() -> None:
+    """Every run starts with a cold cache: remove the run's cache (and idle throttle state)."""
+    from ..cache import ShmCache
+    from ..errors import CacheError
+
+    try:
+        ShmCache("hpcstagger-demo", None).destroy(force=True)
+    except CacheError:
+        pass
+
+
+def run_demo(cfg: DemoConfig) -> dict[str, Any]:
+    """Run the whole demo; return its results (also written to ``<workdir>/demo.json``)."""
+    from ..launch import launch
+    from ..model import Scenario, optimal_plan, predict
+    from ..spec import Spec
+
+    started = time.monotonic()
+    work = Path(cfg.workdir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    data = work / "data.h5"
+    row = _ensure_dataset(cfg, data)
+    capacity = int(cfg.cache_fraction * cfg.samples * row)
+    scenario_path = work / "scenario.toml"
+    print("demo: calibrating (the source at 1 and 2 readers, cache hits, each model's time per sample)",
+          file=sys.stderr)
+    calibration = _calibrate(cfg, data, scenario_path, capacity)
+    scenario = Scenario.from_toml(scenario_path)
+    plan = optimal_plan(scenario)
+    print(f"demo: plan {', '.join(f'{n} +{d:.1f}s' for n, d in plan.delays.items())}: predicted makespan "
+          f"{plan.makespan:.1f} s (simultaneous {plan.simultaneous:.1f} s, sequential {plan.sequential:.1f} s)",
+          file=sys.stderr)
+    spec = Spec.from_toml(_write_spec(cfg, work, data, scenario_path, capacity))
+
+    runs: list[dict[str, Any]] = []
+    later = max(plan.delays, key=lambda n: plan.delays[n]) if plan.order else spec.jobs[-1].name
+    todo: list[tuple[str, dict[str, float] | None]] = [(m, None) for m in cfg.modes]
+    todo += [("fixed", {later: float(d)}) for d in cfg.sweep]
+    for mode, delays in todo:
+        _reset_shared_state()
+        label = mode if delays is None else f"stagger {delays[later]:.1f}s"
+        print(f"demo: run {len(runs) + 1}/{len(todo)}: {label}", file=sys.stderr, flush=True)
+        result = launch(spec, mode=mode, delays=delays, run_name=f"{len(runs) + 1:02d}-{label.replace(' ', '-')}")
+        if not result.ok:
+            problems = "; ".join(result.failures()) or f"mpiexec exited with {result.returncode}"
+            raise ConfigError(f"demo run '{label}' failed: {problems} (see {result.run_dir})")
+        if mode == "plan":
+            predicted = plan.makespan
+        elif mode == "simultaneous":
+            predicted = plan.simultaneous
+        elif mode == "sequential":
+            predicted = plan.sequential
+        else:
+            predicted = predict(scenario, delays).makespan
+        measured = float(result.makespan or 0.0)
+        runs.append({"mode": mode, "label": label, "delays": result.delays, "predicted": predicted,
+                     "measured": measured, "error": (predicted - measured) / measured if measured else None,
+                     "jobs": {n: {"start": j.start, "finish": j.finish, "metrics": j.metrics}
+                              for n, j in result.jobs.items()},
+                     "overhead": result.overhead, "run_dir": result.run_dir})
+    _reset_shared_state()
+    out = {"config": {k: (list(v) if isinstance(v, tuple) else dict(v) if isinstance(v, Mapping) else v)
+                      for k, v in vars(cfg).items()},
+           "scenario": scenario.to_dict(), "calibration": calibration.measurements,
+           "plan": plan.to_dict(), "runs": runs, "seconds": time.monotonic() - started}
+    _io.atomic_write_json(work / "demo.json", out, durable=False)
+    out["plot"] = str(_plot(out, work / "demo.png"))
+    return out
+
+
+def format_table(result: Mapping[str, Any]) -> str:
+    """The predicted-versus-measured table of a demo result."""
+    rows = [("RUN", "DELAYS", "PREDICTED", "MEASURED", "ERROR")]
+    for r in result["runs"]:
+        delays = ", ".join(f"{n} +{d:.1f}s" for n, d in r["delays"].items())
+        err = "-" if r["error"] is None else f"{100 * r['error']:+.1f}%"
+        rows.append((r["label"], delays, f"{r['predicted']:.1f} s", f"{r['measured']:.1f} s", err))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def _plot(result: Mapping[str, Any], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plan = result["plan"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    curve = plan["curve"]
+    if curve["stagger"]:
+        ax1.plot(curve["stagger"], curve["makespan"], label="predicted makespan", color="tab:blue")
+    later = max(plan["delays"], key=lambda n: plan["delays"][n])
+    for r in result["runs"]:
+        if r["mode"] == "sequential":
+            ax1.axhline(r["measured"], color="tab:gray", ls="--", label="measured, sequential")
+            ax1.axhline(r["predicted"], color="tab:gray", ls=":", label="predicted, sequential")
+            continue
+        x = r["delays"].get(later, 0.0)
+        marker = {"plan": "*", "simultaneous": "o"}.get(r["mode"], "x")
+        ax1.scatter([x], [r["measured"]], marker=marker, s=90 if marker == "*" else 40, color="tab:red", zorder=3,
+                    label=f"measured, {r['label']}" if r["mode"] != "fixed" else None)
+    ax1.set_xlabel(curve.get("label") or f"delay of {later} (s)")
+    ax1.set_ylabel("makespan (s)")
+    ax1.set_title("Makespan versus stagger")
+    ax1.legend(fontsize=8)
+    labels = []
+    for i, r in enumerate(result["runs"]):
+        for j, (name, t) in enumerate(r["jobs"].items()):
+            if t["start"] is not None and t["finish"] is not None:
+                ax2.barh(i + 0.2 * (j - 0.5), t["finish"] - t["start"], left=t["start"], height=0.38,
+                         color=f"C{j}", label=name if i == 0 else None)
+        labels.append(r["label"])
+    ax2.set_yticks(range(len(labels)), labels)
+    ax2.invert_yaxis()
+    ax2.set_xlabel("seconds from the run's start")
+    ax2.set_title("Measured job timelines")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
