@@ -24,6 +24,13 @@ _EXPORTS: dict[str, str] = {
     "CheckpointError": "hpcstagger.errors",
     "LaunchError": "hpcstagger.errors",
     "ModelError": "hpcstagger.errors",
+    # checkpoints
+    "AsyncCheckpointer": "hpcstagger.checkpoint.checkpointer",
+    "load": "hpcstagger.checkpoint.load",
+    "restore": "hpcstagger.checkpoint.load",
+    "ActivityGate": "hpcstagger.checkpoint.gates",
+    "SharedActivityGate": "hpcstagger.checkpoint.gates",
+    "AnyGate": "hpcstagger.checkpoint.gates",
 }
 
 __all__ = ["__version__", *_EXPORTS]
