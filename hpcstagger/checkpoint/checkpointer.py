@@ -21,6 +21,7 @@ the same outcome, and a failure anywhere is raised on every rank by the next ``s
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
@@ -157,6 +158,8 @@ class _SaveJob:
                                        f"{_describe_exc(exc)}")
             h._error.__cause__ = exc
         finally:
+            if h._error is not None:  # also raised by the next save()/wait(); logged in case none comes
+                log.error("%s", h._error)
             h.stats = self.pacer.stats()
             self.items = []  # drop references to the snapshot buffer
             h._staged.set()
@@ -258,6 +261,10 @@ class AsyncCheckpointer:
         self.gate = gate
         self._comm = as_comm(comm)
         _check_thread_level(self._comm)
+        # h5py must first be imported on the main thread: imported first on the writer thread, HDF5's
+        # own exit handler calls back into an interpreter that is gone and the process segfaults.
+        import h5py  # noqa: F401
+        import xxhash  # noqa: F401
         self._levels = [d for d in (self.staging_dir, self.directory) if d is not None]
         self._keeps = [max(1, int(config.get("ckpt_staging_keep"))), keep] if self.staging_dir else [keep]
 
@@ -274,6 +281,9 @@ class AsyncCheckpointer:
         self._current: SaveHandle | None = None
         self._closed = False
         self._worker = _Worker(int(config.get("ckpt_writer_nice")))
+        # An unclosed checkpointer finishes its save in flight at exit. Registered now, after h5py's
+        # own exit handler, so that it runs before h5py tears HDF5 down (atexit runs last-in first).
+        atexit.register(self._worker.stop)
         self._finalizer = weakref.finalize(self, self._worker.stop)
 
     # ------------------------------------------------------------------ properties
@@ -415,6 +425,7 @@ class AsyncCheckpointer:
             self._finish_previous()
         finally:
             self._finalizer()
+            atexit.unregister(self._worker.stop)
             self._buffers.release()
             if self._wcomm.is_mpi:
                 self._wcomm.free()

@@ -119,7 +119,7 @@ class _Flattener:
             if obj.dtype.kind not in "biufc":
                 raise CheckpointError(f"state entry {'/'.join(path)!r} is a numpy array of dtype {obj.dtype}; "
                                       "only bool, integer, float and complex arrays can be checkpointed")
-            arr = np.ascontiguousarray(obj)
+            arr = obj if obj.flags.c_contiguous else obj.copy(order="C")  # (ascontiguousarray makes 0-d 1-d)
             if not arr.dtype.isnative:
                 arr = arr.astype(arr.dtype.newbyteorder("="))
             t = torch.from_numpy(arr.reshape(-1).view(np.uint8)).view(torch.uint8)

@@ -60,7 +60,11 @@ class Pacer:
         if gate is None or self._hurry.is_set() or not gate.busy():
             return
         t = time.monotonic()
-        gate.wait_idle(self.max_wait)
+        deadline = t + self.max_wait
+        while not self._hurry.is_set():  # in slices, so that hurry() takes effect within 10 ms
+            left = deadline - time.monotonic()
+            if left <= 0 or gate.wait_idle(min(left, 0.01)):
+                break
         self.waits += 1
         self.waited_s += time.monotonic() - t
 
@@ -148,7 +152,7 @@ class ShardWriter:
         except CheckpointError:
             raise
         except Exception as exc:  # noqa: BLE001 - reported with the path, cause kept
-            raise CheckpointError(f"rank {rank}: writing checkpoint shard {path} failed: "
+            raise CheckpointError(f"writing checkpoint shard {path} failed: "
                                   f"{type(exc).__name__}: {exc}") from exc
         finally:
             if tmp is not None:
@@ -222,7 +226,7 @@ class ShardWriter:
                 finally:
                     os.close(fd)
             if size != expect["size"] or h.hexdigest() != expect["checksum"]:
-                raise CheckpointError(f"rank {rank}: staged shard {src} changed before it was flushed "
+                raise CheckpointError(f"staged shard {src} changed before it was flushed "
                                       f"({size} bytes, xxh3 {h.hexdigest()}; expected {expect['size']} bytes, "
                                       f"xxh3 {expect['checksum']}); the fast level is damaged")
             os.replace(tmp, dst)
@@ -231,7 +235,7 @@ class ShardWriter:
         except CheckpointError:
             raise
         except Exception as exc:  # noqa: BLE001
-            raise CheckpointError(f"rank {rank}: flushing checkpoint shard {src} to {dst} failed: "
+            raise CheckpointError(f"flushing checkpoint shard {src} to {dst} failed: "
                                   f"{type(exc).__name__}: {exc}") from exc
         finally:
             if tmp is not None:
