@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -81,14 +82,17 @@ def commit(step_dir: str, manifest: dict[str, Any]) -> None:
     fsync_dir(os.path.dirname(step_dir) or ".")
 
 
-def _remove(path: str) -> None:
-    """Uncommit (unlink the manifest durably) first, then delete the rest."""
-    try:
-        os.unlink(os.path.join(path, MANIFEST))
-        fsync_dir(path)
-    except FileNotFoundError:
-        pass
-    shutil.rmtree(path, ignore_errors=True)
+def _trash(root: str, path: str) -> str:
+    """Rename a step directory out of sight (an atomic uncommit); returns the new name."""
+    trash = os.path.join(root, f".trash-{os.path.basename(path)}-{secrets.token_hex(4)}")
+    os.rename(path, trash)
+    return trash
+
+
+def _empty_trash(root: str, extra: Iterable[str] = ()) -> None:
+    names = [os.path.join(root, n) for n in os.listdir(root) if n.startswith(".trash-")]
+    for path in {*names, *extra}:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def clear_step(root: str, step: int) -> None:
@@ -96,13 +100,18 @@ def clear_step(root: str, step: int) -> None:
     path = os.path.join(root, step_dirname(step))
     if os.path.isdir(path):
         log.info("removing the earlier checkpoint directory %s before saving step %d again", path, step)
-        _remove(path)
+        trash = _trash(root, path)
         fsync_dir(root)
+        _empty_trash(root, [trash])
 
 
 def prune(root: str, keep: int, *, protect: int | None = None) -> list[str]:
     """Keep the ``keep`` newest committed checkpoints in ``root`` (and step ``protect``); delete the
-    older ones and incomplete directories older than the newest commit. Returns the removed paths."""
+    older ones and incomplete directories older than the newest commit. Returns the removed paths.
+
+    Each directory is first renamed out of sight (one durable rename in ``root``), then deleted,
+    so a crash midway never leaves a committed checkpoint with files missing.
+    """
     entries = scan([root])
     committed = [e for e in entries if e.committed]
     kept = {e.step for e in committed[:keep]}
@@ -114,8 +123,9 @@ def prune(root: str, keep: int, *, protect: int | None = None) -> list[str]:
         if e.step in kept:
             continue
         if e.committed or (newest is not None and e.step < newest):
-            _remove(e.path)
+            _trash(root, e.path)
             removed.append(e.path)
     if removed:
         fsync_dir(root)
+    _empty_trash(root)
     return removed

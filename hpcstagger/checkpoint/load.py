@@ -75,9 +75,8 @@ def _check_shard(step_dir: str, manifest: dict[str, Any], rank: int, pieces: lis
                 if not isinstance(ds, h5py.Dataset):
                     raise CheckpointError(f"shard {path} lacks dataset {p['dataset']}")
                 t = manifest["tensors"][key]
-                if (ds.attrs.get("checksum") != p["checksum"] or int(ds.attrs.get("start", -1)) != p["start"]
-                        or int(ds.attrs.get("count", -1)) != p["count"] or ds.size != p["count"]
-                        or ds.dtype != np.dtype(t["storage"])):
+                if (ds.attrs.get("checksum") != p["checksum"] or int(ds.attrs.get("start", 0)) != p["start"]
+                        or ds.size != p["count"] or ds.dtype != np.dtype(t["storage"])):
                     raise CheckpointError(f"shard {path}: dataset {p['dataset']} does not match the manifest "
                                           "(checksum, range or dtype differ)")
                 off = ds.id.get_offset() if p["count"] else None

@@ -88,8 +88,21 @@ def build_manifest(*, step: int, world_size: int, tree: Any, tensors: Mapping[st
 
 
 def encode_manifest(manifest: Mapping[str, Any]) -> bytes:
-    """The manifest as indented JSON (state order preserved, which keeps state dicts in order)."""
-    return (json.dumps(manifest, indent=1, allow_nan=False) + "\n").encode()
+    """The manifest as JSON, one line per field, shard and tensor (readable, and encoded by json's
+    fast C encoder, which indenting would forgo). Key order is kept, so state dicts stay in order."""
+    def enc(v: Any) -> str:
+        return json.dumps(v, allow_nan=False, separators=(", ", ": "))
+
+    lines = []
+    for k, v in manifest.items():
+        if k in ("tensors", "shards") and v:
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            body = ",\n".join(f"  {enc(i) + ': ' if isinstance(v, dict) else ''}{enc(x)}" for i, x in items)
+            opener, closer = ("{", "}") if isinstance(v, dict) else ("[", "]")
+            lines.append(f"{enc(k)}: {opener}\n{body}\n {closer}")
+        else:
+            lines.append(f"{enc(k)}: {enc(v)}")
+    return ("{\n " + ",\n ".join(lines) + "\n}\n").encode()
 
 
 def decode_manifest(data: bytes, where: str = "manifest") -> dict:
