@@ -179,7 +179,8 @@ class _SaveJob:
                 self.writer.copy_shard(step=h.step, rank=c.rank, src=src, dst=path, expect=self.record,
                                        pacer=self.pacer)
         except Exception as exc:  # noqa: BLE001 - every rank learns it below
-            err = str(exc) if isinstance(exc, CheckpointError) else f"writing {path}: {_describe_exc(exc)}"
+            verb = "writing" if i == 0 else "flushing to"
+            err = str(exc) if isinstance(exc, CheckpointError) else f"{verb} {path}: {_describe_exc(exc)}"
         results = c.gather((self.record if i == 0 else None, err), timeout=self.timeout)
         outcome = None
         if c.rank == 0:
