@@ -15,7 +15,8 @@ measures, repeating each measurement and taking medians:
     future resolved, torch.save + fsync; and with a /dev/shm staging level, time until staged;
 (c) training step slowdown while a save is in flight: DDP training (gloo, gated all-reduce comm
     hook); step times while a save is in flight against steps without one, with the writer
-    ungated (gate=None) and gated on the all-reduces.
+    ungated (gate=None), gated on the all-reduces, gated on whole training steps, ungated at
+    nice 19 (ckpt_writer_nice), and for comparison while a DCP async_save is in flight.
 
 Results go to benchmarks/out/bench_checkpoint.json and a table on stdout. Checkpoints are written
 under --dir (default benchmarks/out/ckpt-bench, removed afterwards), staging under /dev/shm.
@@ -115,6 +116,9 @@ def worker(args: argparse.Namespace) -> None:
     comm = Comm.world()
     rank, size = comm.rank, comm.size
     init_process_group(comm, timeout=600)
+    # DCP's background thread runs collectives; on the group DDP uses from the main thread they
+    # would interleave differently on each rank and hang, so DCP gets a group of its own.
+    dcp_pg = dist.new_group(backend="gloo")
     reps = args.reps
     root = args.dir
     log = (lambda *a: print(f"[n={size}]", *a, file=sys.stderr, flush=True)) if rank == 0 else (lambda *a: None)
@@ -129,12 +133,20 @@ def worker(args: argparse.Namespace) -> None:
     ddp.register_comm_hook(None, gated_allreduce_hook(gate))
     flag = torch.zeros(1)
 
-    def train_step(step: int) -> float:
+    step_gate = ActivityGate()  # busy for a whole training step (the "step-gated" variant)
+
+    def train_step(step: int, whole_step_gate: bool = False) -> float:
         x, y = _batch(step, rank, args.batch)
         t = time.perf_counter()
-        opt.zero_grad(set_to_none=False)
-        torch.nn.functional.mse_loss(ddp(x), y).backward()
-        opt.step()
+        if whole_step_gate:
+            step_gate.enter()
+        try:
+            opt.zero_grad(set_to_none=False)
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+        finally:
+            if whole_step_gate:
+                step_gate.exit()
         return time.perf_counter() - t
 
     train_step(0)  # Adam state exists from here on
@@ -143,34 +155,40 @@ def worker(args: argparse.Namespace) -> None:
     log(f"state {nbytes / 1e6:.0f} MB ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters)")
     res: dict = {"ranks": size, "state_bytes": nbytes, "reps": reps}
 
-    # (a) floor: a bare copy of the whole state into preallocated buffers, on every rank at once.
+    # (a) floor: a bare copy of the whole state into preallocated buffers, on every rank at once
+    # (measured in each round below, the faster of numpy's and torch's copy).
     srcs = _tensors({"m": model.state_dict(), "o": opt.state_dict()})
     bufs = [torch.empty_like(t) for t in srcs]
     for b in bufs:
         b.zero_()
-    floor = {}
-    for how in ("numpy", "torch"):
-        times = []
-        for _ in range(reps + 1):
-            comm.barrier()
-            t = time.perf_counter()
-            if how == "numpy":
-                for s, b in zip(srcs, bufs):
-                    np.copyto(b.numpy(), s.numpy())
-            else:
-                for s, b in zip(srcs, bufs):
-                    b.copy_(s)
-            times.append(slowest(time.perf_counter() - t))
-        floor[how] = statistics.median(times[1:])
-    del bufs
-    res["floor_copy_s"] = min(floor.values())
-    res["floor_copy_by_method_s"] = floor
-    log(f"floor copy {res['floor_copy_s'] * 1e3:.1f} ms {floor}")
 
-    # (a)+(b) torch.save of the whole state on rank 0 (blocking = the call; durable = + fsync).
-    ts_block, ts_durable = [], []
+    def floor_copy(how: str) -> float:
+        comm.barrier()
+        t = time.perf_counter()
+        if how == "numpy":
+            for s_, b_ in zip(srcs, bufs):
+                np.copyto(b_.numpy(), s_.numpy())
+        else:
+            for s_, b_ in zip(srcs, bufs):
+                b_.copy_(s_)
+        return slowest(time.perf_counter() - t)
+
+    # (a)+(b) torch.save on rank 0, DCP async_save and ours, interleaved round by round so that all
+    # three see the same machine (other jobs share this node). The first round only warms up (DCP
+    # and ours allocate their staging buffers in it); ours' first blocking time is reported apart.
+    import gc
+
+    ck = AsyncCheckpointer(os.path.join(root, "ours"), comm=comm, keep=2)
+    m = {k: [] for k in ("floor_numpy", "floor_torch", "ts_block", "ts_durable", "dcp_block", "dcp_durable",
+                         "ours_block", "ours_durable")}
+    first = None
     path = os.path.join(root, "torch_save.pt")
-    for _ in range(reps):
+    for i in range(reps + 1):
+        fn, ft = floor_copy("numpy"), floor_copy("torch")
+        if i:
+            m["floor_numpy"].append(fn)
+            m["floor_torch"].append(ft)
+        # torch.save of the whole state on rank 0 (blocking = the call; durable = + fsync)
         comm.barrier()
         if rank == 0:
             t = time.perf_counter()
@@ -179,44 +197,28 @@ def worker(args: argparse.Namespace) -> None:
                 t1 = time.perf_counter()
                 f.flush()
                 os.fsync(f.fileno())
-            ts_block.append(t1 - t)
-            ts_durable.append(time.perf_counter() - t)
+            if i:
+                m["ts_block"].append(t1 - t)
+                m["ts_durable"].append(time.perf_counter() - t)
             os.unlink(path)
-    comm.barrier()
-    res["torch_save_blocking_s"] = comm.bcast(statistics.median(ts_block) if rank == 0 else None)
-    res["torch_save_durable_s"] = comm.bcast(statistics.median(ts_durable) if rank == 0 else None)
-    log(f"torch.save {res['torch_save_blocking_s']:.3f} s, +fsync {res['torch_save_durable_s']:.3f} s")
-
-    # (a)+(b) DCP async_save.
-    d_block, d_durable = [], []
-    for i in range(reps + 1):
+        # DCP async_save (blocking = the call; durable = its future resolved), slowest rank
         msd, osd = get_state_dict(model, opt)
         comm.barrier()
         t = time.perf_counter()
-        fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, f"dcp-{i}"))
+        fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, f"dcp-{i}"),
+                             process_group=dcp_pg)
         b = time.perf_counter() - t
         fut.result()
         dd = time.perf_counter() - t
-        if i:  # the first call sets DCP up (and allocates its staging copy)
-            d_block.append(slowest(b))
-            d_durable.append(slowest(dd))
-        else:
-            slowest(b), slowest(dd)
+        b, dd = slowest(b), slowest(dd)
+        if i:
+            m["dcp_block"].append(b)
+            m["dcp_durable"].append(dd)
+        del msd, osd, fut
         comm.barrier()
         if rank == 0:
             shutil.rmtree(os.path.join(root, f"dcp-{i}"), ignore_errors=True)
-    res["dcp_blocking_s"] = statistics.median(d_block)
-    res["dcp_durable_s"] = statistics.median(d_durable)
-    log(f"DCP async_save blocking {res['dcp_blocking_s']:.3f} s, durable {res['dcp_durable_s']:.3f} s")
-    del msd, osd
-    import gc
-
-    gc.collect()
-
-    # (a)+(b) ours: blocking and durable, with the first save (buffer allocation) apart.
-    ck = AsyncCheckpointer(os.path.join(root, "ours"), comm=comm, keep=2)
-    o_block, o_durable, first = [], [], None
-    for i in range(reps + 1):
+        # ours (blocking = save(); durable = handle.wait() returned), slowest rank
         state["step"] = i
         comm.barrier()
         t = time.perf_counter()
@@ -224,18 +226,27 @@ def worker(args: argparse.Namespace) -> None:
         b = time.perf_counter() - t
         h.wait()
         dd = time.perf_counter() - t
+        ck.drain()  # retention (deleting the save before last) runs after durable; not timed here
         b, dd = slowest(b), slowest(dd)
-        if i == 0:
-            first = b
+        if i:
+            m["ours_block"].append(b)
+            m["ours_durable"].append(dd)
         else:
-            o_block.append(b)
-            o_durable.append(dd)
+            first = b
+        gc.collect()
     ck.close()
-    res["ours_first_blocking_s"] = first
-    res["ours_blocking_s"] = statistics.median(o_block)
-    res["ours_durable_s"] = statistics.median(o_durable)
-    log(f"ours blocking {res['ours_blocking_s'] * 1e3:.1f} ms (first {first * 1e3:.1f}), "
-        f"durable {res['ours_durable_s']:.3f} s")
+    med = {k: (comm.bcast(statistics.median(v) if rank == 0 else None) if k.startswith("ts_")
+               else statistics.median(v)) for k, v in m.items()}
+    del bufs, srcs
+    res["floor_copy_by_method_s"] = {"numpy": med["floor_numpy"], "torch": med["floor_torch"]}
+    res["floor_copy_s"] = min(med["floor_numpy"], med["floor_torch"])
+    res.update(torch_save_blocking_s=med["ts_block"], torch_save_durable_s=med["ts_durable"],
+               dcp_blocking_s=med["dcp_block"], dcp_durable_s=med["dcp_durable"],
+               ours_first_blocking_s=first, ours_blocking_s=med["ours_block"], ours_durable_s=med["ours_durable"],
+               samples={k: v for k, v in m.items() if rank == 0 or not k.startswith("ts_")})
+    log(f"floor copy {res['floor_copy_s'] * 1e3:.1f} ms; torch.save {med['ts_block']:.3f} s (+fsync {med['ts_durable']:.3f}); DCP async_save blocking "
+        f"{med['dcp_block']:.3f} s, durable {med['dcp_durable']:.3f} s; ours blocking {med['ours_block'] * 1e3:.1f} ms "
+        f"(first {first * 1e3:.1f}), durable {med['ours_durable']:.3f} s")
 
     # (b) ours with a /dev/shm staging level: time until staged, and until durable on disk.
     if not args.no_staging:
@@ -251,6 +262,7 @@ def worker(args: argparse.Namespace) -> None:
                 s1 = time.perf_counter() - t
                 h.wait()
                 s2 = time.perf_counter() - t
+                ck.drain()
                 s1, s2 = slowest(s1), slowest(s2)
                 if i:
                     st.append(s1)
@@ -265,43 +277,77 @@ def worker(args: argparse.Namespace) -> None:
             if rank == 0:
                 shutil.rmtree(shm, ignore_errors=True)
 
-    # (c) step slowdown while a save is in flight, ungated and gated.
-    def steps_while(ck_, nsaves: int, base_step: int) -> tuple[list[float], list[float]]:
-        """Train; start a save every few steps; step times split into (quiet, in flight)."""
-        quiet, busy = [], []
-        step = base_step
-        for n in range(nsaves):
-            for _ in range(args.quiet_steps):  # quiet steps, the previous save long done
-                dt = train_step(step)
+    # (c) step slowdown while a save is in flight. Each round runs every variant in turn: a few
+    # quiet steps, then a save and the steps that start while it is in flight. A round's slowdown
+    # is its mean in-flight step over its mean quiet step (so both see the same machine); the
+    # result is the median over rounds.
+    # Variants: our writer ungated; gated on DDP's all-reduces (the comm hook); gated on whole
+    # training steps (so it writes a chunk only between steps, or after ckpt_gate_max_wait);
+    # ungated at nice 19; and DCP's async_save for comparison.
+    variants = {"ungated": (None, 0), "allreduce-gated": (gate, 0), "step-gated": (step_gate, 0),
+                "nice19": (None, 19), "dcp": None}
+    cks = {}
+    for name, spec in variants.items():
+        if spec is None:
+            continue
+        with config.override(ckpt_writer_nice=spec[1]):
+            cks[name] = AsyncCheckpointer(os.path.join(root, f"ours-{name}"), comm=comm, keep=1, gate=spec[0])
+        cks[name].prepare(state)
+    per = {name: {"ratios": [], "quiet": [], "busy": [], "durable": []} for name in variants}
+    step = 100
+    train_step(step)
+    for rnd in range(args.saves):
+        for name in variants:
+            quiet, busy = [], []
+            whole = name == "step-gated"
+            for _ in range(args.quiet_steps):
+                quiet.append(train_step(step, whole))
                 step += 1
-                quiet.append(dt)
             state["step"] = step
-            h = ck_.save(step, state)
+            t = time.perf_counter()
+            if name == "dcp":
+                msd, osd = get_state_dict(model, opt)
+                fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, f"dcp-c{rnd}"),
+                                     process_group=dcp_pg)
+                done = fut.done
+            else:
+                h = cks[name].save(step, state)
+                done = cks[name].idle  # in flight until the writer is idle, retention included
             while True:  # every rank follows rank 0's view of "in flight" (DDP needs equal step counts)
-                flag[0] = 0.0 if h.done() else 1.0
+                flag[0] = 0.0 if done() else 1.0
                 dist.broadcast(flag, 0)
                 if flag[0] == 0.0:
                     break
-                busy.append(train_step(step))
+                busy.append(train_step(step, whole))
                 step += 1
-            h.wait()
-        return quiet, busy
-
+            if name == "dcp":
+                fut.result()
+                del msd, osd
+                comm.barrier()
+                if rank == 0:
+                    shutil.rmtree(os.path.join(root, f"dcp-c{rnd}"), ignore_errors=True)
+            else:
+                h.wait()
+            per[name]["durable"].append(time.perf_counter() - t)
+            per[name]["quiet"] += quiet
+            per[name]["busy"] += busy
+            if busy:
+                per[name]["ratios"].append(statistics.fmean(busy) / statistics.fmean(quiet) - 1)
+    for c_ in cks.values():
+        c_.close()
     out_c = {}
-    step0 = 100
-    for variant, g in (("ungated", None), ("gated", gate)):
-        ck = AsyncCheckpointer(os.path.join(root, f"ours-{variant}"), comm=comm, keep=1, gate=g)
-        ck.prepare(state)
-        train_step(step0)
-        quiet, busy = steps_while(ck, args.saves, step0)
-        step0 += 1000
-        ck.close()
-        q = slowest(statistics.median(quiet))
-        b = slowest(statistics.median(busy)) if busy else None  # equal step counts on every rank
-        out_c[variant] = {"quiet_step_s": q, "inflight_step_s": b, "inflight_steps": len(busy),
-                          "quiet_steps": len(quiet), "slowdown": (b / q - 1) if busy else None}
-        log(f"{variant}: quiet step {q * 1e3:.0f} ms, in flight {_fmt_ms(b)} ms over {len(busy)} steps "
-            f"-> slowdown {_fmt_pct(out_c[variant]['slowdown'])}")
+    for name in variants:
+        v = per[name]
+        ratios = comm.allgather(v["ratios"])  # every rank ran the same rounds; take the slowest rank per round
+        worst = [max(r[k] for r in ratios) for k in range(len(ratios[0]))] if ratios[0] else []
+        out_c[name] = {"slowdown": statistics.median(worst) if worst else None, "round_slowdowns": worst,
+                       "quiet_step_s": slowest(statistics.median(v["quiet"])),
+                       "inflight_step_s": slowest(statistics.median(v["busy"])) if v["busy"] else None,
+                       "inflight_steps": len(v["busy"]), "quiet_steps": len(v["quiet"]),
+                       "save_in_flight_s": slowest(statistics.median(v["durable"]))}
+        log(f"{name}: quiet step {out_c[name]['quiet_step_s'] * 1e3:.0f} ms, in flight "
+            f"{_fmt_ms(out_c[name]['inflight_step_s'])} ms over {len(v['busy'])} steps, save in flight "
+            f"{out_c[name]['save_in_flight_s']:.2f} s -> slowdown {_fmt_pct(out_c[name]['slowdown'])}")
     res["step"] = out_c
     destroy_process_group(comm)
     if rank == 0:
@@ -321,7 +367,7 @@ def _fmt_pct(x):
 def table(results: list[dict]) -> str:
     rows = [("ranks", "state MB", "floor copy ms", "ours block ms", "first save ms", "torch.save ms", "DCP async ms",
              "ours/floor", "ours/torch.save", "ours durable s", "DCP durable s", "torch.save+fsync s",
-             "staged s", "step slow ungated", "step slow gated")]
+             "staged s", "slowdown ungated", "allreduce-gated", "step-gated", "nice19", "DCP")]
     for r in results:
         s = r["step"]
         rows.append((str(r["ranks"]), f"{r['state_bytes'] / 1e6:.0f}", _fmt_ms(r["floor_copy_s"]),
@@ -331,7 +377,8 @@ def table(results: list[dict]) -> str:
                      f"{r['ours_blocking_s'] / r['torch_save_blocking_s']:.3f}",
                      f"{r['ours_durable_s']:.3f}", f"{r['dcp_durable_s']:.3f}", f"{r['torch_save_durable_s']:.3f}",
                      f"{r['ours_staged_s']:.3f}" if "ours_staged_s" in r else "-",
-                     _fmt_pct(s["ungated"]["slowdown"]), _fmt_pct(s["gated"]["slowdown"])))
+                     *(_fmt_pct(s.get(v, {}).get("slowdown"))
+                       for v in ("ungated", "allreduce-gated", "step-gated", "nice19", "dcp"))))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows)
 
@@ -342,8 +389,8 @@ def main() -> int:
     p.add_argument("--ranks", default="1,2,4", help="rank counts to run (default 1,2,4)")
     p.add_argument("--mb", type=float, help="state size in MB (default 200; --quick 40)")
     p.add_argument("--reps", type=int, help="repeats per measurement (default 5; --quick 2)")
-    p.add_argument("--saves", type=int, help="saves per step-slowdown variant (default 3; --quick 2)")
-    p.add_argument("--quiet-steps", type=int, default=4, help="steps without a save in flight between saves")
+    p.add_argument("--saves", type=int, help="saves per step-slowdown variant (default 3; --quick 1)")
+    p.add_argument("--quiet-steps", type=int, default=2, help="steps without a save in flight between saves")
     p.add_argument("--batch", type=int, default=32, help="training batch per rank")
     p.add_argument("--dir", default=os.path.join(OUT, "ckpt-bench"), help="where checkpoints are written")
     p.add_argument("--no-staging", action="store_true", help="skip the /dev/shm staging measurement")
@@ -353,7 +400,7 @@ def main() -> int:
     args = p.parse_args()
     args.mb = args.mb or (40 if args.quick else 200)
     args.reps = args.reps or (2 if args.quick else 5)
-    args.saves = args.saves or (2 if args.quick else 3)
+    args.saves = args.saves or (1 if args.quick else 3)
     if args.worker:
         worker(args)
         return 0
@@ -370,7 +417,11 @@ def main() -> int:
                "--quiet-steps", str(args.quiet_steps), "--batch", str(args.batch), "--dir", root]
         if args.no_staging:
             cmd.append("--no-staging")
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n))))
+        # One core's worth of threads per rank (2 at 1 rank here), and sleeping rather than spinning
+        # OpenMP waits: other jobs share this machine, and a spinning thread that loses its core
+        # stretches a step several-fold at random.
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n))),
+                   OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
         print(f"running: {' '.join(cmd)}", file=sys.stderr, flush=True)
         try:
             subprocess.run(cmd, check=True, env=env, timeout=1800)

@@ -108,6 +108,9 @@ def test_retention_keeps_the_last_committed(tmp_path):
     with AsyncCheckpointer(tmp_path, keep=2) as ck:
         for step in range(5):
             ck.save(step, _state(model, opt, step))
+        ck.drain()  # durable, and the retention after it done
+        assert ck.idle()
+        assert sorted(os.listdir(tmp_path)) == ["step-000000003", "step-000000004"]
     assert sorted(os.listdir(tmp_path)) == ["step-000000003", "step-000000004"]
     assert load(tmp_path)["step"] == 4
     assert load(tmp_path, step=3)["step"] == 3
