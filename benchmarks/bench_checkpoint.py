@@ -133,20 +133,12 @@ def worker(args: argparse.Namespace) -> None:
     ddp.register_comm_hook(None, gated_allreduce_hook(gate))
     flag = torch.zeros(1)
 
-    step_gate = ActivityGate()  # busy for a whole training step (the "step-gated" variant)
-
-    def train_step(step: int, whole_step_gate: bool = False) -> float:
+    def train_step(step: int) -> float:
         x, y = _batch(step, rank, args.batch)
         t = time.perf_counter()
-        if whole_step_gate:
-            step_gate.enter()
-        try:
-            opt.zero_grad(set_to_none=False)
-            torch.nn.functional.mse_loss(ddp(x), y).backward()
-            opt.step()
-        finally:
-            if whole_step_gate:
-                step_gate.exit()
+        opt.zero_grad(set_to_none=False)
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
         return time.perf_counter() - t
 
     train_step(0)  # Adam state exists from here on
@@ -178,7 +170,7 @@ def worker(args: argparse.Namespace) -> None:
     # and ours allocate their staging buffers in it); ours' first blocking time is reported apart.
     import gc
 
-    ck = AsyncCheckpointer(os.path.join(root, "ours"), comm=comm, keep=2)
+    ck = AsyncCheckpointer(os.path.join(root, "ours"), comm=comm, keep=2, gate=None)  # no training runs here
     m = {k: [] for k in ("floor_numpy", "floor_torch", "ts_block", "ts_durable", "dcp_block", "dcp_durable",
                          "ours_block", "ours_durable")}
     first = None
@@ -252,7 +244,7 @@ def worker(args: argparse.Namespace) -> None:
     if not args.no_staging:
         shm = comm.bcast(tempfile.mkdtemp(prefix="hpcstagger-bench-", dir="/dev/shm") if rank == 0 else None)
         try:
-            ck = AsyncCheckpointer(os.path.join(root, "ours-staged"), comm=comm, keep=1, staging_dir=shm)
+            ck = AsyncCheckpointer(os.path.join(root, "ours-staged"), comm=comm, keep=1, staging_dir=shm, gate=None)
             st, sd = [], []
             for i in range(reps + 1):
                 comm.barrier()
@@ -282,9 +274,9 @@ def worker(args: argparse.Namespace) -> None:
     # is its mean in-flight step over its mean quiet step (so both see the same machine); the
     # result is the median over rounds.
     # Variants: our writer ungated; gated on DDP's all-reduces (the comm hook); gated on whole
-    # training steps (so it writes a chunk only between steps, or after ckpt_gate_max_wait);
-    # ungated at nice 19; and DCP's async_save for comparison.
-    variants = {"ungated": (None, 0), "allreduce-gated": (gate, 0), "step-gated": (step_gate, 0),
+    # training steps, the default (gate="auto": it writes a chunk between steps, or after
+    # ckpt_gate_max_wait); ungated at nice 19; and DCP's async_save for comparison.
+    variants = {"ungated": (None, 0), "allreduce-gated": (gate, 0), "step-gated": ("auto", 0),
                 "nice19": (None, 19), "dcp": None}
     cks = {}
     for name, spec in variants.items():
@@ -299,9 +291,8 @@ def worker(args: argparse.Namespace) -> None:
     for rnd in range(args.saves):
         for name in variants:
             quiet, busy = [], []
-            whole = name == "step-gated"
             for _ in range(args.quiet_steps):
-                quiet.append(train_step(step, whole))
+                quiet.append(train_step(step))
                 step += 1
             state["step"] = step
             t = time.perf_counter()
@@ -318,7 +309,7 @@ def worker(args: argparse.Namespace) -> None:
                 dist.broadcast(flag, 0)
                 if flag[0] == 0.0:
                     break
-                busy.append(train_step(step, whole))
+                busy.append(train_step(step))
                 step += 1
             if name == "dcp":
                 fut.result()
@@ -367,7 +358,7 @@ def _fmt_pct(x):
 def table(results: list[dict]) -> str:
     rows = [("ranks", "state MB", "floor copy ms", "ours block ms", "first save ms", "torch.save ms", "DCP async ms",
              "ours/floor", "ours/torch.save", "ours durable s", "DCP durable s", "torch.save+fsync s",
-             "staged s", "slowdown ungated", "allreduce-gated", "step-gated", "nice19", "DCP")]
+             "staged s", "slowdown ungated", "allreduce-gated", "step-gated (default)", "nice19", "DCP")]
     for r in results:
         s = r["step"]
         rows.append((str(r["ranks"]), f"{r['state_bytes'] / 1e6:.0f}", _fmt_ms(r["floor_copy_s"]),

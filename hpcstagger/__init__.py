@@ -31,6 +31,7 @@ _EXPORTS: dict[str, str] = {
     "ActivityGate": "hpcstagger.checkpoint.gates",
     "SharedActivityGate": "hpcstagger.checkpoint.gates",
     "AnyGate": "hpcstagger.checkpoint.gates",
+    "StepGate": "hpcstagger.checkpoint.gates",
 }
 
 __all__ = ["__version__", *_EXPORTS]

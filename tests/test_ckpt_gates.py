@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from hpcstagger.checkpoint.gates import ActivityGate, AnyGate, Gate, SharedActivityGate, SourceReadHook
+from hpcstagger.checkpoint.gates import ActivityGate, AnyGate, Gate, SharedActivityGate, SourceReadHook, StepGate
 from hpcstagger.errors import CheckpointError
 
 pytestmark = pytest.mark.timeout(120)
@@ -155,3 +155,46 @@ def test_shared_gate_file_is_removed_when_collected():
 def test_shared_gate_in_a_bad_directory(tmp_path):
     with pytest.raises(CheckpointError, match="cannot create the shared gate file"):
         SharedActivityGate(directory=str(tmp_path / "missing"))
+
+
+def test_step_gate_is_busy_from_forward_to_optimizer_step():
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gate = StepGate()
+    gate.watch_state({"model": model, "optimizer": opt, "step": 3})
+    assert not gate.watch(model) and not gate.watch(3)  # once only; other values ignored
+    assert not gate.busy()
+    for _ in range(2):  # gradient accumulation: one busy window up to the step
+        model(torch.randn(3, 4)).sum().backward()
+        assert gate.busy()
+    opt.step()
+    assert not gate.busy() and gate.entered == 1
+    model(torch.randn(3, 4))
+    gate.close()  # hooks removed, gate idle
+    assert not gate.busy()
+    model(torch.randn(3, 4))
+    opt.step()
+    assert not gate.busy() and gate.entered == 2
+
+
+def test_checkpointer_gates_on_training_steps_by_default(tmp_path):
+    from hpcstagger import AsyncCheckpointer, config, load
+
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.Adam(model.parameters())
+    with config.override(ckpt_chunk_bytes=4096, ckpt_gate_max_wait=0.005):
+        ck = AsyncCheckpointer(tmp_path)
+        assert isinstance(ck.gate, StepGate)
+        ck.save(0, {"model": model, "optimizer": opt})
+        ck.wait()
+        model(torch.randn(2, 64)).sum().backward()  # a step in progress: the writer defers to it
+        h = ck.save(1, {"model": model, "optimizer": opt})
+        while not h.done():
+            time.sleep(0.001)
+        assert h.stats["gate_waits"] >= 1
+        opt.step()
+        ck.close()
+    assert ck.gate._hooks == [] and not ck.gate.busy()
+    assert load(tmp_path)["model"]["weight"].shape == (64, 64)
+    with pytest.raises(Exception, match="gate must be"):
+        AsyncCheckpointer(tmp_path, gate="sometimes")

@@ -23,7 +23,7 @@ _EXPORTS = {
     "AsyncCheckpointer": "checkpointer", "SaveHandle": "checkpointer",
     "load": "load", "restore": "load", "read_checkpoint": "load", "verify_checkpoint": "load",
     "list_entries": "load",
-    "Gate": "gates", "ActivityGate": "gates", "AnyGate": "gates", "SharedActivityGate": "gates",
+    "Gate": "gates", "ActivityGate": "gates", "StepGate": "gates", "AnyGate": "gates", "SharedActivityGate": "gates",
     "SourceReadHook": "gates",
     "ShardWriter": "writer", "Pacer": "writer",
     "capture_rng": "rng", "restore_rng": "rng",

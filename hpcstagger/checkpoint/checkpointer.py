@@ -32,7 +32,7 @@ from .. import config
 from ..comm import Comm, _describe_exc, as_comm
 from ..errors import CheckpointError, CollectiveError, ConfigError
 from . import catalog
-from .gates import Gate
+from .gates import Gate, StepGate
 from .job import SaveHandle, _agree, _check_thread_level, _SaveJob, _Worker
 from .manifest import step_dirname
 from .plan import ShardPlan, layout_signature, plan_shards
@@ -52,15 +52,18 @@ class AsyncCheckpointer:
     one process, else the data-parallel ranks (each writes one shard). ``keep``: committed
     checkpoints kept in ``directory``. ``staging_dir``: a fast level (e.g. a directory in /dev/shm)
     committed first, then flushed to ``directory`` in the background; it keeps ``ckpt_staging_keep``
-    checkpoints. ``gate``: a :class:`~hpcstagger.checkpoint.gates.Gate` the writer defers to before
-    each chunk (None: never defer). ``writer``: a :class:`ShardWriter` (subclass it to inject faults).
+    checkpoints. ``gate``: what the writer defers to before each chunk: "auto" (the default) a
+    :class:`~hpcstagger.checkpoint.gates.StepGate` that hooks the modules and optimizers in the saved
+    state and is busy from each forward pass to the optimizer's step; None never defers; or any
+    :class:`~hpcstagger.checkpoint.gates.Gate`. ``writer``: a :class:`ShardWriter` (subclass it to
+    inject faults).
 
     Construction and :meth:`close` are collective over ``comm``; so is :meth:`save`. Raises
     ConfigError for bad arguments, CheckpointError when MPI lacks thread support.
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, comm: Any = None, keep: int = 3,
-                 staging_dir: str | os.PathLike[str] | None = None, gate: Gate | None = None,
+                 staging_dir: str | os.PathLike[str] | None = None, gate: "Gate | str | None" = "auto",
                  writer: ShardWriter | None = None):
         if not isinstance(keep, int) or keep < 1:
             raise ConfigError(f"keep must be an int >= 1 (committed checkpoints to keep), not {keep!r}")
@@ -69,6 +72,10 @@ class AsyncCheckpointer:
         if self.staging_dir == self.directory:
             raise ConfigError("staging_dir must differ from directory; leave it None for one level")
         self.keep = keep
+        if gate == "auto":
+            gate = StepGate()
+        elif gate is not None and not isinstance(gate, Gate):
+            raise ConfigError(f"gate must be 'auto', None or a hpcstagger.checkpoint.gates.Gate, not {gate!r}")
         self.gate = gate
         self._comm = as_comm(comm)
         _check_thread_level(self._comm)
@@ -157,6 +164,8 @@ class AsyncCheckpointer:
         local_err: BaseException | None = None
         sig = None
         try:
+            if isinstance(self.gate, StepGate):
+                self.gate.watch_state(state)
             tree, leaves = flatten(state)
             plan, sig = self._plan_for(leaves)
             index = {leaf.spec.key: leaf for leaf in leaves}
@@ -249,6 +258,8 @@ class AsyncCheckpointer:
             self._finalizer()
             atexit.unregister(self._worker.stop)
             self._buffers.release()
+            if isinstance(self.gate, StepGate):
+                self.gate.close()
             if self._wcomm.is_mpi:
                 self._wcomm.free()
 

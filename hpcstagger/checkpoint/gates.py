@@ -8,6 +8,10 @@ training is waiting anyway, and the writer stops asking.
 - :class:`ActivityGate` counts activities in progress in this process (all-reduces, reads), from
   any thread: ``enter()``/``exit()`` or ``with gate.active():``. The Horovod and DDP integrations in
   :mod:`hpcstagger.integrations` feed one.
+- :class:`StepGate` is busy during whole training steps (from a model's forward to its
+  optimizer's step), fed by hooks; it is what ``AsyncCheckpointer`` uses by default
+  (``gate="auto"``), because on CPU training it is the one that measurably cuts the slowdown
+  (benchmarks/RESULTS.md).
 - :class:`SharedActivityGate` does the same across processes through a small counter file in
   /dev/shm, so DataLoader worker processes can report reads that go to the source:
   ``gate.source_read_hook()`` is a picklable object with ``enter()``/``exit()``, which
@@ -30,7 +34,7 @@ from typing import Iterator
 
 from ..errors import CheckpointError
 
-__all__ = ["Gate", "ActivityGate", "AnyGate", "SharedActivityGate", "SourceReadHook"]
+__all__ = ["Gate", "ActivityGate", "StepGate", "AnyGate", "SharedActivityGate", "SourceReadHook"]
 
 
 class Gate:
@@ -98,6 +102,67 @@ class ActivityGate(Gate):
     def wait_idle(self, timeout: float) -> bool:
         with self._cond:
             return self._cond.wait_for(lambda: self._count == 0, timeout=max(timeout, 0.0))
+
+
+class StepGate(ActivityGate):
+    """Busy from the start of a model's forward pass until its optimizer's ``step()`` returns.
+
+    :meth:`watch` hooks a module (forward pre-hook) and an optimizer (step post-hook); with
+    gradient accumulation the gate stays busy from the first forward to the step. A forward pass
+    without a following step (evaluation) keeps it busy until the next step, which only slows the
+    writer down to one chunk per ``ckpt_gate_max_wait``. :meth:`close` removes the hooks.
+    ``AsyncCheckpointer(gate="auto")``, the default, makes one and watches every module and
+    optimizer found at the top level of each saved state.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._in_step = False
+        self._step_lock = threading.Lock()
+        self._hooks: list = []
+        self._watched: "weakref.WeakSet[object]" = weakref.WeakSet()
+
+    def _begin(self, *_: object) -> None:
+        with self._step_lock:
+            if not self._in_step:
+                self._in_step = True
+                self.enter()
+
+    def _end(self, *_: object) -> None:
+        with self._step_lock:
+            if self._in_step:
+                self._in_step = False
+                self.exit()
+
+    def watch(self, obj: object) -> bool:
+        """Hook ``obj`` if it is an ``nn.Module`` (forward starts a step) or an optimizer (its
+        ``step()`` ends one) not watched yet; returns whether it was hooked."""
+        import torch
+
+        if obj in self._watched:
+            return False
+        if isinstance(obj, torch.nn.Module):
+            self._hooks.append(obj.register_forward_pre_hook(self._begin))
+        elif isinstance(obj, torch.optim.Optimizer):
+            self._hooks.append(obj.register_step_post_hook(self._end))
+        else:
+            return False
+        self._watched.add(obj)
+        return True
+
+    def watch_state(self, state: object) -> None:
+        """Watch every module and optimizer among the values of a state dict."""
+        if isinstance(state, dict):
+            for v in state.values():
+                self.watch(v)
+
+    def close(self) -> None:
+        """Remove the hooks and leave the gate idle."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._watched = weakref.WeakSet()
+        self._end()
 
 
 class AnyGate(Gate):
