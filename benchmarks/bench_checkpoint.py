@@ -126,6 +126,12 @@ def worker(args: argparse.Namespace) -> None:
     def slowest(x: float) -> float:
         return comm.allreduce(x, "max")
 
+    def sync() -> None:
+        """A tight barrier before a timed section: MPI's own, which releases every rank at once
+        (Comm.barrier polls with back-off and can release ranks milliseconds apart)."""
+        if comm.is_mpi:
+            comm.mpi.Barrier()
+
     model = _model(args.mb)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -155,7 +161,7 @@ def worker(args: argparse.Namespace) -> None:
         b.zero_()
 
     def floor_copy(how: str) -> float:
-        comm.barrier()
+        sync()
         t = time.perf_counter()
         if how == "numpy":
             for s_, b_ in zip(srcs, bufs):
@@ -181,7 +187,7 @@ def worker(args: argparse.Namespace) -> None:
             m["floor_numpy"].append(fn)
             m["floor_torch"].append(ft)
         # torch.save of the whole state on rank 0 (blocking = the call; durable = + fsync)
-        comm.barrier()
+        sync()
         if rank == 0:
             t = time.perf_counter()
             with open(path, "wb") as f:
@@ -195,7 +201,7 @@ def worker(args: argparse.Namespace) -> None:
             os.unlink(path)
         # DCP async_save (blocking = the call; durable = its future resolved), slowest rank
         msd, osd = get_state_dict(model, opt)
-        comm.barrier()
+        sync()
         t = time.perf_counter()
         fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, f"dcp-{i}"),
                              process_group=dcp_pg)
@@ -212,7 +218,7 @@ def worker(args: argparse.Namespace) -> None:
             shutil.rmtree(os.path.join(root, f"dcp-{i}"), ignore_errors=True)
         # ours (blocking = save(); durable = handle.wait() returned), slowest rank
         state["step"] = i
-        comm.barrier()
+        sync()
         t = time.perf_counter()
         h = ck.save(i, state)
         b = time.perf_counter() - t
@@ -247,7 +253,7 @@ def worker(args: argparse.Namespace) -> None:
             ck = AsyncCheckpointer(os.path.join(root, "ours-staged"), comm=comm, keep=1, staging_dir=shm, gate=None)
             st, sd = [], []
             for i in range(reps + 1):
-                comm.barrier()
+                sync()
                 t = time.perf_counter()
                 h = ck.save(i, state)
                 h.wait_staged()
@@ -379,8 +385,8 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="small state, fewer repeats (a smoke run)")
     p.add_argument("--ranks", default="1,2,4", help="rank counts to run (default 1,2,4)")
     p.add_argument("--mb", type=float, help="state size in MB (default 200; --quick 40)")
-    p.add_argument("--reps", type=int, help="repeats per measurement (default 5; --quick 2)")
-    p.add_argument("--saves", type=int, help="saves per step-slowdown variant (default 3; --quick 1)")
+    p.add_argument("--reps", type=int, help="repeats per measurement (default 7; --quick 2)")
+    p.add_argument("--saves", type=int, help="saves per step-slowdown variant (default 4; --quick 1)")
     p.add_argument("--quiet-steps", type=int, default=2, help="steps without a save in flight between saves")
     p.add_argument("--batch", type=int, default=32, help="training batch per rank")
     p.add_argument("--dir", default=os.path.join(OUT, "ckpt-bench"), help="where checkpoints are written")
@@ -390,8 +396,8 @@ def main() -> int:
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.mb = args.mb or (40 if args.quick else 200)
-    args.reps = args.reps or (2 if args.quick else 5)
-    args.saves = args.saves or (1 if args.quick else 3)
+    args.reps = args.reps or (2 if args.quick else 7)
+    args.saves = args.saves or (1 if args.quick else 4)
     if args.worker:
         worker(args)
         return 0
