@@ -56,6 +56,8 @@ def test_verify_passes_a_sound_directory(saved):
     out = run_cli("ckpt", "verify", "--step", "1", "--json", str(d))
     doc = json.loads(out.stdout)
     assert out.returncode == 0 and doc["ok"] and [c["step"] for c in doc["checkpoints"]] == [1]
+    out = run_cli("ckpt", "verify", str(d / "step-000000000"))  # one step directory
+    assert out.returncode == 0 and "1 of 1 checkpoint(s) sound" in out.stdout
 
 
 def _flip(path, offset):

@@ -17,7 +17,8 @@ def register(sub: Any) -> None:
 
     ls = cmds.add_parser("ls", help="list the checkpoints in a directory",
                          description="List every step directory in DIR, newest first: committed (with world size, "
-                                     "tensors and bytes) or incomplete. Reads manifests only; use verify to check data.")
+                                     "tensors and bytes) or incomplete. Reads manifests only; use verify to check data. "
+                                     "DIR may also be one step-N directory.")
     ls.add_argument("directory", metavar="DIR")
     ls.add_argument("--json", action="store_true", help="print exactly one JSON object")
     ls.set_defaults(func=run_ls)
@@ -27,7 +28,7 @@ def register(sub: Any) -> None:
                                     "every shard's presence, size and whole-file checksum, that its datasets match "
                                     "the manifest, and every tensor piece's checksum. A step directory without a "
                                     "manifest (an interrupted save) is a problem too. Exit 1 if anything is wrong, "
-                                    "saying what.")
+                                    "saying what. DIR may also be one step-N directory.")
     v.add_argument("directory", metavar="DIR")
     v.add_argument("--step", type=int, help="verify only this step")
     v.add_argument("--json", action="store_true", help="print exactly one JSON object")
@@ -70,11 +71,17 @@ def _describe(entry: Any) -> dict[str, Any]:
 
 
 def _entries(directory: str) -> list[Any]:
+    """The step directories in ``directory``, or ``directory`` itself when it is one."""
+    from ..checkpoint.catalog import Entry
     from ..checkpoint.load import list_entries
+    from ..checkpoint.manifest import MANIFEST, parse_step_dirname
     from ..errors import CheckpointError
 
     if not os.path.isdir(directory):
         raise CheckpointError(f"{directory} is not a directory; give the directory AsyncCheckpointer writes to")
+    step = parse_step_dirname(os.path.basename(os.path.normpath(directory)))
+    if step is not None:
+        return [Entry(step, directory, 0, os.path.exists(os.path.join(directory, MANIFEST)))]
     return list_entries(directory)
 
 
