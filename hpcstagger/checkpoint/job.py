@@ -27,7 +27,7 @@ from .writer import Pacer, ShardItem, ShardWriter
 
 __all__ = ["SaveHandle"]
 
-log = logging.getLogger("hpcstagger.checkpoint.checkpointer")
+log = logging.getLogger(__name__)
 
 
 class SaveHandle:
