@@ -422,8 +422,10 @@ def main() -> int:
         # One core's worth of threads per rank (2 at 1 rank here), and sleeping rather than spinning
         # OpenMP waits: other jobs share this machine, and a spinning thread that loses its core
         # stretches a step several-fold at random.
+        repo = os.path.dirname(HERE)  # this checkout's hpcstagger for the workers
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n))),
-                   OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
+                   OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+                   PYTHONPATH=os.pathsep.join([repo] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
         print(f"running: {' '.join(cmd)}", file=sys.stderr, flush=True)
         try:
             subprocess.run(cmd, check=True, env=env, timeout=1800)

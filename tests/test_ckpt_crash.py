@@ -48,7 +48,7 @@ def ctx():
     # there, and a failed preload is silent), so put this directory on it while the server starts.
     here = os.path.dirname(os.path.abspath(__file__))
     saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([here] + ([saved] if saved else []))
+    os.environ["PYTHONPATH"] = os.pathsep.join([here, os.path.dirname(here)] + ([saved] if saved else []))
     try:
         p = c.Process(target=_preloaded)  # starts the forkserver (imports torch) before any timing
         p.start()

@@ -161,7 +161,9 @@ def test_step_gate_is_busy_from_forward_to_optimizer_step():
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gate = StepGate()
-    gate.watch_state({"model": model, "optimizer": opt, "step": 3})
+    import numpy as np
+
+    gate.watch_state({"model": model, "optimizer": opt, "step": 3, "a": np.ones(2), "d": {}})
     assert not gate.watch(model) and not gate.watch(3)  # once only; other values ignored
     assert not gate.busy()
     for _ in range(2):  # gradient accumulation: one busy window up to the step

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import cli_env, in_ci
+from conftest import REPO, cli_env, in_ci
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -29,7 +30,9 @@ def _need_horovod():
 @pytest.mark.parametrize("ranks,jobs", [(2, 1), (4, 2)], ids=["2-ranks-1-job", "4-ranks-2-colocated-jobs"])
 def test_horovod_training_with_gated_checkpoints(tmp_path, ranks, jobs):
     _need_horovod()
-    env = cli_env(OMP_NUM_THREADS="1", HOROVOD_CYCLE_TIME="1")
+    # This checkout's hpcstagger for the ranks, whatever is installed in the environment.
+    path = os.pathsep.join([str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+    env = cli_env(OMP_NUM_THREADS="1", HOROVOD_CYCLE_TIME="1", PYTHONPATH=path)
     out = subprocess.run(["mpiexec", "-n", str(ranks), sys.executable, str(JOB), str(tmp_path), str(jobs)],
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

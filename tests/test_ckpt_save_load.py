@@ -326,9 +326,11 @@ from hpcstagger import AsyncCheckpointer
 ck = AsyncCheckpointer({str(tmp_path)!r})
 ck.save(9, {{"x": torch.arange(1_000_000)}})
 """
-    from conftest import cli_env
     import sys
 
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=cli_env())
+    from conftest import REPO, cli_env
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=cli_env(),
+                         cwd=str(REPO))  # this checkout's hpcstagger
     assert out.returncode == 0, out.stderr
     assert torch.equal(load(tmp_path)["x"], torch.arange(1_000_000))

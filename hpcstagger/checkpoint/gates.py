@@ -139,14 +139,12 @@ class StepGate(ActivityGate):
         ``step()`` ends one) not watched yet; returns whether it was hooked."""
         import torch
 
-        if obj in self._watched:
-            return False
+        if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)) or obj in self._watched:
+            return False  # (the type test first: arrays and the like cannot be looked up in a set)
         if isinstance(obj, torch.nn.Module):
             self._hooks.append(obj.register_forward_pre_hook(self._begin))
-        elif isinstance(obj, torch.optim.Optimizer):
-            self._hooks.append(obj.register_step_post_hook(self._end))
         else:
-            return False
+            self._hooks.append(obj.register_step_post_hook(self._end))
         self._watched.add(obj)
         return True
 
