@@ -32,6 +32,14 @@ _EXPORTS: dict[str, str] = {
     "HDF5Source": "hpcstagger.cache.sources",
     "ThrottledSource": "hpcstagger.cache.throttle",
     "CachedDataset": "hpcstagger.cache.dataset",
+    # checkpoints
+    "AsyncCheckpointer": "hpcstagger.checkpoint.checkpointer",
+    "load": "hpcstagger.checkpoint.load",
+    "restore": "hpcstagger.checkpoint.load",
+    "ActivityGate": "hpcstagger.checkpoint.gates",
+    "SharedActivityGate": "hpcstagger.checkpoint.gates",
+    "AnyGate": "hpcstagger.checkpoint.gates",
+    "StepGate": "hpcstagger.checkpoint.gates",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -79,6 +79,22 @@ _KNOB_LIST: list[Knob] = [
          "capacity_bytes / this many entries (ShmCache's max_entries overrides it)"),
     Knob("throttle_dir", str, "",
          "where ThrottledSource keeps its shared reader state; empty means <shm_root>/.throttle"),
+    # --- checkpoints (hpcstagger.checkpoint) and the torch.distributed rendezvous ---
+    Knob("ckpt_chunk_bytes", int, 8 << 20,
+         "bytes the background checkpoint writer writes between two looks at the gate"),
+    Knob("ckpt_gate_max_wait", float, 0.05,
+         "seconds the checkpoint writer waits at most for a busy gate before writing the next chunk anyway"),
+    Knob("ckpt_timeout", float, 1800.0,
+         "seconds the ranks' background checkpoint writers wait for each other before failing the save"),
+    Knob("ckpt_min_split_bytes", int, 4 << 20,
+         "tensors smaller than this are never split between two checkpoint shards"),
+    Knob("ckpt_staging_keep", int, 1,
+         "committed checkpoints kept in the fast staging level (AsyncCheckpointer staging_dir)"),
+    Knob("ckpt_writer_nice", int, 0,
+         "nice increment of the background checkpoint writer thread (0: same priority as training)"),
+    Knob("rendezvous_addr", str, "",
+         "address rank 0 advertises for the torch.distributed store (empty: 127.0.0.1 when every rank "
+         "is on one host, else rank 0's host name)"),
 ]
 
 KNOBS: dict[str, Knob] = {k.name: k for k in _KNOB_LIST}

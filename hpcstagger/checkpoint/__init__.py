@@ -1,0 +1,45 @@
+"""Asynchronous, sharded, verifiable checkpoints of PyTorch training state, in HDF5.
+
+Modules, by concept:
+
+- :mod:`.state`: a state dict to a JSON tree plus tensors and back (nothing pickled)
+- :mod:`.plan`: the size-balanced shard plan (pure)
+- :mod:`.snapshot`: the copy into reusable (pinned) host buffers
+- :mod:`.writer`: one shard as an HDF5 file, written in gated chunks; copies between levels
+- :mod:`.manifest`: the manifest, names and validation (pure); :mod:`.catalog`: commit, listing, retention
+- :mod:`.checkpointer`: :class:`AsyncCheckpointer` and the ranks' completion protocol
+- :mod:`.load`: :func:`load`, :func:`restore`, :func:`verify_checkpoint`
+- :mod:`.gates`: what the writer asks before each chunk; :mod:`.rng`: generator states
+
+Names are imported lazily, so ``import hpcstagger.checkpoint.plan`` does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "AsyncCheckpointer": "checkpointer", "SaveHandle": "checkpointer",
+    "load": "load", "restore": "load", "read_checkpoint": "load", "verify_checkpoint": "load",
+    "list_entries": "load",
+    "Gate": "gates", "ActivityGate": "gates", "StepGate": "gates", "AnyGate": "gates", "SharedActivityGate": "gates",
+    "SourceReadHook": "gates",
+    "ShardWriter": "writer", "Pacer": "writer",
+    "capture_rng": "rng", "restore_rng": "rng",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'hpcstagger.checkpoint' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

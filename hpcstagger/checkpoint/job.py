@@ -1,0 +1,261 @@
+"""The background writer of a checkpointer and the ranks' completion protocol.
+
+One writer thread per :class:`~hpcstagger.checkpoint.AsyncCheckpointer` runs one :class:`_SaveJob`
+per save. The writers of the ranks talk over their own duplicate of the checkpointer's
+communicator (never the training's): per save, gather every rank's result to rank 0; rank 0 commits
+(or not) and broadcasts the outcome; with a staging level, the same again for the flush. Every rank
+so learns the same outcome. Retention runs after the save's handle is released.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+from .. import config
+from ..comm import Comm, _describe_exc
+from ..errors import CheckpointError, CollectiveError
+from . import catalog
+from .manifest import build_manifest, shard_filename, step_dirname, versions
+from .plan import ShardPlan
+from .state import Leaf
+from .writer import Pacer, ShardItem, ShardWriter
+
+__all__ = ["SaveHandle"]
+
+log = logging.getLogger(__name__)
+
+
+class SaveHandle:
+    """One save: :meth:`wait` until it is durable on every level (returns the checkpoint's path)."""
+
+    def __init__(self, step: int, path: str, staging_path: str | None):
+        self.step = step
+        self.path = path
+        self.staging_path = staging_path
+        self.timings: dict[str, float] = {}
+        self.stats: dict[str, Any] = {}
+        self._done = threading.Event()
+        self._staged = threading.Event()
+        self._error: CheckpointError | None = None
+        self._reported = False
+        self._staged_ok = False
+        self._pacer: Pacer | None = None
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error else "done" if self._done.is_set() else "in flight"
+        return f"<SaveHandle step={self.step} {state}>"
+
+    def done(self) -> bool:
+        """True once the save finished, committed or failed."""
+        return self._done.is_set()
+
+    def _block(self, event: threading.Event, timeout: float | None) -> bool:
+        if not event.is_set() and self._pacer is not None:
+            self._pacer.hurry()  # the caller waits anyway: stop deferring to the gate
+        return event.wait(timeout)
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until the checkpoint is committed on every level; return its directory.
+
+        Raises CheckpointError if the save failed on any rank (naming the ranks and paths) or,
+        with ``timeout``, if it has not finished in time.
+        """
+        if not self._block(self._done, timeout):
+            raise CheckpointError(f"checkpoint of step {self.step} not finished after {timeout} s")
+        if self._error is not None:
+            self._reported = True
+            raise self._error
+        return self.path
+
+    def wait_staged(self, timeout: float | None = None) -> str:
+        """Block until the checkpoint is committed on the fastest level; return that directory."""
+        if not self._block(self._staged, timeout):
+            raise CheckpointError(f"checkpoint of step {self.step} not staged after {timeout} s")
+        if not self._staged_ok:
+            self._reported = True
+            raise self._error or CheckpointError(f"checkpoint of step {self.step} was not staged")
+        return self.staging_path or self.path
+
+
+class _Worker:
+    """The one background writer thread of a checkpointer."""
+
+    def __init__(self, nice: int):
+        self.queue: "queue.Queue[Any]" = queue.Queue()
+        self.nice = nice
+        self.thread = threading.Thread(target=self._loop, name="hpcstagger-ckpt-writer", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        if self.nice:
+            try:  # on Linux this renices only this thread
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(
+                    os.PRIO_PROCESS, threading.get_native_id()) + self.nice)
+            except OSError as exc:
+                log.debug("could not renice the checkpoint writer: %s", exc)
+        while True:
+            job = self.queue.get()
+            try:
+                if job is None:
+                    return
+                job.run()
+            finally:
+                self.queue.task_done()
+
+    def stop(self) -> None:
+        """Finish the job in flight, then end the thread (also run at interpreter exit)."""
+        if self.thread.is_alive():
+            self.queue.put(None)
+            self.thread.join()
+
+
+class _SaveJob:
+    """Everything the writer thread needs for one save; runs the completion protocol."""
+
+    def __init__(self, *, handle: SaveHandle, wcomm: Comm, writer: ShardWriter, plan: ShardPlan,
+                 leaves: list[Leaf], tree: Any, items: list[ShardItem], levels: list[str], keeps: list[int],
+                 pacer: Pacer, timeout: float):
+        self.h, self.wcomm, self.writer, self.plan = handle, wcomm, writer, plan
+        self.meta = [(leaf.spec, leaf.kind, leaf.device, leaf.storage) for leaf in leaves]  # no live tensors
+        self.tree, self.items, self.levels, self.keeps = tree, items, levels, keeps
+        self.pacer, self.timeout = pacer, timeout
+        self.record: dict[str, Any] | None = None
+        self.manifest: dict[str, Any] | None = None
+
+    def run(self) -> None:
+        h = self.h
+        t0 = time.perf_counter()
+        committed: list[int] = []
+        try:
+            for i, root in enumerate(self.levels):
+                self._level(i, root)
+                committed.append(i)
+                if i == 0:
+                    h.timings["staged_s"] = time.perf_counter() - t0
+                    h._staged_ok = True
+                    h._staged.set()
+            h.timings["durable_s"] = time.perf_counter() - t0
+        except CheckpointError as exc:
+            h._error = exc
+        except Exception as exc:  # noqa: BLE001 - a bug or a broken communicator; never lost
+            h._error = CheckpointError(f"rank {self.wcomm.rank}: checkpoint of step {h.step} failed: "
+                                       f"{_describe_exc(exc)}")
+            h._error.__cause__ = exc
+        finally:
+            if h._error is not None:  # also raised by the next save()/wait(); logged in case none comes
+                log.error("%s", h._error)
+            h.stats = self.pacer.stats()
+            self.items = []  # drop references to the snapshot buffer
+            h._staged.set()
+            h._done.set()
+        # Retention runs after the handle is released: deleting a large old checkpoint takes a while
+        # (hundreds of ms for 200 MB here) and delays neither the time until durable nor the next
+        # save's snapshot, only the next save's write (this thread is the only writer).
+        if self.wcomm.rank == 0:
+            for i in committed:
+                try:
+                    catalog.prune(self.levels[i], self.keeps[i], protect=h.step)
+                except Exception as exc:  # noqa: BLE001 - retention must not fail a good checkpoint
+                    log.warning("checkpoint retention in %s failed: %s", self.levels[i], exc)
+
+    def _level(self, i: int, root: str) -> None:
+        h, c = self.h, self.wcomm
+        step_dir = os.path.join(root, step_dirname(h.step))
+        path = os.path.join(step_dir, shard_filename(c.rank, self.plan.nshards))
+        err = None
+        try:
+            if i == 0:
+                self.record = self.writer.write_shard(step=h.step, rank=c.rank, nshards=self.plan.nshards,
+                                                      path=path, items=self.items, pacer=self.pacer)
+            else:
+                src = os.path.join(self.levels[0], step_dirname(h.step), shard_filename(c.rank, self.plan.nshards))
+                self.writer.copy_shard(step=h.step, rank=c.rank, src=src, dst=path, expect=self.record,
+                                       pacer=self.pacer)
+        except Exception as exc:  # noqa: BLE001 - every rank learns it below
+            verb = "writing" if i == 0 else "flushing to"
+            err = str(exc) if isinstance(exc, CheckpointError) else f"{verb} {path}: {_describe_exc(exc)}"
+        results = c.gather((self.record if i == 0 else None, err), timeout=self.timeout)
+        outcome = None
+        if c.rank == 0:
+            failures = {r: e for r, (_, e) in enumerate(results) if e is not None}
+            if not failures:
+                try:
+                    if self.manifest is None:
+                        self.manifest = self._build([rec for rec, _ in results])
+                    catalog.commit(step_dir, self.manifest)
+                except Exception as exc:  # noqa: BLE001
+                    failures[0] = f"committing {os.path.join(step_dir, 'manifest.json')}: {_describe_exc(exc)}"
+            outcome = failures or None
+        outcome = c.bcast(outcome, timeout=self.timeout)
+        if outcome:
+            lines = [f"checkpoint of step {h.step} in {root} failed on rank(s) "
+                     f"{', '.join(map(str, sorted(outcome)))} of {c.size} and was not committed; "
+                     "the previous checkpoint is intact"]
+            lines += [f"  rank {r}: {msg}" for r, msg in sorted(outcome.items())]
+            raise CheckpointError("\n".join(lines))
+
+    def _build(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        tensors: dict[str, dict[str, Any]] = {}
+        for s, kind, device, storage in self.meta:
+            tensors[s.key] = {"kind": kind, "dtype": s.dtype, "shape": list(s.shape), "device": device,
+                              "storage": storage, "pieces": []}
+        for rec in records:
+            for p in rec["pieces"]:
+                tensors[p["key"]]["pieces"].append({"shard": rec["rank"], "dataset": p["dataset"],
+                                                    "start": p["start"], "count": p["count"],
+                                                    "checksum": p["checksum"]})
+        shards = [{"rank": r["rank"], "file": r["file"], "size": r["size"], "checksum": r["checksum"]}
+                  for r in records]
+        return build_manifest(step=self.h.step, world_size=self.plan.nshards, tree=self.tree, tensors=tensors,
+                              shards=shards, versions=versions())
+
+
+def _agree(c: Comm, local_err: BaseException | None, sig: str | None) -> list[tuple[str | None, str | None]]:
+    """Every rank's (error or None, layout signature), in rank order, at the end of save().
+
+    This sits in the blocking part of every save, so the common case is one small non-blocking
+    all-gather of fixed-size records, polled finely (the guarded collectives of Comm back off to
+    10 ms sleeps, which would add milliseconds to every save); error texts travel only on failure.
+    """
+    import numpy as np
+
+    mine = np.zeros(3, dtype=np.uint64)
+    mine[0] = local_err is not None
+    if sig is not None:
+        mine[1], mine[2] = int(sig[:16], 16), int(sig[16:32], 16)
+    every = np.zeros((c.size, 3), dtype=np.uint64)
+    req = c.mpi.Iallgather(mine, every)
+    limit = config.get("collective_timeout")
+    limit = float(limit) if limit is not None and 0 < float(limit) < float("inf") else None
+    start = time.monotonic()
+    spins = 0
+    while not req.Test():
+        if limit is not None and time.monotonic() - start > limit:
+            c._pending, c._broken = req, "checkpoint snapshot agreement timed out"
+            raise CollectiveError(f"rank {c.rank}: not every rank reached save() within {limit:g} s; a rank has "
+                                  "crashed, hung or skipped the save (every rank must call save for each step)")
+        spins += 1
+        time.sleep(0 if spins < 200 else 0.0002)
+    sigs = [f"{int(a):016x}{int(b):016x}" for _, a, b in every]
+    if not every[:, 0].any():
+        return [(None, s_) for s_ in sigs]
+    errs = c.allgather(None if local_err is None else _describe_exc(local_err))
+    return list(zip(errs, sigs))
+
+
+def _check_thread_level(comm: Comm) -> None:
+    if comm.size <= 1:
+        return
+    from ..comm import mpi_module
+
+    MPI = mpi_module()
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        raise CheckpointError(
+            "MPI was initialised without MPI_THREAD_MULTIPLE, which the background checkpoint writer needs; "
+            "initialise MPI through hpcstagger.comm (or set mpi4py.rc.thread_level = 'multiple' before "
+            "importing mpi4py.MPI)")

@@ -1,0 +1,185 @@
+"""``hpcstagger ckpt``: list, verify and export checkpoints written by AsyncCheckpointer."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("ckpt", help="list, verify and export checkpoints",
+                       description="Inspect the checkpoints AsyncCheckpointer writes: one step-N directory per "
+                                   "checkpoint, with HDF5 shards and a JSON manifest.")
+    cmds = p.add_subparsers(dest="ckpt_command", metavar="ACTION", required=True, parser_class=type(p))
+
+    ls = cmds.add_parser("ls", help="list the checkpoints in a directory",
+                         description="List every step directory in DIR, newest first: committed (with world size, "
+                                     "tensors and bytes) or incomplete. Reads manifests only; use verify to check data. "
+                                     "DIR may also be one step-N directory.")
+    ls.add_argument("directory", metavar="DIR")
+    ls.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    ls.set_defaults(func=run_ls)
+
+    v = cmds.add_parser("verify", help="check checkpoints byte for byte; non-zero exit on any problem",
+                        description="Check every checkpoint in DIR (or only --step N): the manifest and its checksum, "
+                                    "every shard's presence, size and whole-file checksum, that its datasets match "
+                                    "the manifest, and every tensor piece's checksum. A step directory without a "
+                                    "manifest (an interrupted save) is a problem too. Exit 1 if anything is wrong, "
+                                    "saying what. DIR may also be one step-N directory.")
+    v.add_argument("directory", metavar="DIR")
+    v.add_argument("--step", type=int, help="verify only this step")
+    v.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    v.set_defaults(func=run_verify)
+
+    e = cmds.add_parser("export", help="write one checkpoint as a torch.save file",
+                        description="Load a checkpoint (checksums checked) and write it with torch.save as a plain "
+                                    "state dict that torch.load(..., weights_only=True) reads: modules and optimizers "
+                                    "appear as their state dicts, numpy arrays become tensors and numpy scalars "
+                                    "Python numbers.")
+    e.add_argument("directory", metavar="DIR")
+    e.add_argument("--step", type=int, help="the step to export (default: the newest committed)")
+    e.add_argument("--out", required=True, metavar="FILE.pt", help="the file to write")
+    e.set_defaults(func=run_export)
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def _describe(entry: Any) -> dict[str, Any]:
+    from ..errors import CheckpointError
+
+    row: dict[str, Any] = {"step": entry.step, "path": entry.path, "committed": entry.committed}
+    if not entry.committed:
+        row["status"] = "incomplete"
+        return row
+    try:
+        m = entry.read_manifest()
+    except CheckpointError as exc:
+        row.update(status="damaged", error=str(exc))
+        return row
+    row.update(status="committed", world_size=m["world_size"], tensors=len(m["tensors"]),
+               bytes=sum(s["size"] for s in m["shards"]), created=m.get("created"))
+    return row
+
+
+def _entries(directory: str) -> list[Any]:
+    """The step directories in ``directory``, or ``directory`` itself when it is one."""
+    from ..checkpoint.catalog import Entry
+    from ..checkpoint.load import list_entries
+    from ..checkpoint.manifest import MANIFEST, parse_step_dirname
+    from ..errors import CheckpointError
+
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{directory} is not a directory; give the directory AsyncCheckpointer writes to")
+    step = parse_step_dirname(os.path.basename(os.path.normpath(directory)))
+    if step is not None:
+        return [Entry(step, directory, 0, os.path.exists(os.path.join(directory, MANIFEST)))]
+    return list_entries(directory)
+
+
+def run_ls(args: argparse.Namespace) -> int:
+    rows = [_describe(e) for e in _entries(args.directory)]
+    if args.json:
+        json.dump({"directory": os.path.abspath(args.directory), "checkpoints": rows}, sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    if not rows:
+        print(f"no checkpoints in {args.directory}")
+        return 0
+    print(f"{'step':>10}  {'status':<10}  {'ranks':>5}  {'tensors':>7}  {'size':>10}  created")
+    for r in rows:
+        print(f"{r['step']:>10}  {r['status']:<10}  {r.get('world_size', '-'):>5}  {r.get('tensors', '-'):>7}  "
+              f"{_human(r['bytes']) if 'bytes' in r else '-':>10}  {r.get('created') or r.get('error', '')}")
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from ..checkpoint.load import verify_checkpoint
+    from ..errors import CheckpointError
+
+    entries = _entries(args.directory)
+    if args.step is not None:
+        entries = [e for e in entries if e.step == args.step]
+        if not entries:
+            raise CheckpointError(f"no checkpoint of step {args.step} in {args.directory} "
+                                  "(hpcstagger ckpt ls DIR lists them)")
+    if not entries:
+        raise CheckpointError(f"no checkpoints in {args.directory}")
+    total = 0
+    for e in entries:
+        total += sum(s["size"] for s in e.read_manifest()["shards"]) if e.committed and _safe(e) else 0
+    bar = None
+    if not args.json and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="verify", file=sys.stderr)
+    results = []
+    try:
+        for e in entries:
+            problems = verify_checkpoint(e.path, progress=bar.update if bar else None)
+            results.append({"step": e.step, "path": e.path, "ok": not problems, "problems": problems})
+    finally:
+        if bar:
+            bar.close()
+    bad = [r for r in results if not r["ok"]]
+    if args.json:
+        json.dump({"directory": os.path.abspath(args.directory), "ok": not bad, "checkpoints": results}, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        for r in results:
+            if r["ok"]:
+                print(f"step {r['step']}: ok")
+            else:
+                for p in r["problems"]:
+                    print(f"step {r['step']}: PROBLEM: {p}")
+        print(f"{len(results) - len(bad)} of {len(results)} checkpoint(s) sound"
+              + (f"; problems in step(s) {', '.join(str(r['step']) for r in bad)}" if bad else ""))
+    return 1 if bad else 0
+
+
+def _safe(entry: Any) -> bool:
+    from ..errors import CheckpointError
+
+    try:
+        entry.read_manifest()
+        return True
+    except CheckpointError:
+        return False
+
+
+def _tensors_only(obj: Any) -> Any:
+    import numpy as np
+    import torch
+
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj.astype(obj.dtype.newbyteorder("="), order="C", copy=True))
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        return {k: _tensors_only(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_tensors_only(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_tensors_only(v) for v in obj)
+    return obj
+
+
+def run_export(args: argparse.Namespace) -> int:
+    import torch
+
+    from .._io import atomic_write
+    from ..checkpoint.load import load
+
+    _entries(args.directory)
+    state = _tensors_only(load(args.directory, args.step, map_location="cpu"))
+    atomic_write(args.out, lambda f: torch.save(state, f))
+    print(f"wrote {args.out} ({_human(os.path.getsize(args.out))})")
+    return 0
