@@ -1,0 +1,1 @@
+"""Makespan model (placeholder while building)."""
