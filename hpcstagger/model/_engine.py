@@ -1,0 +1,483 @@
+"""The fluid model's integrator (private to :mod:`hpcstagger.model`; see :mod:`.fluid` for the model).
+
+State. Samples are counted by class. A class is the set of running jobs that have yet to read the
+sample this epoch, plus whether, and in which block, it is cached. ``Nu`` counts uncached samples
+and ``Nb[b]`` cached ones in block b, blocks ordered from least to most recently used (minio
+needs one block; lru keeps the age order, up to ``_MAX_BLOCKS`` blocks). A class tensor has one
+axis of length 2 per job, so "samples job j has yet to read" is a view. Tracking the joint
+classes, rather than one hit fraction per job, keeps the correlations between jobs exact in
+expectation: a sample a job inserted is one it has already read.
+
+Rates. :meth:`Engine.rates` solves, at a state, the fixed point between each job's prefetch
+pipeline (its read rate given the bandwidth its misses get, :mod:`._pipeline`) and the shared
+source (the bandwidth each reader's misses get given every job's think time between misses, by
+the product-form law of processor sharing, :meth:`Engine.share_product`).
+
+Steps. Between events (job starts, epoch ends, the cache filling up) the rates are constant when
+the cache contents do not change, and the engine jumps to the next event. Otherwise it takes
+midpoint steps of adaptive length; the predictor uses the previous midpoint rates and the exact
+derivative of each job's uncached-unread count, so a step costs one rate solve.
+
+Snapshots. :meth:`Engine.run` can record its state at every step and resume from such a record;
+a run with other delays may resume from a record taken before the first start time that differs
+(the planner's searches share these prefixes). A resumed run equals a fresh one exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+from ..errors import ModelError
+from . import _pipeline
+from .scenario import Scenario
+
+# Blocks of the lru age structure kept before the adjacent pair with the fewest samples is merged.
+_MAX_BLOCKS = 16
+# Samples are tracked per subset of jobs (2**jobs classes), which bounds the number of jobs.
+MAX_JOBS = 12
+
+
+class Quality(NamedTuple):
+    """Integration settings. A step covers between ``min_step`` and ``max_step`` of an epoch of the
+    fastest job and shrinks when a job's time per sample moves by more than ``step_tol`` (relative
+    to its time per sample if it missed everything alone) over half a step. The bandwidth fixed
+    point stops when no job's bandwidth moves by more than ``fixed_point_tol`` (relative)."""
+
+    step_tol: float
+    min_step: float
+    max_step: float
+    fixed_point_tol: float
+
+
+FINE = Quality(step_tol=0.02, min_step=1 / 64, max_step=1 / 6, fixed_point_tol=1e-5)
+COARSE = Quality(step_tol=0.05, min_step=1 / 48, max_step=1 / 5, fixed_point_tol=1e-4)
+
+
+def pipe_fluid(P: int, h: float, a: float, b: float, t: float) -> float:
+    """The plain fluid rule, one sample per max(tau, t): no prefetch-buffer loss (for ablations)."""
+    tau = h * a + (1.0 - h) * b
+    return tau if tau > t else t
+
+
+# Seconds per sample of a job's loader/compute pipeline (pipe_fluid ignores the buffer loss).
+PIPE: Callable[[int, float, float, float, float], float] = _pipeline.sample_time
+# "product" (processor sharing, product form) or "independent" (readers independent; an ablation).
+SHARING = "product"
+
+_SUBSETS: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {}
+
+
+def _subsets(R: int) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """Every non-empty subset of R readers as (size, members, non-members)."""
+    out = _SUBSETS.get(R)
+    if out is None:
+        out = []
+        for A in range(1, 1 << R):
+            members = tuple(i for i in range(R) if (A >> i) & 1)
+            others = tuple(i for i in range(R) if not (A >> i) & 1)
+            out.append((len(members), members, others))
+        _SUBSETS[R] = out
+    return out
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The engine's state at the top of a step, at time ``t``, with the delays of the jobs started."""
+
+    t: float
+    started: tuple[tuple[int, float], ...]
+    state: tuple[Any, ...]
+
+
+class Engine:
+    """Integrates one scenario; reusable for many delay vectors (one run at a time)."""
+
+    def __init__(self, sc: Scenario, quality: Quality = FINE, record: bool = False):
+        import numpy as np
+
+        self.np = np
+        self.J = J = len(sc.jobs)
+        if J > MAX_JOBS:
+            raise ModelError(f"the fluid model handles at most {MAX_JOBS} jobs, got {J}; "
+                             "plan the jobs in groups of at most that many")
+        self.q = quality
+        self.record = record
+        self.n = float(sc.dataset.samples)
+        self.s = float(sc.dataset.sample_bytes)
+        self.per_reader = [0.0] + [sc.storage.per_reader(k) for k in range(1, J + 1)]
+        self.read_time = [0.0] + [self.s / self.per_reader[k] for k in range(1, J + 1)]
+        self.tau_prod = [1.0]
+        for k in range(1, J + 1):
+            self.tau_prod.append(self.tau_prod[-1] * self.read_time[k])
+        self.hit_time = sc.hit_time
+        self.cap = float(sc.cache_samples)
+        self.lru = sc.cache.policy == "lru" and 0 < self.cap < self.n
+        self.t_cpu = [j.sample_time for j in sc.jobs]
+        self.epochs = [j.epochs for j in sc.jobs]
+        self.P = sc.loader.prefetch
+        # a job's time per sample if it missed everything alone: the scale of step errors
+        self.t_ref = [max(t, self.read_time[1]) for t in self.t_cpu]
+        self.shape = (2,) * J
+        self.sl1 = [tuple(1 if ax == J - 1 - j else slice(None) for ax in range(J)) for j in range(J)]
+        self.sl0 = [tuple(0 if ax == J - 1 - j else slice(None) for ax in range(J)) for j in range(J)]
+        self.bsl1 = [(slice(None),) + sl for sl in self.sl1]
+        self.bsl0 = [(slice(None),) + sl for sl in self.sl0]
+        self.last0 = [(-1,) + sl for sl in self.sl0]
+        # maskmat[k, j] = 1 when flat class k has job j yet to read (bit j of k)
+        self.maskmat = np.array([[(k >> j) & 1 for j in range(J)] for k in range(1 << J)], dtype=float)
+        self.reset()
+
+    # ---- state ----------------------------------------------------------------------------------
+    def reset(self) -> None:
+        np, J = self.np, self.J
+        self.t = 0.0
+        self.status = [0] * J           # 0 waiting, 1 running, 2 done
+        self.epoch = [0] * J
+        self.Nu = np.zeros(self.shape)
+        self.Nu[(0,) * J] = self.n
+        self.Nb = np.zeros((1,) + self.shape)
+        self.done = [0.0] * J           # samples read in total
+        self.finish = [math.inf] * J
+        self.b = [0.0] * J              # warm start of the bandwidth fixed point
+        self.step_frac = 1.0 / 32       # current step, as a fraction of an epoch
+        self.fresh = True               # solve the rates afresh at the next step (after an event)
+        self.x: list[float] = [0.0] * J  # last midpoint rates: the next predictor
+        self.m: list[float] = [0.0] * J
+        self.series: list[tuple] = []
+
+    def snapshot(self, delays: list[float]) -> Snapshot:
+        started = tuple((j, delays[j]) for j in range(self.J) if self.status[j] != 0)
+        state = (self.t, list(self.status), list(self.epoch), self.Nu.copy(), self.Nb.copy(), list(self.done),
+                 list(self.finish), list(self.b), self.step_frac, self.fresh, list(self.x), list(self.m))
+        return Snapshot(self.t, started, state)
+
+    def restore(self, snap: Snapshot) -> None:
+        (self.t, status, epoch, Nu, Nb, done, finish, b, self.step_frac, self.fresh, x, m) = snap.state
+        self.status, self.epoch, self.done, self.finish = list(status), list(epoch), list(done), list(finish)
+        self.Nu, self.Nb, self.b, self.x, self.m = Nu.copy(), Nb.copy(), list(b), list(x), list(m)
+        self.series = []
+
+    def counts(self, Nu: Any, Nb: Any) -> tuple[list[float], list[float]]:
+        """Per job: samples yet to read this epoch (U) and how many of those are not cached (v)."""
+        v = Nu.reshape(-1) @ self.maskmat
+        U = v + Nb.reshape(len(Nb), -1).sum(axis=0) @ self.maskmat
+        return U.tolist(), v.tolist()
+
+    # ---- rates ----------------------------------------------------------------------------------
+    def rates(self, U: list[float], v: list[float]) -> tuple[list[float], list[float]]:
+        """Per-job read rate x (samples/s) and miss fraction m at a state (x = 0 when not running)."""
+        J, s, a, P = self.J, self.s, self.hit_time, self.P
+        pipe = PIPE
+        t_cpu = self.t_cpu
+        x = [0.0] * J
+        m = [0.0] * J
+        readers = []
+        for j in range(J):
+            if self.status[j] != 1:
+                continue
+            mj = v[j] / U[j] if U[j] > 0 else 0.0
+            mj = 0.0 if mj < 1e-12 else (1.0 if mj > 1.0 else mj)
+            m[j] = mj
+            if mj > 0.0:
+                readers.append(j)
+            else:
+                x[j] = 1.0 / pipe(P, 1.0, a, 0.0, t_cpu[j])
+        if not readers:
+            return x, m
+        b = self.b
+        for j in readers:
+            if b[j] <= 0.0:
+                b[j] = self.per_reader[1]
+        share = self.share_product if SHARING == "product" else self.share_independent
+        last = math.inf
+        damp = 1.0
+        for _ in range(60):
+            Z = []
+            for j in readers:
+                miss_t = s / b[j]
+                x[j] = 1.0 / pipe(P, 1.0 - m[j], a, miss_t, t_cpu[j])
+                z = 1.0 / (x[j] * m[j]) - miss_t  # think time between two of this job's misses
+                Z.append(z if z > 0.0 else 0.0)
+            nb = share(readers, Z)
+            change = 0.0
+            for k, j in enumerate(readers):
+                c = abs(nb[k] - b[j]) / b[j]
+                if c > change:
+                    change = c
+            if change > 0.7 * last:  # slow or oscillating: damp
+                damp = max(0.25, damp * 0.5)
+            last = change
+            for k, j in enumerate(readers):
+                b[j] += damp * (nb[k] - b[j])
+            if change < self.q.fixed_point_tol:
+                break
+        return x, m
+
+    def share_product(self, readers: list[int], Z: list[float]) -> list[float]:
+        """Mean bytes/s each reader's miss gets, by processor sharing in product form.
+
+        Each reader alternates between thinking (``Z`` seconds on average: hits, compute, a full
+        buffer) and reading one sample at the source, which gives each of k concurrent reads
+        ``bandwidth[k-1] / k``. This is a closed network of a processor-sharing station with a
+        state-dependent rate and one private delay station per reader, so the stationary law of
+        the set A of readers reading is product form (BCMP) and insensitive to the distributions:
+        ``pi(A) ~ prod_{l <= |A|} read_time(l) * prod_{i not in A} Z_i``.
+        """
+        R = len(readers)
+        num = [0.0] * R
+        den = [0.0] * R
+        tau_prod = self.tau_prod
+        per_reader = self.per_reader
+        for k, members, others in _subsets(R):
+            w = tau_prod[k]
+            for i in others:
+                w *= Z[i]
+            if w == 0.0:
+                continue
+            wr = w * per_reader[k]
+            for i in members:
+                num[i] += wr
+                den[i] += w
+        return [num[i] / den[i] if den[i] > 0.0 else per_reader[R] for i in range(R)]
+
+    def share_independent(self, readers: list[int], Z: list[float]) -> list[float]:
+        """Mean bytes/s per reader if readers read independently (busy fraction read/(read+think))."""
+        busy = [(self.s / self.b[j]) / (Z[k] + self.s / self.b[j]) for k, j in enumerate(readers)]
+        out = []
+        for k, _ in enumerate(readers):
+            dist = [1.0]
+            for k2, p in enumerate(busy):
+                if k2 != k:
+                    nd = [0.0] * (len(dist) + 1)
+                    for c, q in enumerate(dist):
+                        nd[c] += q * (1.0 - p)
+                        nd[c + 1] += q * p
+                    dist = nd
+            out.append(sum(q * self.per_reader[c + 1] for c, q in enumerate(dist)))
+        return out
+
+    # ---- state changes --------------------------------------------------------------------------
+    def advance(self, U: list[float], v: list[float], x: list[float], m: list[float], dt: float) -> None:
+        """Move the class state on by dt at read rates x and miss fractions m (held constant).
+
+        ``U`` and ``v`` are the current per-job counts. Misses are applied first, so a sample one
+        job inserts during the step can be another job's hit in the same step.
+        """
+        np = self.np
+        Nu = self.Nu
+        Nb = self.Nb
+        run = [j for j in range(self.J) if self.status[j] == 1]
+        misses = {j: min(x[j] * m[j] * dt, v[j]) for j in run}
+        total_miss = sum(misses.values())
+        if self.lru:
+            ins_share = 1.0
+        else:
+            free = max(self.cap - (self.n - float(Nu.sum())), 0.0)
+            ins_share = min(1.0, free / total_miss) if total_miss > 0 else 0.0
+        fresh = np.zeros(self.shape)
+        for j in run:
+            if misses[j] <= 0.0:
+                continue
+            A = Nu[self.sl1[j]]  # a view: uncached samples job j has yet to read
+            v_j = float(A.sum())  # what other jobs left uncached during this step
+            if v_j <= 0.0:
+                continue
+            moved = A * min(1.0, misses[j] / v_j)
+            A -= moved
+            if ins_share > 0.0:
+                fresh[self.sl0[j]] += moved * ins_share
+            if ins_share < 1.0:
+                Nu[self.sl0[j]] += moved * (1.0 - ins_share)
+        if self.lru:
+            Nb = np.concatenate([Nb, fresh[None]], axis=0)
+        else:
+            Nb[0] += fresh
+        for j in run:
+            want = x[j] * (1.0 - m[j]) * dt
+            if want <= 0.0:
+                continue
+            B1 = Nb[self.bsl1[j]]  # a view: cached samples job j has yet to read, every block
+            a_j = float(B1.sum())
+            if a_j <= 0.0:
+                continue
+            moved = B1 * min(1.0, want / a_j)
+            B1 -= moved
+            Nb[self.last0[j]] += moved.sum(axis=0)  # a hit makes the sample most recently used
+        if self.lru:
+            Nb = self._evict(Nb)
+        np.maximum(Nu, 0.0, out=Nu)
+        np.maximum(Nb, 0.0, out=Nb)
+        self.Nb = Nb
+
+    def _evict(self, Nb: Any) -> Any:
+        """lru: evict the oldest samples beyond the capacity, then bound the number of blocks."""
+        np = self.np
+        sizes = Nb.reshape(len(Nb), -1).sum(axis=1)
+        over = float(sizes.sum()) - self.cap
+        k = 0
+        while over > 1e-12 and k < len(Nb):
+            tot = float(sizes[k])
+            if tot > 0:
+                take = min(tot, over)
+                ev = Nb[k] * (take / tot)
+                Nb[k] -= ev
+                self.Nu += ev
+                sizes[k] -= take
+                over -= take
+            k += 1
+        keep = sizes > 1e-9
+        if not keep.all():
+            if not keep.any():
+                return np.zeros((1,) + self.shape)
+            Nb, sizes = Nb[keep], sizes[keep]
+        if len(Nb) > _MAX_BLOCKS:
+            # merge the adjacent pair with the fewest samples (keeps the age order)
+            i = int(np.argmin(sizes[:-1] + sizes[1:]))
+            Nb[i] += Nb[i + 1]
+            Nb = np.delete(Nb, i + 1, axis=0)
+        return Nb
+
+    def dvdt(self, x: list[float], m: list[float]) -> list[float]:
+        """Rate of change of each job's uncached-unread count v at the current class state."""
+        J = self.J
+        nu = self.Nu.reshape(-1)
+        V = (self.maskmat.T * nu) @ self.maskmat  # V[i, j]: uncached, unread by both i and j
+        cached = self.n - float(nu.sum())
+        run = [j for j in range(J) if self.status[j] == 1]
+        miss = {j: x[j] * m[j] for j in run}
+        total = sum(miss.values())
+        ins = 1.0 if (self.lru or cached < self.cap - 1e-9) else 0.0
+        oldest = None
+        if self.lru and cached >= self.cap - 1e-9 and total > 0:
+            blk = self.Nb[0].reshape(-1)
+            tot = float(blk.sum())
+            if tot > 0:
+                oldest = ((blk @ self.maskmat) / tot).tolist()
+        out = [0.0] * J
+        for j in run:
+            d = -miss[j]
+            for i in run:
+                if i != j and miss[i] > 0 and V[i, i] > 0:
+                    d -= miss[i] * ins * V[i, j] / V[i, i]
+            if oldest is not None:
+                d += total * oldest[j]
+            out[j] = d
+        return out
+
+    def changing(self) -> bool:
+        """Whether the cache contents change while jobs read (minio filling, or lru evicting)."""
+        if self.cap <= 0:
+            return False
+        if self.lru:
+            return True
+        uncached = float(self.Nu.sum())
+        return self.n - uncached < self.cap - 1e-9 and uncached > 1e-9
+
+    def _fill_time(self, x: list[float], m: list[float], dt: float) -> float:
+        """Time until minio's cache is full at rates x, m (``dt`` when that is later)."""
+        if self.lru:
+            return dt
+        ins_rate = sum(x[j] * m[j] for j in range(self.J) if self.status[j] == 1)
+        free = self.cap - (self.n - float(self.Nu.sum()))
+        if ins_rate <= 0 or free <= 1e-9:
+            return dt
+        return min(dt, free / ins_rate)
+
+    def _set_bit(self, j: int, on: bool) -> None:
+        """Mark every sample as yet to be read (on) or as read (off) by job j."""
+        for arr, s1, s0 in ((self.Nu, self.sl1[j], self.sl0[j]), (self.Nb, self.bsl1[j], self.bsl0[j])):
+            total = arr[s1] + arr[s0]
+            arr[s1 if on else s0] = total
+            arr[s0 if on else s1] = 0.0
+
+    # ---- driver ---------------------------------------------------------------------------------
+    def run(self, delays: list[float], resume: Snapshot | None = None,
+            keep: list[Snapshot] | None = None) -> list[float]:
+        """Finish time of every job when job j starts at ``delays[j]``; optionally resume/record."""
+        if resume is None:
+            self.reset()
+        else:
+            self.restore(resume)
+        J, n, q = self.J, self.n, self.q
+        while True:
+            if keep is not None:
+                keep.append(self.snapshot(delays))
+            for j in range(J):
+                if self.status[j] == 0 and delays[j] <= self.t + 1e-12:
+                    self.status[j] = 1
+                    self.b[j] = 0.0
+                    self._set_bit(j, True)
+                    self.fresh = True
+            run = [j for j in range(J) if self.status[j] == 1]
+            pending = [delays[j] for j in range(J) if self.status[j] == 0]
+            if not run and not pending:
+                break
+            t_next_start = min(pending) if pending else math.inf
+            if not run:
+                self._record(None, None)
+                self.t = t_next_start
+                continue
+            U, v = self.counts(self.Nu, self.Nb)
+            changing = self.changing()
+            if self.fresh or not changing:
+                self.x, self.m = self.rates(U, v)
+                self.fresh = False
+            x, m = self.x, self.m
+            self._record(x, m)
+            dt = min(min(U[j] / x[j] for j in run), t_next_start - self.t)
+            if changing:
+                # midpoint rule; the predictor uses the last midpoint rates (still second order)
+                frac = self.step_frac
+                dt = min(dt, min(n * frac / x[j] for j in run))
+                dt = self._fill_time(x, m, dt)
+                dv = self.dvdt(x, m)
+                U2 = [U[j] - x[j] * dt / 2 for j in range(J)]
+                v2 = [min(max(v[j] + dv[j] * dt / 2, 0.0), max(U2[j], 0.0)) for j in range(J)]
+                x2, m2 = self.rates(U2, v2)
+                # step control: how much a job's time per sample moved over the half step
+                err = max(abs(1.0 / x2[j] - 1.0 / x[j]) / self.t_ref[j] for j in run)
+                grow = 2.0 if err <= 0 else min(2.0, max(0.5, 0.9 * math.sqrt(q.step_tol / err)))
+                self.step_frac = min(q.max_step, max(q.min_step, frac * grow))
+                x, m = self.x, self.m = x2, m2
+                # re-aim at the nearest event with the midpoint rates
+                dt = min([dt] + [U[j] / x[j] for j in run] + [t_next_start - self.t])
+                dt_fill = self._fill_time(x, m, dt)
+                if dt_fill < dt:
+                    dt = dt_fill
+                    self.fresh = True
+            self.advance(U, v, x, m, dt)
+            self.t += dt
+            U, v = self.counts(self.Nu, self.Nb)
+            for j in run:
+                self.done[j] += x[j] * dt
+                if U[j] <= 1e-9 * n:
+                    self._end_epoch(j)
+            if self.t >= t_next_start - 1e-12:
+                self.fresh = True
+        self._record(None, None)
+        return list(self.finish)
+
+    def _end_epoch(self, j: int) -> None:
+        self.fresh = True
+        self.epoch[j] += 1
+        if self.epoch[j] >= self.epochs[j]:
+            self.status[j] = 2
+            self.finish[j] = self.t
+            self._set_bit(j, False)
+        else:
+            self._set_bit(j, True)
+
+    def _record(self, x: list[float] | None, m: list[float] | None) -> None:
+        if not self.record:
+            return
+        J = self.J
+        prog = tuple(min(1.0, self.done[j] / (self.epochs[j] * self.n)) for j in range(J))
+        if x is None or m is None:
+            hit = tuple(math.nan for _ in range(J))
+            bw = 0.0
+        else:
+            hit = tuple(1.0 - m[j] if self.status[j] == 1 else math.nan for j in range(J))
+            bw = sum(x[j] * m[j] for j in range(J) if self.status[j] == 1) * self.s
+        self.series.append((self.t, prog, hit, bw, (self.n - float(self.Nu.sum())) / self.n))
