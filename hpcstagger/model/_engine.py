@@ -120,8 +120,9 @@ class Engine:
         # a job's time per sample if it missed everything alone: the scale of step errors
         self.t_ref = [max(t, self.read_time[1]) for t in self.t_cpu]
         self.shape = (2,) * J
-        self.sl1 = [tuple(1 if ax == J - 1 - j else slice(None) for ax in range(J)) for j in range(J)]
-        self.sl0 = [tuple(0 if ax == J - 1 - j else slice(None) for ax in range(J)) for j in range(J)]
+        # length-1 slices (not integers) so that every index is a view, even with one job
+        self.sl1 = [tuple(slice(1, 2) if ax == J - 1 - j else slice(None) for ax in range(J)) for j in range(J)]
+        self.sl0 = [tuple(slice(0, 1) if ax == J - 1 - j else slice(None) for ax in range(J)) for j in range(J)]
         self.bsl1 = [(slice(None),) + sl for sl in self.sl1]
         self.bsl0 = [(slice(None),) + sl for sl in self.sl0]
         self.last0 = [(-1,) + sl for sl in self.sl0]
@@ -143,6 +144,8 @@ class Engine:
         self.b = [0.0] * J              # warm start of the bandwidth fixed point
         self.step_frac = 1.0 / 32       # current step, as a fraction of an epoch
         self.fresh = True               # solve the rates afresh at the next step (after an event)
+        self.hist: tuple | None = None  # (running jobs, 1/x, dt, slope) of the last step, for step control
+        self.full = self.cap <= 0       # the cache is full (it then stays full)
         self.x: list[float] = [0.0] * J  # last midpoint rates: the next predictor
         self.m: list[float] = [0.0] * J
         self.series: list[tuple] = []
@@ -150,11 +153,12 @@ class Engine:
     def snapshot(self, delays: list[float]) -> Snapshot:
         started = tuple((j, delays[j]) for j in range(self.J) if self.status[j] != 0)
         state = (self.t, list(self.status), list(self.epoch), self.Nu.copy(), self.Nb.copy(), list(self.done),
-                 list(self.finish), list(self.b), self.step_frac, self.fresh, list(self.x), list(self.m))
+                 list(self.finish), list(self.b), self.step_frac, self.fresh, list(self.x), list(self.m),
+                 self.hist, self.full)
         return Snapshot(self.t, started, state)
 
     def restore(self, snap: Snapshot) -> None:
-        (self.t, status, epoch, Nu, Nb, done, finish, b, self.step_frac, self.fresh, x, m) = snap.state
+        (self.t, status, epoch, Nu, Nb, done, finish, b, self.step_frac, self.fresh, x, m, self.hist, self.full) = snap.state
         self.status, self.epoch, self.done, self.finish = list(status), list(epoch), list(done), list(finish)
         self.Nu, self.Nb, self.b, self.x, self.m = Nu.copy(), Nb.copy(), list(b), list(x), list(m)
         self.series = []
@@ -262,8 +266,9 @@ class Engine:
     def advance(self, U: list[float], v: list[float], x: list[float], m: list[float], dt: float) -> None:
         """Move the class state on by dt at read rates x and miss fractions m (held constant).
 
-        ``U`` and ``v`` are the current per-job counts. Misses are applied first, so a sample one
-        job inserts during the step can be another job's hit in the same step.
+        ``U`` and ``v`` are the current per-job counts. A sample one job inserts during the step
+        counts as cached for half the step when another job looks for hits, which keeps the step
+        second order.
         """
         np = self.np
         Nu = self.Nu
@@ -276,46 +281,57 @@ class Engine:
         else:
             free = max(self.cap - (self.n - float(Nu.sum())), 0.0)
             ins_share = min(1.0, free / total_miss) if total_miss > 0 else 0.0
+        # Each job reads a fraction of its pools, one job after another, so the fractions compose
+        # multiplicatively (a sample two jobs read in the same step ends read by both) and nothing
+        # is counted twice however long the step.
         fresh = np.zeros(self.shape)
-        for j in run:
-            if misses[j] <= 0.0:
+        for j in run:  # misses: uncached samples the job has yet to read
+            A = Nu[self.sl1[j]]  # a view
+            pool = float(A.sum())  # less what earlier jobs inserted during this step
+            if misses[j] <= 0.0 or pool <= 0.0:
                 continue
-            A = Nu[self.sl1[j]]  # a view: uncached samples job j has yet to read
-            v_j = float(A.sum())  # what other jobs left uncached during this step
-            if v_j <= 0.0:
-                continue
-            moved = A * min(1.0, misses[j] / v_j)
+            moved = A * min(1.0, misses[j] / pool)
             A -= moved
             if ins_share > 0.0:
                 fresh[self.sl0[j]] += moved * ins_share
             if ins_share < 1.0:
                 Nu[self.sl0[j]] += moved * (1.0 - ins_share)
+        # Hits: cached samples, and samples inserted during the step, which were cached for half
+        # of it on average. Other jobs' hits keep a sample cached and unread by this job, so the
+        # pools taken before any hit is applied stay right.
         if self.lru:
-            Nb = np.concatenate([Nb, fresh[None]], axis=0)
-        else:
-            Nb[0] += fresh
+            # lru evicts as it inserts: half of this step's evictions happen before the hits
+            # (on average a sample evicted during the step could be hit for half of it)
+            over = (self.n - float(Nu.sum())) - self.cap
+            if over > 0:
+                Nb = self._evict(Nb, 0.5 * over)
+            Nb = np.concatenate([Nb, np.zeros((1,) + self.shape)], axis=0)
+        dest = self.last0 if self.lru else [(0,) + sl for sl in self.sl0]
+        fracs = []
         for j in run:
             want = x[j] * (1.0 - m[j]) * dt
-            if want <= 0.0:
-                continue
+            pool = float(Nb[self.bsl1[j]].sum()) + 0.5 * float(fresh[self.sl1[j]].sum())
+            if want > 0.0 and pool > 0.0:
+                fracs.append((j, min(1.0, want / pool)))
+        for j, frac in fracs:
             B1 = Nb[self.bsl1[j]]  # a view: cached samples job j has yet to read, every block
-            a_j = float(B1.sum())
-            if a_j <= 0.0:
-                continue
-            moved = B1 * min(1.0, want / a_j)
+            moved = B1 * frac
             B1 -= moved
-            Nb[self.last0[j]] += moved.sum(axis=0)  # a hit makes the sample most recently used
+            F1 = fresh[self.sl1[j]]
+            moved_fresh = F1 * (0.5 * frac)
+            F1 -= moved_fresh
+            Nb[dest[j]] += moved.sum(axis=0) + moved_fresh  # a hit makes the sample most recently used
+        Nb[-1 if self.lru else 0] += fresh
         if self.lru:
-            Nb = self._evict(Nb)
+            Nb = self._evict(Nb, float(Nb.sum()) - self.cap)
         np.maximum(Nu, 0.0, out=Nu)
         np.maximum(Nb, 0.0, out=Nb)
         self.Nb = Nb
 
-    def _evict(self, Nb: Any) -> Any:
-        """lru: evict the oldest samples beyond the capacity, then bound the number of blocks."""
+    def _evict(self, Nb: Any, over: float) -> Any:
+        """lru: evict ``over`` samples, oldest first, then bound the number of blocks."""
         np = self.np
         sizes = Nb.reshape(len(Nb), -1).sum(axis=1)
-        over = float(sizes.sum()) - self.cap
         k = 0
         while over > 1e-12 and k < len(Nb):
             tot = float(sizes[k])
@@ -348,9 +364,9 @@ class Engine:
         run = [j for j in range(J) if self.status[j] == 1]
         miss = {j: x[j] * m[j] for j in run}
         total = sum(miss.values())
-        ins = 1.0 if (self.lru or cached < self.cap - 1e-9) else 0.0
+        ins = 1.0 if (self.lru or not self.full) else 0.0
         oldest = None
-        if self.lru and cached >= self.cap - 1e-9 and total > 0:
+        if self.lru and self.full and total > 0:
             blk = self.Nb[0].reshape(-1)
             tot = float(blk.sum())
             if tot > 0:
@@ -372,16 +388,25 @@ class Engine:
             return False
         if self.lru:
             return True
+        if self.full:
+            return False
         uncached = float(self.Nu.sum())
-        return self.n - uncached < self.cap - 1e-9 and uncached > 1e-9
+        if self.n - uncached >= self.cap - 1e-9 * self.n or uncached <= 1e-9 * self.n:
+            self.full = True
+            return False
+        return True
 
     def _fill_time(self, x: list[float], m: list[float], dt: float) -> float:
-        """Time until minio's cache is full at rates x, m (``dt`` when that is later)."""
-        if self.lru:
+        """Time until the cache is full at rates x, m (``dt`` when that is later): an event, since
+        minio stops inserting and lru starts evicting then."""
+        if self.full:
+            return dt
+        free = self.cap - (self.n - float(self.Nu.sum()))
+        if free <= 1e-9 * self.n:
+            self.full = True  # neither policy ever empties the cache again
             return dt
         ins_rate = sum(x[j] * m[j] for j in range(self.J) if self.status[j] == 1)
-        free = self.cap - (self.n - float(self.Nu.sum()))
-        if ins_rate <= 0 or free <= 1e-9:
+        if ins_rate <= 0:
             return dt
         return min(dt, free / ins_rate)
 
@@ -401,7 +426,11 @@ class Engine:
         else:
             self.restore(resume)
         J, n, q = self.J, self.n, self.q
+        guard = 0
         while True:
+            guard += 1
+            if guard > 1_000_000:
+                raise ModelError("the fluid model made no progress; please report this scenario")
             if keep is not None:
                 keep.append(self.snapshot(delays))
             for j in range(J):
@@ -410,6 +439,7 @@ class Engine:
                     self.b[j] = 0.0
                     self._set_bit(j, True)
                     self.fresh = True
+                    self.hist = None
             run = [j for j in range(J) if self.status[j] == 1]
             pending = [delays[j] for j in range(J) if self.status[j] == 0]
             if not run and not pending:
@@ -436,9 +466,25 @@ class Engine:
                 U2 = [U[j] - x[j] * dt / 2 for j in range(J)]
                 v2 = [min(max(v[j] + dv[j] * dt / 2, 0.0), max(U2[j], 0.0)) for j in range(J)]
                 x2, m2 = self.rates(U2, v2)
-                # step control: how much a job's time per sample moved over the half step
-                err = max(abs(1.0 / x2[j] - 1.0 / x[j]) / self.t_ref[j] for j in run)
-                grow = 2.0 if err <= 0 else min(2.0, max(0.5, 0.9 * math.sqrt(q.step_tol / err)))
+                # Step control. The midpoint rule is exact while a job's time per sample changes
+                # linearly in time, so what limits the step is the change of that slope: the
+                # second difference of the midpoint times per sample over the last steps. After
+                # an event (no history yet) the first difference is used instead.
+                inv = [1.0 / x2[j] if x2[j] > 0 else 0.0 for j in range(J)]
+                hist = self.hist
+                if hist is not None and hist[0] == run:
+                    _, inv1, dt1, slope1 = hist
+                    slope = [(inv[j] - inv1[j]) / (0.5 * (dt + dt1)) for j in range(J)]
+                    if slope1 is not None:
+                        err = max(abs(slope[j] - slope1[j]) * dt * dt / self.t_ref[j] for j in run)
+                        grow = 2.0 if err <= 0 else min(2.0, max(0.5, 0.9 * (q.step_tol / err) ** (1 / 3)))
+                    else:
+                        err = max(abs(inv[j] - inv1[j]) / self.t_ref[j] for j in run)
+                        grow = 2.0 if err <= 0 else min(2.0, max(0.5, 0.9 * math.sqrt(q.step_tol / err)))
+                    self.hist = (run, inv, dt, slope)
+                else:
+                    grow = 1.0
+                    self.hist = (run, inv, dt, None)
                 self.step_frac = min(q.max_step, max(q.min_step, frac * grow))
                 x, m = self.x, self.m = x2, m2
                 # re-aim at the nearest event with the midpoint rates
@@ -447,12 +493,15 @@ class Engine:
                 if dt_fill < dt:
                     dt = dt_fill
                     self.fresh = True
+                    self.hist = None
+            # jobs whose epoch end this step was aimed at (the clamps in advance may leave a crumb)
+            ending = [j for j in run if U[j] <= x[j] * dt * (1.0 + 1e-9)]
             self.advance(U, v, x, m, dt)
             self.t += dt
             U, v = self.counts(self.Nu, self.Nb)
             for j in run:
                 self.done[j] += x[j] * dt
-                if U[j] <= 1e-9 * n:
+                if j in ending or U[j] <= 1e-9 * n:
                     self._end_epoch(j)
             if self.t >= t_next_start - 1e-12:
                 self.fresh = True
@@ -461,6 +510,7 @@ class Engine:
 
     def _end_epoch(self, j: int) -> None:
         self.fresh = True
+        self.hist = None
         self.epoch[j] += 1
         if self.epoch[j] >= self.epochs[j]:
             self.status[j] = 2
