@@ -3,7 +3,7 @@
 State. Samples are counted by class. A class is the set of running jobs that have yet to read the
 sample this epoch, plus whether, and in which block, it is cached. ``Nu`` counts uncached samples
 and ``Nb[b]`` cached ones in block b, blocks ordered from least to most recently used (minio
-needs one block; lru keeps the age order, up to ``_MAX_BLOCKS`` blocks). A class tensor has one
+needs one block; lru keeps the age order, up to ``Quality.max_blocks`` blocks). A class tensor has one
 axis of length 2 per job, so "samples job j has yet to read" is a view. Tracking the joint
 classes, rather than one hit fraction per job, keeps the correlations between jobs exact in
 expectation: a sample a job inserted is one it has already read.
@@ -33,8 +33,6 @@ from ..errors import ModelError
 from . import _pipeline
 from .scenario import Scenario
 
-# Blocks of the lru age structure kept before the adjacent pair with the fewest samples is merged.
-_MAX_BLOCKS = 16
 # Samples are tracked per subset of jobs (2**jobs classes), which bounds the number of jobs.
 MAX_JOBS = 12
 
@@ -49,10 +47,12 @@ class Quality(NamedTuple):
     min_step: float
     max_step: float
     fixed_point_tol: float
+    max_blocks: int = 16
 
 
-FINE = Quality(step_tol=0.02, min_step=1 / 64, max_step=1 / 6, fixed_point_tol=1e-5)
-COARSE = Quality(step_tol=0.05, min_step=1 / 48, max_step=1 / 5, fixed_point_tol=1e-4)
+FINE = Quality(step_tol=0.02, min_step=1 / 64, max_step=1 / 6, fixed_point_tol=1e-5, max_blocks=16)
+COARSE = Quality(step_tol=0.05, min_step=1 / 48, max_step=1 / 5, fixed_point_tol=1e-4, max_blocks=8)
+SEARCH = Quality(step_tol=0.1, min_step=1 / 32, max_step=1 / 3, fixed_point_tol=1e-3, max_blocks=4)
 
 
 def pipe_fluid(P: int, h: float, a: float, b: float, t: float) -> float:
@@ -307,12 +307,12 @@ class Engine:
                 Nb = self._evict(Nb, 0.5 * over)
             Nb = np.concatenate([Nb, np.zeros((1,) + self.shape)], axis=0)
         dest = self.last0 if self.lru else [(0,) + sl for sl in self.sl0]
+        pools = ((Nb.reshape(len(Nb), -1).sum(axis=0) + 0.5 * fresh.reshape(-1)) @ self.maskmat).tolist()
         fracs = []
         for j in run:
             want = x[j] * (1.0 - m[j]) * dt
-            pool = float(Nb[self.bsl1[j]].sum()) + 0.5 * float(fresh[self.sl1[j]].sum())
-            if want > 0.0 and pool > 0.0:
-                fracs.append((j, min(1.0, want / pool)))
+            if want > 0.0 and pools[j] > 0.0:
+                fracs.append((j, min(1.0, want / pools[j])))
         for j, frac in fracs:
             B1 = Nb[self.bsl1[j]]  # a view: cached samples job j has yet to read, every block
             moved = B1 * frac
@@ -348,7 +348,7 @@ class Engine:
             if not keep.any():
                 return np.zeros((1,) + self.shape)
             Nb, sizes = Nb[keep], sizes[keep]
-        if len(Nb) > _MAX_BLOCKS:
+        if len(Nb) > self.q.max_blocks:
             # merge the adjacent pair with the fewest samples (keeps the age order)
             i = int(np.argmin(sizes[:-1] + sizes[1:]))
             Nb[i] += Nb[i + 1]
@@ -372,11 +372,12 @@ class Engine:
             if tot > 0:
                 oldest = ((blk @ self.maskmat) / tot).tolist()
         out = [0.0] * J
+        V = V.tolist()
         for j in run:
             d = -miss[j]
             for i in run:
-                if i != j and miss[i] > 0 and V[i, i] > 0:
-                    d -= miss[i] * ins * V[i, j] / V[i, i]
+                if i != j and miss[i] > 0 and V[i][i] > 0:
+                    d -= miss[i] * ins * V[i][j] / V[i][i]
             if oldest is not None:
                 d += total * oldest[j]
             out[j] = d
@@ -419,8 +420,12 @@ class Engine:
 
     # ---- driver ---------------------------------------------------------------------------------
     def run(self, delays: list[float], resume: Snapshot | None = None,
-            keep: list[Snapshot] | None = None) -> list[float]:
-        """Finish time of every job when job j starts at ``delays[j]``; optionally resume/record."""
+            keep: list[Snapshot] | None = None, stop: float = math.inf) -> list[float]:
+        """Finish time of every job when job j starts at ``delays[j]``; optionally resume/record.
+
+        With ``stop``, the run ends as soon as the time passes it with a job unfinished, whose
+        finish time is then reported as inf (the makespan is known to exceed ``stop``).
+        """
         if resume is None:
             self.reset()
         else:
@@ -444,6 +449,8 @@ class Engine:
             pending = [delays[j] for j in range(J) if self.status[j] == 0]
             if not run and not pending:
                 break
+            if self.t > stop:
+                return [f if f <= stop else math.inf for f in self.finish]
             t_next_start = min(pending) if pending else math.inf
             if not run:
                 self._record(None, None)

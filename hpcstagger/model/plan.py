@@ -21,8 +21,9 @@ makespan by more than ``min_gain`` (0.2% by default), and a job whose delay can 
 without raising the makespan starts at 0. So compute-bound jobs, and sources that lose nothing
 under concurrency with a cache that cannot help a late starter, get delays of exactly 0.
 
-Planning uses the model at a coarser integration tolerance for 3 or more jobs; the reported
-makespans are recomputed at full accuracy.
+The search runs the model at a coarser integration tolerance (the scan of start points coarser
+still) and, for 3 or more jobs, stops refining after a time budget; the plan's makespans are
+recomputed at full accuracy, and a stagger that does not pay then is dropped.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ class _Evaluator:
         self.runs: list[tuple[list[float], list[_engine.Snapshot]]] = []
         self.keep_runs = keep_runs
         self.count = 0
+        self.best = math.inf  # best makespan seen: runs that pass it (plus cutoff) stop early
+        self.cutoff = 0.05
 
     def _resume_point(self, d: list[float]) -> tuple[_engine.Snapshot | None, list[_engine.Snapshot]]:
         best: _engine.Snapshot | None = None
@@ -101,18 +104,26 @@ class _Evaluator:
         return best, best_prefix
 
     def finish(self, d: list[float]) -> tuple[float, list[float]]:
+        """Makespan and finish times of delays ``d``. A run that passes ``self.best`` times
+        ``1 + cutoff`` stops there (it cannot win) and reports that time as its makespan."""
         key = tuple(d)
         hit = self.cache.get(key)
-        if hit is not None:
+        if hit is not None and (math.isfinite(max(hit[1])) or hit[0] >= self.best * (1.0 + self.cutoff)):
             return hit
         snap, prefix = self._resume_point(d)
         keep: list[_engine.Snapshot] = []
-        finish = self.engine.run(d, resume=snap, keep=keep)
+        stop = self.best * (1.0 + self.cutoff)
+        finish = self.engine.run(d, resume=snap, keep=keep, stop=stop)
         self.count += 1
         self.runs.append((list(d), prefix + keep))
         if len(self.runs) > self.keep_runs:
             self.runs.pop(0)
-        out = (max(finish), finish)
+        makespan = max(finish)
+        if not math.isfinite(makespan):
+            makespan = max(stop, self.engine.t)  # a lower bound: good enough to rank it last
+        elif makespan < self.best:
+            self.best = makespan
+        out = (makespan, finish)
         self.cache[key] = out
         return out
 
@@ -163,7 +174,7 @@ def _sequential(sc: Scenario) -> float:
 
 
 def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain: float = 0.002,
-                 grid: int | None = None) -> Plan:
+                 grid: int | None = None, budget: float = 0.7) -> Plan:
     """The start delays that minimise the predicted makespan (see the module docstring).
 
     ``max_delay`` bounds every job's delay (default: the sum of the other jobs' solo run times,
@@ -180,7 +191,7 @@ def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain
         raise ConfigError(f"max_delay must be a finite number of seconds >= 0, got {max_delay!r}")
     if not 0 <= min_gain < 1:
         raise ConfigError(f"min_gain must be in [0, 1), got {min_gain!r}")
-    ev = _Evaluator(sc, _engine.FINE if J <= 2 else _engine.COARSE)
+    ev = _Evaluator(sc, _engine.COARSE)
     zero = [0.0] * J
     simultaneous_coarse = ev(zero)
     best_d, best = list(zero), simultaneous_coarse
@@ -190,10 +201,10 @@ def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain
         solo = _solo_times(sc)
         bound = [float(max_delay) if max_delay is not None else sum(solo) - solo[j] for j in range(J)]
         if J == 2:
-            best_d, best, curve = _plan_two(ev, bound, grid or 40)
+            best_d, best, curve = _plan_two(ev, bound, grid or 24)
             label = f"stagger of {names[1]} after {names[0]} (s; negative: {names[0]} starts later)"
         else:
-            best_d, best = _plan_many(ev, bound, grid or 6)
+            best_d, best = _plan_many(sc, ev, bound, grid or 6, solo, t0 + budget)
             best_d, best = _tie_break(ev, best_d, best, min_gain)
             top = max(best_d)
             if top > 0:
@@ -207,6 +218,10 @@ def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain
     final_eng = _engine.Engine(sc, _engine.FINE)
     finish = final_eng.run(best_d)
     simultaneous = max(final_eng.run(zero)) if any(best_d) else max(finish)
+    if any(best_d) and max(finish) > simultaneous * (1.0 - min_gain):
+        # the stagger does not pay at full accuracy: start together
+        best_d = list(zero)
+        finish = final_eng.run(best_d)
     sequential = _sequential(sc) if J > 1 else max(finish)
     order = tuple(names[j] for j in sorted(range(J), key=lambda j: (best_d[j], j)))
     return Plan(delays=dict(zip(names, best_d)), makespan=max(finish), simultaneous=simultaneous,
@@ -240,27 +255,56 @@ def _plan_two(ev: _Evaluator, bound: list[float], points: int):
     return delays(best_s), best, curve
 
 
-def _plan_many(ev: _Evaluator, bound: list[float], points: int) -> tuple[list[float], float]:
-    """N jobs: pick the first job by one-parameter families, then coordinate descent."""
+def _plan_many(sc: Scenario, ev: _Evaluator, bound: list[float], points: int,
+               solo: list[float], deadline: float) -> tuple[list[float], float]:
+    """N jobs: scan one-parameter families (cheaply) for a start point, then coordinate descent."""
     J = len(bound)
-    best_d, best = [0.0] * J, ev([0.0] * J)
-    for first in range(J):
+    scan = _Evaluator(sc, _engine.SEARCH)
+    candidates: list[list[float]] = [[0.0] * J]
+    for first in range(J):  # this job first, every other one a common delay later
         upper = max(bound[j] for j in range(J) if j != first)
-        for delta in _grid(upper, points + 2):
+        for delta in _grid(upper, points):
             d = [min(delta, bound[j]) for j in range(J)]
             d[first] = 0.0
-            val = ev(d)
-            if val < best:
-                best_d, best = d, val
-    for _ in range(4):
+            candidates.append(d)
+    for order in (list(range(J)), sorted(range(J), key=lambda j: -solo[j])):
+        for lam in (0.25, 0.5, 0.75, 1.0):  # one after another (longest first, or in job order), overlapped
+            d = [0.0] * J
+            t = 0.0
+            for j in order:
+                d[j] = min(lam * t, bound[j])
+                t += solo[j]
+            candidates.append(d)
+    scored = sorted(((scan(d), i) for i, d in enumerate(candidates)))
+    best_d, best = list(candidates[scored[0][1]]), math.inf
+    for _, i in scored[:2]:  # the two best starts, at planning accuracy
+        val = ev(candidates[i])
+        if val < best:
+            best_d, best = list(candidates[i]), val
+    width = [bound[j] / points for j in range(J)]
+    for sweep in range(2):
         before = best
         for j in sorted(range(J), key=lambda i: -best_d[i]):
+            if time.perf_counter() > deadline:
+                break
+
             def f(x: float, j: int = j) -> float:
                 d = list(best_d)
                 d[j] = x
                 return ev(d)
 
-            x, val, _ = _line_search(f, 0.0, bound[j], best_d[j], best, points, 8)
+            if sweep == 0:  # a grid over the whole range, then Brent around the best point
+                x, val, _ = _line_search(f, 0.0, bound[j], best_d[j], best, points, 5)
+            else:  # Brent in a bracket around the current point
+                lo, hi = max(0.0, best_d[j] - width[j]), min(bound[j], best_d[j] + width[j])
+                x, val = best_d[j], best
+                if hi > lo:
+                    from scipy.optimize import minimize_scalar
+
+                    res = minimize_scalar(f, bounds=(lo, hi), method="bounded",
+                                          options={"xatol": 1e-4 * bound[j] + 1e-9, "maxiter": 5})
+                    if float(res.fun) < val:
+                        x, val = float(res.x), float(res.fun)
             if val < best:
                 best_d[j], best = x, val
                 shift = min(best_d)
