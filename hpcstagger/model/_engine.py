@@ -263,7 +263,8 @@ class Engine:
         return out
 
     # ---- state changes --------------------------------------------------------------------------
-    def advance(self, U: list[float], v: list[float], x: list[float], m: list[float], dt: float) -> None:
+    def advance(self, U: list[float], v: list[float], x: list[float], m: list[float], dt: float,
+                state: tuple[Any, Any] | None = None) -> tuple[Any, Any]:
         """Move the class state on by dt at read rates x and miss fractions m (held constant).
 
         ``U`` and ``v`` are the current per-job counts. A sample one job inserts during the step
@@ -271,8 +272,10 @@ class Engine:
         second order.
         """
         np = self.np
-        Nu = self.Nu
-        Nb = self.Nb
+        if state is None:  # move the engine's own state
+            Nu, Nb = self.Nu, self.Nb
+        else:  # work on copies and return them
+            Nu, Nb = state[0].copy(), state[1].copy()
         run = [j for j in range(self.J) if self.status[j] == 1]
         misses = {j: min(x[j] * m[j] * dt, v[j]) for j in run}
         total_miss = sum(misses.values())
@@ -299,15 +302,28 @@ class Engine:
         # Hits: cached samples, and samples inserted during the step, which were cached for half
         # of it on average. Other jobs' hits keep a sample cached and unread by this job, so the
         # pools taken before any hit is applied stay right.
+        avail = 0.5  # fraction of the step a sample inserted during it is cached, on average
         if self.lru:
-            # lru evicts as it inserts: half of this step's evictions happen before the hits
-            # (on average a sample evicted during the step could be hit for half of it)
-            over = (self.n - float(Nu.sum())) - self.cap
-            if over > 0:
-                Nb = self._evict(Nb, 0.5 * over)
+            # lru evicts as it inserts. While the step inserts no more than the cache holds, the
+            # samples it evicts were cached for half of it on average: evict half of them before
+            # the hits. When it inserts more (f < 1 turnovers' worth, a small cache), every old
+            # sample goes within the first f of the step, and an inserted one lasts f of it.
+            cached = self.n - float(Nu.sum())
+            inserted = float(fresh.sum())
+            over = cached - self.cap
+            f = self.cap / inserted if inserted > 0 else math.inf
+            if f < 1.0:
+                avail = f * (1.0 - 0.5 * f)
+                # old sample k goes after cap - cached + k inserts: cached for (cap - cached/2) / I
+                # of the step on average, so keep that share of them for the hits
+                early = min(max(cached * (1.0 - (self.cap - 0.5 * cached) / inserted), 0.0), cached)
+            else:
+                early = 0.5 * over
+            if early > 0:
+                Nb = self._evict(Nb, Nu, early)
             Nb = np.concatenate([Nb, np.zeros((1,) + self.shape)], axis=0)
         dest = self.last0 if self.lru else [(0,) + sl for sl in self.sl0]
-        pools = ((Nb.reshape(len(Nb), -1).sum(axis=0) + 0.5 * fresh.reshape(-1)) @ self.maskmat).tolist()
+        pools = ((Nb.reshape(len(Nb), -1).sum(axis=0) + avail * fresh.reshape(-1)) @ self.maskmat).tolist()
         fracs = []
         for j in run:
             want = x[j] * (1.0 - m[j]) * dt
@@ -318,18 +334,20 @@ class Engine:
             moved = B1 * frac
             B1 -= moved
             F1 = fresh[self.sl1[j]]
-            moved_fresh = F1 * (0.5 * frac)
+            moved_fresh = F1 * (avail * frac)
             F1 -= moved_fresh
             Nb[dest[j]] += moved.sum(axis=0) + moved_fresh  # a hit makes the sample most recently used
         Nb[-1 if self.lru else 0] += fresh
         if self.lru:
-            Nb = self._evict(Nb, float(Nb.sum()) - self.cap)
+            Nb = self._evict(Nb, Nu, float(Nb.sum()) - self.cap)
         np.maximum(Nu, 0.0, out=Nu)
         np.maximum(Nb, 0.0, out=Nb)
-        self.Nb = Nb
+        if state is None:
+            self.Nb = Nb
+        return Nu, Nb
 
-    def _evict(self, Nb: Any, over: float) -> Any:
-        """lru: evict ``over`` samples, oldest first, then bound the number of blocks."""
+    def _evict(self, Nb: Any, Nu: Any, over: float) -> Any:
+        """lru: evict ``over`` samples from Nb into Nu, oldest first, then bound the blocks."""
         np = self.np
         sizes = Nb.reshape(len(Nb), -1).sum(axis=1)
         k = 0
@@ -339,7 +357,7 @@ class Engine:
                 take = min(tot, over)
                 ev = Nb[k] * (take / tot)
                 Nb[k] -= ev
-                self.Nu += ev
+                Nu += ev
                 sizes[k] -= take
                 over -= take
             k += 1
@@ -469,9 +487,15 @@ class Engine:
                 frac = self.step_frac
                 dt = min(dt, min(n * frac / x[j] for j in run))
                 dt = self._fill_time(x, m, dt)
-                dv = self.dvdt(x, m)
-                U2 = [U[j] - x[j] * dt / 2 for j in range(J)]
-                v2 = [min(max(v[j] + dv[j] * dt / 2, 0.0), max(U2[j], 0.0)) for j in range(J)]
+                if self.lru and sum(x[j] * m[j] for j in run) * dt > self.cap:
+                    # the cache turns over within half a step: its fast dynamics only balance out
+                    # over a turnover, so predict the midpoint with a real half step
+                    Nu2, Nb2 = self.advance(U, v, x, m, dt / 2, state=(self.Nu, self.Nb))
+                    U2, v2 = self.counts(Nu2, Nb2)
+                else:
+                    dv = self.dvdt(x, m)
+                    U2 = [U[j] - x[j] * dt / 2 for j in range(J)]
+                    v2 = [min(max(v[j] + dv[j] * dt / 2, 0.0), max(U2[j], 0.0)) for j in range(J)]
                 x2, m2 = self.rates(U2, v2)
                 # Step control. The midpoint rule is exact while a job's time per sample changes
                 # linearly in time, so what limits the step is the change of that slope: the

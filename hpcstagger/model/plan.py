@@ -17,7 +17,8 @@ the jobs differ in length (its delay adds to the makespan one for one, while the
 early anyway), and among similar jobs the most I/O-bound one (it fills the cache fastest).
 
 Ties go to simultaneous start: a stagger is only recommended when it lowers the predicted
-makespan by more than ``min_gain`` (0.2% by default), and a job whose delay can return to 0
+makespan by more than ``min_gain`` (1% by default: below that the model cannot tell, its
+typical error being a fraction of a percent), and a job whose delay can return to 0
 without raising the makespan starts at 0. So compute-bound jobs, and sources that lose nothing
 under concurrency with a cache that cannot help a late starter, get delays of exactly 0.
 
@@ -173,7 +174,7 @@ def _sequential(sc: Scenario) -> float:
     return max(finish)
 
 
-def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain: float = 0.002,
+def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain: float = 0.01,
                  grid: int | None = None, budget: float = 0.7) -> Plan:
     """The start delays that minimise the predicted makespan (see the module docstring).
 
