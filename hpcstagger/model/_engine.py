@@ -325,10 +325,13 @@ class Engine:
         dest = self.last0 if self.lru else [(0,) + sl for sl in self.sl0]
         pools = ((Nb.reshape(len(Nb), -1).sum(axis=0) + avail * fresh.reshape(-1)) @ self.maskmat).tolist()
         fracs = []
+        short = {}
         for j in run:
             want = x[j] * (1.0 - m[j]) * dt
             if want > 0.0 and pools[j] > 0.0:
                 fracs.append((j, min(1.0, want / pools[j])))
+            if want > pools[j]:
+                short[j] = want - max(pools[j], 0.0)
         for j, frac in fracs:
             B1 = Nb[self.bsl1[j]]  # a view: cached samples job j has yet to read, every block
             moved = B1 * frac
@@ -336,7 +339,24 @@ class Engine:
             F1 = fresh[self.sl1[j]]
             moved_fresh = F1 * (avail * frac)
             F1 -= moved_fresh
-            Nb[dest[j]] += moved.sum(axis=0) + moved_fresh  # a hit makes the sample most recently used
+            fresh[self.sl0[j]] += moved_fresh  # still inserted during the step, for later jobs' hits
+            Nb[dest[j]] += moved.sum(axis=0)  # a hit makes the sample most recently used
+        for j, extra in short.items():  # after the hits, which must not see these inserts
+            # fewer cached samples left to read than the rates assumed: the job reads the rest of
+            # its share of the step from the source, so that it reads x * dt samples in all
+            A = Nu[self.sl1[j]]
+            pool = float(A.sum())
+            if pool <= 0.0:
+                continue
+            moved = A * min(1.0, extra / pool)
+            A -= moved
+            if self.lru or ins_share > 0.0:
+                share = 1.0 if self.lru else ins_share
+                fresh[self.sl0[j]] += moved * share
+                if share < 1.0:
+                    Nu[self.sl0[j]] += moved * (1.0 - share)
+            else:
+                Nu[self.sl0[j]] += moved
         Nb[-1 if self.lru else 0] += fresh
         if self.lru:
             Nb = self._evict(Nb, Nu, float(Nb.sum()) - self.cap)
