@@ -24,6 +24,14 @@ _EXPORTS: dict[str, str] = {
     "CheckpointError": "hpcstagger.errors",
     "LaunchError": "hpcstagger.errors",
     "ModelError": "hpcstagger.errors",
+    "Scenario": "hpcstagger.model",
+    "Prediction": "hpcstagger.model",
+    "predict": "hpcstagger.model",
+    "simulate": "hpcstagger.model",
+    "Plan": "hpcstagger.model",
+    "optimal_plan": "hpcstagger.model",
+    "calibrate": "hpcstagger.model",
+    "StallProfiler": "hpcstagger.profile",
 }
 
 __all__ = ["__version__", *_EXPORTS]

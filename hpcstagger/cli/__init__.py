@@ -17,7 +17,7 @@ from typing import Callable, NoReturn, Sequence
 from .._version import __version__
 
 # Subcommand modules under hpcstagger.cli, in --help order. Each has register(subparsers).
-SUBCOMMANDS: list[str] = ["info"]
+SUBCOMMANDS: list[str] = ["info", "plan", "calibrate", "profile"]
 
 
 class Parser(argparse.ArgumentParser):

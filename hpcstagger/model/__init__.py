@@ -24,10 +24,11 @@ Semantics (followed by the model and the simulator alike):
 
 from __future__ import annotations
 
+from .calibrate import Calibration, calibrate
 from .fluid import Prediction, predict
 from .plan import Plan, optimal_plan
 from .scenario import Cache, Dataset, Job, Loader, Scenario, Storage
 from .simulate import SimResult, simulate
 
 __all__ = ["Scenario", "Dataset", "Storage", "Cache", "Loader", "Job", "Prediction", "predict",
-           "SimResult", "simulate", "Plan", "optimal_plan"]
+           "SimResult", "simulate", "Plan", "optimal_plan", "Calibration", "calibrate"]
