@@ -97,3 +97,22 @@ def make_source():
 
     path = os.environ[SOURCE_ENV]
     return ThrottledH5Source(path, "x", [4.0e7, 2.4e7], multiprocessing.get_context("spawn").Value("i", 0))
+
+
+class FailsInReaders:
+    """Reads fine in the process that made it, fails in any other (the reader processes)."""
+
+    def __init__(self) -> None:
+        import os
+
+        self.owner = os.getpid()
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> bytes:
+        import os
+
+        if os.getpid() != self.owner:
+            raise OSError("storage unreachable from this process")
+        return b"x" * 1000

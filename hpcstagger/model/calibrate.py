@@ -102,8 +102,16 @@ def _measure_readers(source: Any, k: int, duration: float, ctx: Any, seed: int) 
     procs = [ctx.Process(target=_reader, args=(source, seed * 1000 + r, barrier, duration, queue), daemon=True)
              for r in range(k)]
     t0 = time.monotonic()
-    for p in procs:
-        p.start()
+    try:
+        for p in procs:
+            p.start()
+    except Exception as exc:
+        for p in procs:
+            if p.pid is not None:
+                p.terminate()
+                p.join(timeout=5)
+        raise ConfigError(f"the source cannot be sent to a reader process ({type(exc).__name__}: {exc}); "
+                          "a source must be picklable: define its class at module level") from exc
     import queue as queue_mod
 
     results: list = []
@@ -277,7 +285,10 @@ def calibrate(source: Any, jobs: Mapping[str, Callable[[list[bytes]], Any]], *,
         rng.shuffle(idx)
         held: list[tuple[str, bytes]] = []
         for i in idx[:max(batch, 256)]:
-            data = source[i]
+            try:
+                data = source[i]
+            except Exception as exc:
+                raise ModelError(f"reading sample {i} from the source failed: {type(exc).__name__}: {exc}") from exc
             if not isinstance(data, (bytes, bytearray, memoryview)):
                 raise ConfigError(f"source[{i}] returned {type(data).__name__}; a source returns the sample's bytes")
             key = source.key(i) if hasattr(source, "key") else str(i)
