@@ -73,6 +73,10 @@ _KNOB_LIST: list[Knob] = [
          "auto: use MPI when launched by mpiexec/srun or when mpi4py is already imported; 1: always; 0: never"),
     Knob("shm_root", str, _default_shm_root, "root directory of the shared node-local sample caches"),
     Knob("state_dir", str, _default_state_dir, "where hpcstagger keeps calibrations and built wheels"),
+    # makespan model and planning (hpcstagger.model)
+    Knob("calibrate_budget", float, 60.0, "seconds hpcstagger calibrate spends measuring, all steps together"),
+    Knob("plan_min_gain", float, 0.01,
+         "least predicted gain (fraction of the makespan) for which optimal_plan recommends a stagger"),
 ]
 
 KNOBS: dict[str, Knob] = {k.name: k for k in _KNOB_LIST}

@@ -33,7 +33,8 @@ def register(sub: Any) -> None:
     p.add_argument("--readers", type=int, default=None, metavar="K",
                    help="measure the source with 1 .. K concurrent readers (default: 2, or the number "
                         "of jobs up to 4)")
-    p.add_argument("--budget", type=float, default=60.0, metavar="S", help="total seconds to spend (default 60)")
+    p.add_argument("--budget", type=float, default=None, metavar="S",
+                   help="total seconds to spend (default: the calibrate_budget knob, 60)")
     p.add_argument("--batch", type=int, default=16, help="samples per step call when timing jobs (default 16)")
     p.add_argument("--prefetch", type=int, default=2, help="the jobs' loader prefetch depth (default 2)")
     p.add_argument("-o", "--out", default="scenario.toml", help="scenario file to write (default scenario.toml)")

@@ -23,9 +23,9 @@ def register(sub: Any) -> None:
                                                  "timelines to this PNG")
     p.add_argument("--max-delay", type=float, default=None, metavar="S",
                    help="longest delay to consider, seconds (default: enough to run the others first)")
-    p.add_argument("--min-gain", type=float, default=0.01, metavar="F",
+    p.add_argument("--min-gain", type=float, default=None, metavar="F",
                    help="recommend a stagger only if it saves more than this fraction of the makespan "
-                        "(default 0.01)")
+                        "(default: the plan_min_gain knob, 0.01)")
     p.set_defaults(func=run)
 
 

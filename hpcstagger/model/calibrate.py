@@ -1,6 +1,7 @@
 """``calibrate``: measure a :class:`~hpcstagger.model.Scenario` from short runs, within a time budget.
 
-What is measured (the budget, 60 s by default, is shared out in this order):
+What is measured (the budget, 60 s by default (knob ``calibrate_budget``), is shared out in this
+order):
 
 1. **The dataset.** ``len(source)`` samples; the mean bytes of the samples read.
 2. **The cache's hit bandwidth**, per reader: against a cache object with ``put(key, data)`` and
@@ -227,10 +228,11 @@ def _capacity_bytes(capacity: float | str | None, n: int, sample_bytes: float) -
 
 def calibrate(source: Any, jobs: Mapping[str, Callable[[list[bytes]], Any]], *,
               epochs: int | Mapping[str, int] = 1, capacity: float | str | None = None, policy: str = "minio",
-              readers: int | Sequence[int] | None = None, budget: float = 60.0, batch: int = 16,
+              readers: int | Sequence[int] | None = None, budget: float | None = None, batch: int = 16,
               prefetch: int = 2, cache: Any = None, out: str | os.PathLike[str] | None = None,
               progress: bool = True, mp_context: str = "spawn", seed: int = 0) -> Calibration:
-    """Measure a scenario from ``source`` and ``jobs`` within ``budget`` seconds (see the module docstring).
+    """Measure a scenario from ``source`` and ``jobs`` within ``budget`` seconds (see the module docstring;
+    default: the ``calibrate_budget`` knob, 60 s).
 
     ``jobs`` maps job names to step callables; ``epochs`` is a number or a name -> number map.
     ``capacity`` is the cache size in bytes or a percentage of the dataset ("60%"; default none);
@@ -242,6 +244,10 @@ def calibrate(source: Any, jobs: Mapping[str, Callable[[list[bytes]], Any]], *,
     from .._io import atomic_write
 
     t_start = time.monotonic()
+    if budget is None:
+        from .. import config
+
+        budget = float(config.get("calibrate_budget"))
     if not jobs:
         raise ConfigError("calibrate needs at least one job: a mapping name -> step(samples)")
     if policy not in POLICIES:

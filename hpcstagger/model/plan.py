@@ -174,16 +174,23 @@ def _sequential(sc: Scenario) -> float:
     return max(finish)
 
 
-def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain: float = 0.01,
+def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain: float | None = None,
                  grid: int | None = None, budget: float = 0.7) -> Plan:
     """The start delays that minimise the predicted makespan (see the module docstring).
 
     ``max_delay`` bounds every job's delay (default: the sum of the other jobs' solo run times,
     enough to run them all first). ``min_gain`` is the least relative gain over a simultaneous
-    start for which a stagger is recommended. ``grid`` sets the grid points of the 1-D searches.
+    start for which a stagger is recommended (default: the ``plan_min_gain`` knob, 0.01).
+    ``grid`` sets the grid points of the 1-D searches. For 3 or more jobs the coordinate descent
+    stops refining once ``budget`` seconds have passed (the scan of start points always
+    completes), which bounds the time on slow scenarios (lru, many epochs).
     Raises ConfigError for a bad argument and ModelError when the model cannot answer.
     """
     t0 = time.perf_counter()
+    if min_gain is None:
+        from .. import config
+
+        min_gain = float(config.get("plan_min_gain"))
     sc = scenario
     J = len(sc.jobs)
     names = sc.job_names
