@@ -250,14 +250,13 @@ def main(argv: list[str] | None = None) -> int:
                 setattr(_engine, attr, saved)
             abl[label] = _summ(errs)
         out["ablations"] = abl
-        depth: dict[str, Any] = {}
-        for P in (1, 4, 8):
-            errs = []
-            for i in ids:
+        depth_errs: dict[int, list[float]] = {1: [], 4: [], 8: []}
+        for i in ids:  # the same order as the tasks
+            for P in (1, 4, 8):
                 sc = make_scenario(i, P)
-                errs.append(predict(sc, series=False).makespan / sims[pos] - 1)
+                depth_errs[P].append(predict(sc, series=False).makespan / sims[pos] - 1)
                 pos += 1
-            depth[str(P)] = _summ(errs)
+        depth = {str(P): _summ(e) for P, e in depth_errs.items()}
         out["prefetch_depths"] = depth
 
     out["seconds"] = time.perf_counter() - t_start

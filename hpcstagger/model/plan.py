@@ -175,7 +175,7 @@ def _sequential(sc: Scenario) -> float:
 
 
 def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain: float | None = None,
-                 grid: int | None = None, budget: float = 0.7) -> Plan:
+                 grid: int | None = None, budget: float = 0.6) -> Plan:
     """The start delays that minimise the predicted makespan (see the module docstring).
 
     ``max_delay`` bounds every job's delay (default: the sum of the other jobs' solo run times,
@@ -271,12 +271,12 @@ def _plan_many(sc: Scenario, ev: _Evaluator, bound: list[float], points: int,
     candidates: list[list[float]] = [[0.0] * J]
     for first in range(J):  # this job first, every other one a common delay later
         upper = max(bound[j] for j in range(J) if j != first)
-        for delta in _grid(upper, points):
+        for delta in _grid(upper, max(3, points - 2)):
             d = [min(delta, bound[j]) for j in range(J)]
             d[first] = 0.0
             candidates.append(d)
     for order in (list(range(J)), sorted(range(J), key=lambda j: -solo[j])):
-        for lam in (0.25, 0.5, 0.75, 1.0):  # one after another (longest first, or in job order), overlapped
+        for lam in (0.5, 1.0):  # one after another (longest first, or in job order), or overlapped by half
             d = [0.0] * J
             t = 0.0
             for j in order:
