@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quick:
         abl: dict[str, Any] = {}
         variants = {"independent readers (no product form)": ("SHARING", "independent"),
-                    "no prefetch-buffer loss (plain min rule)": ("PIPE", _engine.pipe_fluid)}
+                    "no prefetch-buffer loss (plain min rule)": ("PIPE", _engine.pipe_fluid),
+                    "no miss-time variance from sharing": ("MISS_VARIANCE", False)}
         for label, (attr, value) in variants.items():
             saved = getattr(_engine, attr)
             setattr(_engine, attr, value)

@@ -66,6 +66,8 @@ def pipe_fluid(P: int, h: float, a: float, b: float, t: float) -> float:
 PIPE: Callable[[int, float, float, float, float], float] = _pipeline.sample_time
 # "product" (processor sharing, product form) or "independent" (readers independent; an ablation).
 SHARING = "product"
+# Feed the pipeline the variance of miss times that sharing causes (product form only).
+MISS_VARIANCE = True
 
 _SUBSETS: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {}
 
@@ -143,6 +145,8 @@ class Engine(CacheState):
         self.done = [0.0] * J           # samples read in total
         self.finish = [math.inf] * J
         self.b = [0.0] * J              # warm start of the bandwidth fixed point
+        self.m2: dict[int, float] = {}  # second moment of each reader's miss time (warm start)
+        self.last_m2: list[float] = []
         self.step_frac = 1.0 / 32       # current step, as a fraction of an epoch
         self.fresh = True               # solve the rates afresh at the next step (after an event)
         self.hist: tuple | None = None  # (running jobs, 1/x, dt, slope) of the last step, for step control
@@ -155,11 +159,13 @@ class Engine(CacheState):
         started = tuple((j, delays[j]) for j in range(self.J) if self.status[j] != 0)
         state = (self.t, list(self.status), list(self.epoch), self.Nu.copy(), self.Nb.copy(), list(self.done),
                  list(self.finish), list(self.b), self.step_frac, self.fresh, list(self.x), list(self.m),
-                 self.hist, self.full)
+                 self.hist, self.full, dict(self.m2))
         return Snapshot(self.t, started, state)
 
     def restore(self, snap: Snapshot) -> None:
-        (self.t, status, epoch, Nu, Nb, done, finish, b, self.step_frac, self.fresh, x, m, self.hist, self.full) = snap.state
+        (self.t, status, epoch, Nu, Nb, done, finish, b, self.step_frac, self.fresh, x, m, self.hist, self.full,
+         m2) = snap.state
+        self.m2 = dict(m2)
         self.status, self.epoch, self.done, self.finish = list(status), list(epoch), list(done), list(finish)
         self.Nu, self.Nb, self.b, self.x, self.m = Nu.copy(), Nb.copy(), list(b), list(x), list(m)
         self.series = []
@@ -192,14 +198,18 @@ class Engine(CacheState):
         share = self.share_product if SHARING == "product" else self.share_independent
         last = math.inf
         damp = 1.0
+        m2 = self.m2  # second moment of each reader's miss time (sharing makes it vary)
         for _ in range(60):
             Z = []
-            for j in readers:
+            for k, j in enumerate(readers):
                 miss_t = s / b[j]
-                x[j] = 1.0 / pipe(P, 1.0 - m[j], a, miss_t, t_cpu[j])
+                x[j] = 1.0 / self._pipe_moments(m[j], a, miss_t, m2.get(j, miss_t * miss_t), t_cpu[j])
                 z = 1.0 / (x[j] * m[j]) - miss_t  # think time between two of this job's misses
                 Z.append(z if z > 0.0 else 0.0)
             nb = share(readers, Z)
+            if SHARING == "product" and MISS_VARIANCE:
+                for k, j in enumerate(readers):
+                    m2[j] = self.last_m2[k]
             change = 0.0
             for k, j in enumerate(readers):
                 c = abs(nb[k] - b[j]) / b[j]
@@ -214,6 +224,17 @@ class Engine(CacheState):
                 break
         return x, m
 
+    def _pipe_moments(self, m: float, a: float, miss_t: float, miss_m2: float, t: float) -> float:
+        """Pipeline time per sample when a miss takes a variable time (mean miss_t, second
+        moment miss_m2): the table is fed the two-point fetch time (a, or a + D with
+        probability m') that has the same mean and variance as hits mixed with such misses."""
+        if not MISS_VARIANCE or miss_m2 <= miss_t * miss_t * (1 + 1e-9) or miss_t <= a:
+            return PIPE(self.P, 1.0 - m, a, miss_t, t)
+        e1 = m * (miss_t - a)                              # E[X - a]
+        e2 = m * (miss_m2 - 2.0 * a * miss_t + a * a)      # E[(X - a)^2]
+        D = e2 / e1
+        return PIPE(self.P, 1.0 - e1 / D, a, a + D, t)
+
     def share_product(self, readers: list[int], Z: list[float]) -> list[float]:
         """Mean bytes/s each reader's miss gets, by processor sharing in product form.
 
@@ -227,6 +248,7 @@ class Engine(CacheState):
         R = len(readers)
         num = [0.0] * R
         den = [0.0] * R
+        inv = [0.0] * R
         tau_prod = self.tau_prod
         per_reader = self.per_reader
         for k, members, others in _subsets(R):
@@ -236,9 +258,15 @@ class Engine(CacheState):
             if w == 0.0:
                 continue
             wr = w * per_reader[k]
+            wi = w / per_reader[k]
             for i in members:
                 num[i] += wr
                 den[i] += w
+                inv[i] += wi
+        # per read (reads end faster where the rate is higher), a miss takes s / rate: its mean is
+        # s / b with b the time-averaged rate below, its second moment s^2 * E_t[1/rate] / b
+        s2 = self.s * self.s
+        self.last_m2 = [s2 * inv[i] / num[i] if num[i] > 0.0 else (self.s / per_reader[R]) ** 2 for i in range(R)]
         return [num[i] / den[i] if den[i] > 0.0 else per_reader[R] for i in range(R)]
 
     def share_independent(self, readers: list[int], Z: list[float]) -> list[float]:
@@ -281,6 +309,7 @@ class Engine(CacheState):
                 if self.status[j] == 0 and delays[j] <= self.t + 1e-12:
                     self.status[j] = 1
                     self.b[j] = 0.0
+                    self.m2.pop(j, None)
                     self._set_bit(j, True)
                     self.fresh = True
                     self.hist = None
@@ -317,7 +346,7 @@ class Engine(CacheState):
                     dv = self.dvdt(x, m)
                     U2 = [U[j] - x[j] * dt / 2 for j in range(J)]
                     v2 = [min(max(v[j] + dv[j] * dt / 2, 0.0), max(U2[j], 0.0)) for j in range(J)]
-                x2, m2 = self.rates(U2, v2)
+                x2, miss2 = self.rates(U2, v2)
                 # Step control. The midpoint rule is exact while a job's time per sample changes
                 # linearly in time, so what limits the step is the change of that slope: the
                 # second difference of the midpoint times per sample over the last steps. After
@@ -338,7 +367,7 @@ class Engine(CacheState):
                     grow = 1.0
                     self.hist = (run, inv, dt, None)
                 self.step_frac = min(q.max_step, max(q.min_step, frac * grow))
-                x, m = self.x, self.m = x2, m2
+                x, m = self.x, self.m = x2, miss2
                 # re-aim at the nearest event with the midpoint rates
                 dt = min([dt] + [U[j] / x[j] for j in run] + [t_next_start - self.t])
                 dt_fill = self._fill_time(x, m, dt)

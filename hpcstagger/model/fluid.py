@@ -8,7 +8,9 @@ the cache and the other jobs change. The rules, all following the semantics stat
   lower of its compute rate and its loader's rate, less the loss a small prefetch buffer causes
   when fetch times vary (runs of hits fill the buffer and block the loader, runs of misses drain
   it and stall compute). The loss is tabulated from the exact recursion of the pipeline
-  (:mod:`._pipeline`); with no variation, or a deep buffer, it is the plain ``min``.
+  (:mod:`._pipeline`) for two fetch times, a hit or a miss; a miss's time also varies with how
+  many other jobs read at once, so the table is given the two-point fetch time with the same mean
+  and variance. With no variation, or a deep buffer, it is the plain ``min``.
 - **Hit fraction.** A job's hit fraction is (cached samples it has yet to read this epoch) /
   (samples it has yet to read this epoch). It is the cached fraction when the job starts an
   epoch, grows when another job inserts a sample this job has yet to read, stays put on average
