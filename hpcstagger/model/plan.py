@@ -7,9 +7,9 @@ shifted so that the earliest is 0.
   ``-s`` after job 2) on a grid denser near 0, then scipy's bounded Brent between the grid
   neighbours of the best point. The grid is the makespan-versus-stagger curve.
 - **N jobs**: first one family per job f: f starts at 0 and every other job at a common delay
-  (a grid), which picks the job to go first; then coordinate descent from the best point, each
-  coordinate by a grid plus bounded Brent, until a sweep gains less than 0.01%. The curve is
-  the makespan along the plan's delays scaled by 0 (simultaneous) to 2.
+  (a grid), and overlapped sequential orders, which picks the job to go first; then coordinate
+  descent from the best point, each coordinate by a grid plus bounded Brent; last, a search
+  along the plan's delays scaled together from 0 (simultaneous) to 2, which is also the curve.
 
 Which job goes first is therefore decided by the model, not by a rule: it is the job whose head
 start lowers the predicted makespan most. In practice that is the job with the most work when
@@ -181,9 +181,10 @@ def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain
     ``max_delay`` bounds every job's delay (default: the sum of the other jobs' solo run times,
     enough to run them all first). ``min_gain`` is the least relative gain over a simultaneous
     start for which a stagger is recommended (default: the ``plan_min_gain`` knob, 0.01).
-    ``grid`` sets the grid points of the 1-D searches. For 3 or more jobs the coordinate descent
-    stops refining once ``budget`` seconds have passed (the scan of start points always
-    completes), which bounds the time on slow scenarios (lru, many epochs).
+    ``grid`` sets the grid points of the 1-D searches. For 3 or more jobs the search keeps to
+    ``budget`` seconds: the scan of start points is as fine as a quarter of it affords, coordinate
+    descent stops at 70% of it, and a last search along the plan's delays scaled together uses the
+    rest; this bounds the time on slow scenarios (lru, many epochs).
     Raises ConfigError for a bad argument and ModelError when the model cannot answer.
     """
     t0 = time.perf_counter()
@@ -212,13 +213,30 @@ def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain
             best_d, best, curve = _plan_two(ev, bound, grid or 24)
             label = f"stagger of {names[1]} after {names[0]} (s; negative: {names[0]} starts later)"
         else:
-            best_d, best = _plan_many(sc, ev, bound, grid or 6, solo, t0 + budget)
+            best_d, best = _plan_many(sc, ev, bound, grid or 6, solo, t0 + 0.25 * budget, t0 + 0.7 * budget)
             best_d, best = _tie_break(ev, best_d, best, min_gain)
             top = max(best_d)
             if top > 0:
-                scales = [0.0, 0.1, 0.25, 0.4, 0.55, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0]
-                curve = [(lam * top, ev([lam * x for x in best_d])) for lam in scales]
-                label = "largest delay, with every delay scaled along the plan (0: simultaneous)"
+                # the delays scaled together, 0 (simultaneous) to 2: the curve, and a last search
+                # along it (coordinate descent can stop short of a point on this ray)
+                base = list(best_d)
+                scales = [0.0, 0.25, 0.5, 0.75, 0.9, 1.0, 1.2, 1.5, 2.0]
+                vals = [ev([lam * x for x in base]) for lam in scales]
+                k = min(range(len(scales)), key=lambda i: (vals[i], abs(scales[i] - 1.0)))
+                lam_best, val_best = scales[k], vals[k]
+                if 0 < k < len(scales) - 1 and time.perf_counter() < t0 + budget:
+                    from scipy.optimize import minimize_scalar
+
+                    res = minimize_scalar(lambda lam: ev([lam * x for x in base]),
+                                          bounds=(scales[k - 1], scales[k + 1]), method="bounded",
+                                          options={"xatol": 1e-3, "maxiter": 8})
+                    if float(res.fun) < val_best:
+                        lam_best, val_best = float(res.x), float(res.fun)
+                if val_best < best:
+                    best_d, best = [lam_best * x for x in base], val_best
+                curve = sorted(set(zip((lam * top for lam in scales), vals)) | {(lam_best * top, val_best)})
+                label = (f"largest delay, with every delay scaled along the plan (0: simultaneous; "
+                         f"plan at {max(best_d):.3g} s)")
         if best > simultaneous_coarse * (1.0 - min_gain):
             best_d, best = list(zero), simultaneous_coarse
         elif J == 2:
@@ -264,14 +282,20 @@ def _plan_two(ev: _Evaluator, bound: list[float], points: int):
 
 
 def _plan_many(sc: Scenario, ev: _Evaluator, bound: list[float], points: int,
-               solo: list[float], deadline: float) -> tuple[list[float], float]:
+               solo: list[float], scan_until: float, deadline: float) -> tuple[list[float], float]:
     """N jobs: scan one-parameter families (cheaply) for a start point, then coordinate descent."""
     J = len(bound)
     scan = _Evaluator(sc, _engine.SEARCH)
+    t_eval = time.perf_counter()
+    scan([0.0] * J)
+    t_eval = time.perf_counter() - t_eval
+    # as many family points as the scan's share of the budget affords (a slow model: coarse scan)
+    remaining = max(scan_until - time.perf_counter(), 0.0)
+    fam = int(min(max(remaining / max(J * t_eval, 1e-9), 3), 2 * points))
     candidates: list[list[float]] = [[0.0] * J]
     for first in range(J):  # this job first, every other one a common delay later
         upper = max(bound[j] for j in range(J) if j != first)
-        for delta in _grid(upper, max(3, points - 2)):
+        for delta in _grid(upper, fam):
             d = [min(delta, bound[j]) for j in range(J)]
             d[first] = 0.0
             candidates.append(d)
