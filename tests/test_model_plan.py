@@ -86,6 +86,11 @@ def test_plan_structure_and_dict():
     assert min(ys) >= plan.makespan * (1 - 0.02)
     check = predict(sc, plan.delays, series=False).makespan
     assert check == pytest.approx(plan.makespan, rel=1e-9)
+    # every point of the curve is a full prediction (none is cut short by the search)
+    for x, y in list(zip(xs, ys))[::6]:
+        d = {"j0": 0.0, "j1": x} if x >= 0 else {"j0": -x, "j1": 0.0}
+        assert y == pytest.approx(predict(sc, d, series=False).makespan, rel=0.01), x
+    assert max(ys) > 1.1 * plan.makespan  # the far ends are much worse, and shown as such
     d = plan.to_dict()
     assert {"delays", "makespan", "simultaneous", "sequential"} <= set(d)
     json.dumps(d, allow_nan=False)

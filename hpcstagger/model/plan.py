@@ -80,6 +80,10 @@ class Plan:
                 "evaluations": self.evaluations, "seconds": self.seconds}
 
 
+# A search run stops once it passes the best makespan so far by this fraction (it cannot win).
+_CUTOFF = 0.05
+
+
 class _Evaluator:
     """Predicted makespan of delay vectors, cached, resuming runs from shared prefixes."""
 
@@ -90,7 +94,7 @@ class _Evaluator:
         self.keep_runs = keep_runs
         self.count = 0
         self.best = math.inf  # best makespan seen: runs that pass it (plus cutoff) stop early
-        self.cutoff = 0.05
+        self.cutoff = _CUTOFF
 
     def _resume_point(self, d: list[float]) -> tuple[_engine.Snapshot | None, list[_engine.Snapshot]]:
         best: _engine.Snapshot | None = None
@@ -221,7 +225,9 @@ def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain
                 # along it (coordinate descent can stop short of a point on this ray)
                 base = list(best_d)
                 scales = [0.0, 0.25, 0.5, 0.75, 0.9, 1.0, 1.2, 1.5, 2.0]
+                ev.cutoff = math.inf  # the reported curve: every point runs to the end
                 vals = [ev([lam * x for x in base]) for lam in scales]
+                ev.cutoff = _CUTOFF
                 k = min(range(len(scales)), key=lambda i: (vals[i], abs(scales[i] - 1.0)))
                 lam_best, val_best = scales[k], vals[k]
                 if 0 < k < len(scales) - 1 and time.perf_counter() < t0 + budget:
@@ -265,7 +271,9 @@ def _plan_two(ev: _Evaluator, bound: list[float], points: int):
         return ev(delays(s))
 
     xs = sorted({0.0, *_grid(bound[1], points), *(-g for g in _grid(bound[0], points))})
+    ev.cutoff = math.inf  # the grid is the reported curve: every point runs to the end
     vals = [f(x) for x in xs]
+    ev.cutoff = _CUTOFF
     k = min(range(len(xs)), key=lambda i: (vals[i], abs(xs[i])))
     best_s, best = xs[k], vals[k]
     a = xs[k - 1] if k > 0 else xs[k]
