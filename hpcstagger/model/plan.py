@@ -9,7 +9,7 @@ shifted so that the earliest is 0.
 - **N jobs**: first one family per job f: f starts at 0 and every other job at a common delay
   (a grid), and overlapped sequential orders, which picks the job to go first; then coordinate
   descent from the best point, each coordinate by a grid plus bounded Brent; last, a search
-  along the plan's delays scaled together from 0 (simultaneous) to 2, which is also the curve.
+  along the plan's delays scaled together from 0 (simultaneous) to 1.6, which is also the curve.
 
 Which job goes first is therefore decided by the model, not by a rule: it is the job whose head
 start lowers the predicted makespan most. In practice that is the job with the most work when
@@ -179,7 +179,7 @@ def _sequential(sc: Scenario) -> float:
 
 
 def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain: float | None = None,
-                 grid: int | None = None, budget: float = 0.6) -> Plan:
+                 grid: int | None = None, budget: float = 0.45) -> Plan:
     """The start delays that minimise the predicted makespan (see the module docstring).
 
     ``max_delay`` bounds every job's delay (default: the sum of the other jobs' solo run times,
@@ -224,7 +224,7 @@ def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain
                 # the delays scaled together, 0 (simultaneous) to 2: the curve, and a last search
                 # along it (coordinate descent can stop short of a point on this ray)
                 base = list(best_d)
-                scales = [0.0, 0.25, 0.5, 0.75, 0.9, 1.0, 1.2, 1.5, 2.0]
+                scales = [0.0, 0.25, 0.5, 0.75, 0.9, 1.0, 1.25, 1.6]
                 ev.cutoff = math.inf  # the reported curve: every point runs to the end
                 vals = [ev([lam * x for x in base]) for lam in scales]
                 ev.cutoff = _CUTOFF
