@@ -40,6 +40,14 @@ _EXPORTS: dict[str, str] = {
     "SharedActivityGate": "hpcstagger.checkpoint.gates",
     "AnyGate": "hpcstagger.checkpoint.gates",
     "StepGate": "hpcstagger.checkpoint.gates",
+    "Scenario": "hpcstagger.model",
+    "Prediction": "hpcstagger.model",
+    "predict": "hpcstagger.model",
+    "simulate": "hpcstagger.model",
+    "Plan": "hpcstagger.model",
+    "optimal_plan": "hpcstagger.model",
+    "calibrate": "hpcstagger.model",
+    "StallProfiler": "hpcstagger.profile",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -13,7 +13,8 @@ import os
 import secrets
 from typing import Any, Callable, BinaryIO
 
-__all__ = ["CHECKSUM_ALGORITHM", "checksum", "fsync_dir", "atomic_write", "atomic_write_json", "read_json"]
+__all__ = ["CHECKSUM_ALGORITHM", "checksum", "fsync_dir", "atomic_write", "atomic_write_json", "read_json",
+           "json_safe"]
 
 CHECKSUM_ALGORITHM = "xxh3_64"
 
@@ -91,3 +92,16 @@ def read_json(path: str | os.PathLike[str]) -> Any:
     """Load a JSON file."""
     with open(path, "rb") as f:
         return json.loads(f.read())
+
+
+def json_safe(obj: Any) -> Any:
+    """``obj`` with non-finite floats (nan, inf) replaced by None, so that it is valid JSON."""
+    import math
+
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj

@@ -95,6 +95,10 @@ _KNOB_LIST: list[Knob] = [
     Knob("rendezvous_addr", str, "",
          "address rank 0 advertises for the torch.distributed store (empty: 127.0.0.1 when every rank "
          "is on one host, else rank 0's host name)"),
+    # makespan model and planning (hpcstagger.model)
+    Knob("calibrate_budget", float, 60.0, "seconds hpcstagger calibrate spends measuring, all steps together"),
+    Knob("plan_min_gain", float, 0.01,
+         "least predicted gain (fraction of the makespan) for which optimal_plan recommends a stagger"),
 ]
 
 KNOBS: dict[str, Knob] = {k.name: k for k in _KNOB_LIST}

@@ -17,7 +17,7 @@ from typing import Callable, NoReturn, Sequence
 from .._version import __version__
 
 # Subcommand modules under hpcstagger.cli, in --help order. Each has register(subparsers).
-SUBCOMMANDS: list[str] = ["demo", "info", "cache", "ckpt", "launch", "slurm"]
+SUBCOMMANDS: list[str] = ["demo", "info", "cache", "ckpt", "calibrate", "plan", "profile", "launch", "slurm"]
 
 
 class Parser(argparse.ArgumentParser):

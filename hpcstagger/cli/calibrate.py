@@ -1,0 +1,117 @@
+"""``hpcstagger calibrate``: measure a scenario file from short runs (source, cache hits, jobs)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "calibrate", help="measure a scenario file: source bandwidth, cache hits, each job's time per sample",
+        description="Measure, within a time budget, the source's aggregate bandwidth with 1, 2, ... "
+                    "concurrent reader processes, the cache's hit bandwidth, and each job's seconds "
+                    "per sample on in-memory data, and write a scenario file for 'hpcstagger plan'. "
+                    "Sources and jobs are named 'module:function': the function is called with no "
+                    "arguments and returns the source (len, [i] -> bytes, key(i); picklable) or the "
+                    "job's step(samples: list[bytes]).")
+    p.add_argument("--source", required=True, metavar="MODULE:FUNCTION",
+                   help="factory of the dataset source (e.g. mypkg.data:make_source)")
+    p.add_argument("--job", action="append", required=True, metavar="NAME=MODULE:FUNCTION",
+                   help="a job and the factory of its step function; repeat for every job")
+    p.add_argument("--epochs", action="append", default=[], metavar="N|NAME=N",
+                   help="epochs of every job (N) or of one job (NAME=N); default 1")
+    p.add_argument("--capacity", default=None, metavar="BYTES|PCT",
+                   help="cache capacity in bytes or as a share of the dataset ('60%%'); default: no cache")
+    p.add_argument("--policy", default="minio", choices=["minio", "lru", "none"], help="cache policy (default minio)")
+    p.add_argument("--cache", default=None, metavar="MODULE:FUNCTION",
+                   help="factory of a cache object with put(key, data) and get(key) to time hits "
+                        "against (default: files in /dev/shm)")
+    p.add_argument("--readers", type=int, default=None, metavar="K",
+                   help="measure the source with 1 .. K concurrent readers (default: 2, or the number "
+                        "of jobs up to 4)")
+    p.add_argument("--budget", type=float, default=None, metavar="S",
+                   help="total seconds to spend (default: the calibrate_budget knob, 60)")
+    p.add_argument("--batch", type=int, default=16, help="samples per step call when timing jobs (default 16)")
+    p.add_argument("--prefetch", type=int, default=2, help="the jobs' loader prefetch depth (default 2)")
+    p.add_argument("-o", "--out", default="scenario.toml", help="scenario file to write (default scenario.toml)")
+    p.add_argument("--json", action="store_true", help="print the measurements as one JSON object")
+    p.set_defaults(func=run)
+
+
+def load_factory(spec: str, what: str) -> Any:
+    """Import ``module:function`` and call it with no arguments (a non-callable is returned as is)."""
+    from ..errors import ConfigError
+
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise ConfigError(f"{what} must be given as MODULE:FUNCTION, got {spec!r}")
+    try:
+        obj = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"cannot load {what} {spec!r}: {exc}; check the module is importable (PYTHONPATH)") from None
+    if callable(obj) and not hasattr(obj, "__getitem__"):
+        try:
+            return obj()
+        except Exception as exc:
+            raise ConfigError(f"{what} factory {spec!r} raised {type(exc).__name__}: {exc}") from exc
+    return obj
+
+
+def _epochs(values: list[str], names: list[str]) -> int | dict[str, int]:
+    from ..errors import ConfigError
+
+    out: dict[str, int] = {}
+    default = 1
+    for v in values:
+        name, sep, num = v.rpartition("=")
+        try:
+            n = int(num)
+        except ValueError:
+            raise ConfigError(f"--epochs takes N or NAME=N, got {v!r}") from None
+        if sep:
+            if name not in names:
+                raise ConfigError(f"--epochs {v!r}: no job named {name!r} (jobs: {', '.join(names)})")
+            out[name] = n
+        else:
+            default = n
+    return {name: out.get(name, default) for name in names}
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..errors import ConfigError
+    from ..model.calibrate import calibrate
+
+    jobs = {}
+    for spec in args.job:
+        name, sep, factory = spec.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"--job takes NAME=MODULE:FUNCTION, got {spec!r}")
+        if name in jobs:
+            raise ConfigError(f"--job {name!r} is given twice")
+        step = load_factory(factory, f"job {name!r}")
+        if not callable(step):
+            raise ConfigError(f"job {name!r}: {factory!r} did not give a callable step(samples)")
+        jobs[name] = step
+    source = load_factory(args.source, "source")
+    cache = load_factory(args.cache, "cache") if args.cache else None
+    cal = calibrate(source, jobs, epochs=_epochs(args.epochs, list(jobs)), capacity=args.capacity,
+                    policy=args.policy, readers=args.readers, budget=args.budget, batch=args.batch,
+                    prefetch=args.prefetch, cache=cache, out=args.out, progress=True)
+    if args.json:
+        from .._io import json_safe
+
+        json.dump(json_safe({"scenario": cal.scenario.to_dict(), "path": cal.path, "measurements": cal.measurements}),
+                  sys.stdout, allow_nan=False)
+        sys.stdout.write("\n")
+    else:
+        sc = cal.scenario
+        print(f"wrote {cal.path}: {sc.dataset.samples} samples of {sc.dataset.sample_bytes:.0f} B; source "
+              + ", ".join(f"{b / 1e6:.1f}" for b in sc.storage.bandwidth) + " MB/s with 1, 2, ... readers; "
+              + ", ".join(f"{j.name} {j.sample_time * 1e3:.3f} ms/sample" for j in sc.jobs))
+    return 0

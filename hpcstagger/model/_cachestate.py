@@ -1,0 +1,217 @@
+"""The class state of the fluid model's cache and how a step changes it (private; see ``_engine``).
+
+``CacheState`` is a mixin of :class:`~hpcstagger.model._engine.Engine`: it holds no state of its
+own and works on the engine's ``Nu`` (uncached samples per class) and ``Nb`` (cached samples per
+block and class, least recently used block first). A class tensor has one axis of length 2 per
+job; index 1 on job j's axis means "job j has yet to read these samples this epoch".
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+class CacheState:
+    """Class-state operations: counts, one step of reads, lru eviction, derivatives, epoch bits."""
+
+    def counts(self, Nu: Any, Nb: Any) -> tuple[list[float], list[float]]:
+        """Per job: samples yet to read this epoch (U) and how many of those are not cached (v)."""
+        v = Nu.reshape(-1) @ self.maskmat
+        U = v + Nb.reshape(len(Nb), -1).sum(axis=0) @ self.maskmat
+        return U.tolist(), v.tolist()
+
+    # ---- state changes --------------------------------------------------------------------------
+    def advance(self, U: list[float], v: list[float], x: list[float], m: list[float], dt: float,
+                state: tuple[Any, Any] | None = None) -> tuple[Any, Any]:
+        """Move the class state on by dt at read rates x and miss fractions m (held constant).
+
+        ``U`` and ``v`` are the current per-job counts. A sample one job inserts during the step
+        counts as cached for half the step when another job looks for hits, which keeps the step
+        second order.
+        """
+        np = self.np
+        if state is None:  # move the engine's own state
+            Nu, Nb = self.Nu, self.Nb
+        else:  # work on copies and return them
+            Nu, Nb = state[0].copy(), state[1].copy()
+        run = [j for j in range(self.J) if self.status[j] == 1]
+        misses = {j: min(x[j] * m[j] * dt, v[j]) for j in run}
+        total_miss = sum(misses.values())
+        if self.lru:
+            ins_share = 1.0
+        else:
+            free = max(self.cap - (self.n - float(Nu.sum())), 0.0)
+            ins_share = min(1.0, free / total_miss) if total_miss > 0 else 0.0
+        # Each job reads a fraction of its pools, one job after another, so the fractions compose
+        # multiplicatively (a sample two jobs read in the same step ends read by both) and nothing
+        # is counted twice however long the step.
+        fresh = np.zeros(self.shape)
+        for j in run:  # misses: uncached samples the job has yet to read
+            A = Nu[self.sl1[j]]  # a view
+            pool = float(A.sum())  # less what earlier jobs inserted during this step
+            if misses[j] <= 0.0 or pool <= 0.0:
+                continue
+            moved = A * min(1.0, misses[j] / pool)
+            A -= moved
+            if ins_share > 0.0:
+                fresh[self.sl0[j]] += moved * ins_share
+            if ins_share < 1.0:
+                Nu[self.sl0[j]] += moved * (1.0 - ins_share)
+        # Hits: cached samples, and samples inserted during the step, which were cached for half
+        # of it on average. Other jobs' hits keep a sample cached and unread by this job, so the
+        # pools taken before any hit is applied stay right.
+        avail = 0.5  # fraction of the step a sample inserted during it is cached, on average
+        if self.lru:
+            # lru evicts as it inserts. While the step inserts no more than the cache holds, the
+            # samples it evicts were cached for half of it on average: evict half of them before
+            # the hits. When it inserts more (f < 1 turnovers' worth, a small cache), every old
+            # sample goes within the first f of the step, and an inserted one lasts f of it.
+            cached = self.n - float(Nu.sum())
+            inserted = float(fresh.sum())
+            over = cached - self.cap
+            f = self.cap / inserted if inserted > 0 else math.inf
+            if f < 1.0:
+                avail = f * (1.0 - 0.5 * f)
+                # old sample k goes after cap - cached + k inserts: cached for (cap - cached/2) / I
+                # of the step on average, so keep that share of them for the hits
+                early = min(max(cached * (1.0 - (self.cap - 0.5 * cached) / inserted), 0.0), cached)
+            else:
+                early = 0.5 * over
+            if early > 0:
+                Nb = self._evict(Nb, Nu, early)
+            Nb = np.concatenate([Nb, np.zeros((1,) + self.shape)], axis=0)
+        dest = self.last0 if self.lru else [(0,) + sl for sl in self.sl0]
+        pools = ((Nb.reshape(len(Nb), -1).sum(axis=0) + avail * fresh.reshape(-1)) @ self.maskmat).tolist()
+        fracs = []
+        short = {}
+        for j in run:
+            want = x[j] * (1.0 - m[j]) * dt
+            if want > 0.0 and pools[j] > 0.0:
+                fracs.append((j, min(1.0, want / pools[j])))
+            if want > pools[j]:
+                short[j] = want - max(pools[j], 0.0)
+        for j, frac in fracs:
+            B1 = Nb[self.bsl1[j]]  # a view: cached samples job j has yet to read, every block
+            moved = B1 * frac
+            B1 -= moved
+            F1 = fresh[self.sl1[j]]
+            moved_fresh = F1 * (avail * frac)
+            F1 -= moved_fresh
+            fresh[self.sl0[j]] += moved_fresh  # still inserted during the step, for later jobs' hits
+            Nb[dest[j]] += moved.sum(axis=0)  # a hit makes the sample most recently used
+        for j, extra in short.items():  # after the hits, which must not see these inserts
+            # fewer cached samples left to read than the rates assumed: the job reads the rest of
+            # its share of the step from the source, so that it reads x * dt samples in all
+            A = Nu[self.sl1[j]]
+            pool = float(A.sum())
+            if pool <= 0.0:
+                continue
+            moved = A * min(1.0, extra / pool)
+            A -= moved
+            if self.lru or ins_share > 0.0:
+                share = 1.0 if self.lru else ins_share
+                fresh[self.sl0[j]] += moved * share
+                if share < 1.0:
+                    Nu[self.sl0[j]] += moved * (1.0 - share)
+            else:
+                Nu[self.sl0[j]] += moved
+        Nb[-1 if self.lru else 0] += fresh
+        if self.lru:
+            Nb = self._evict(Nb, Nu, float(Nb.sum()) - self.cap)
+        np.maximum(Nu, 0.0, out=Nu)
+        np.maximum(Nb, 0.0, out=Nb)
+        if state is None:
+            self.Nb = Nb
+        return Nu, Nb
+
+    def _evict(self, Nb: Any, Nu: Any, over: float) -> Any:
+        """lru: evict ``over`` samples from Nb into Nu, oldest first, then bound the blocks."""
+        np = self.np
+        sizes = Nb.reshape(len(Nb), -1).sum(axis=1)
+        k = 0
+        while over > 1e-12 and k < len(Nb):
+            tot = float(sizes[k])
+            if tot > 0:
+                take = min(tot, over)
+                ev = Nb[k] * (take / tot)
+                Nb[k] -= ev
+                Nu += ev
+                sizes[k] -= take
+                over -= take
+            k += 1
+        keep = sizes > 1e-9
+        if not keep.all():
+            if not keep.any():
+                return np.zeros((1,) + self.shape)
+            Nb, sizes = Nb[keep], sizes[keep]
+        if len(Nb) > self.q.max_blocks:
+            # merge the adjacent pair with the fewest samples (keeps the age order)
+            i = int(np.argmin(sizes[:-1] + sizes[1:]))
+            Nb[i] += Nb[i + 1]
+            Nb = np.delete(Nb, i + 1, axis=0)
+        return Nb
+
+    def dvdt(self, x: list[float], m: list[float]) -> list[float]:
+        """Rate of change of each job's uncached-unread count v at the current class state."""
+        J = self.J
+        nu = self.Nu.reshape(-1)
+        V = (self.maskmat.T * nu) @ self.maskmat  # V[i, j]: uncached, unread by both i and j
+        cached = self.n - float(nu.sum())
+        run = [j for j in range(J) if self.status[j] == 1]
+        miss = {j: x[j] * m[j] for j in run}
+        total = sum(miss.values())
+        ins = 1.0 if (self.lru or not self.full) else 0.0
+        oldest = None
+        if self.lru and self.full and total > 0:
+            blk = self.Nb[0].reshape(-1)
+            tot = float(blk.sum())
+            if tot > 0:
+                oldest = ((blk @ self.maskmat) / tot).tolist()
+        out = [0.0] * J
+        V = V.tolist()
+        for j in run:
+            d = -miss[j]
+            for i in run:
+                if i != j and miss[i] > 0 and V[i][i] > 0:
+                    d -= miss[i] * ins * V[i][j] / V[i][i]
+            if oldest is not None:
+                d += total * oldest[j]
+            out[j] = d
+        return out
+
+    def changing(self) -> bool:
+        """Whether the cache contents change while jobs read (minio filling, or lru evicting)."""
+        if self.cap <= 0:
+            return False
+        if self.lru:
+            return True
+        if self.full:
+            return False
+        uncached = float(self.Nu.sum())
+        if self.n - uncached >= self.cap - 1e-9 * self.n or uncached <= 1e-9 * self.n:
+            self.full = True
+            return False
+        return True
+
+    def _fill_time(self, x: list[float], m: list[float], dt: float) -> float:
+        """Time until the cache is full at rates x, m (``dt`` when that is later): an event, since
+        minio stops inserting and lru starts evicting then."""
+        if self.full:
+            return dt
+        free = self.cap - (self.n - float(self.Nu.sum()))
+        if free <= 1e-9 * self.n:
+            self.full = True  # neither policy ever empties the cache again
+            return dt
+        ins_rate = sum(x[j] * m[j] for j in range(self.J) if self.status[j] == 1)
+        if ins_rate <= 0:
+            return dt
+        return min(dt, free / ins_rate)
+
+    def _set_bit(self, j: int, on: bool) -> None:
+        """Mark every sample as yet to be read (on) or as read (off) by job j."""
+        for arr, s1, s0 in ((self.Nu, self.sl1[j], self.sl0[j]), (self.Nb, self.bsl1[j], self.bsl0[j])):
+            total = arr[s1] + arr[s0]
+            arr[s1 if on else s0] = total
+            arr[s0 if on else s1] = 0.0
+

@@ -1,0 +1,414 @@
+"""The fluid model's integrator (private to :mod:`hpcstagger.model`; see :mod:`.fluid` for the model).
+
+State. Samples are counted by class. A class is the set of running jobs that have yet to read the
+sample this epoch, plus whether, and in which block, it is cached. ``Nu`` counts uncached samples
+and ``Nb[b]`` cached ones in block b, blocks ordered from least to most recently used (minio
+needs one block; lru keeps the age order, up to ``Quality.max_blocks`` blocks). A class tensor has one
+axis of length 2 per job, so "samples job j has yet to read" is a view. Tracking the joint
+classes, rather than one hit fraction per job, keeps the correlations between jobs exact in
+expectation: a sample a job inserted is one it has already read.
+
+Rates. :meth:`Engine.rates` solves, at a state, the fixed point between each job's prefetch
+pipeline (its read rate given the bandwidth its misses get, :mod:`._pipeline`) and the shared
+source (the bandwidth each reader's misses get given every job's think time between misses, by
+the product-form law of processor sharing, :meth:`Engine.share_product`).
+
+Steps. Between events (job starts, epoch ends, the cache filling up) the rates are constant when
+the cache contents do not change, and the engine jumps to the next event. Otherwise it takes
+midpoint steps of adaptive length; the predictor uses the previous midpoint rates and the exact
+derivative of each job's uncached-unread count, so a step costs one rate solve.
+
+Snapshots. :meth:`Engine.run` can record its state at every step and resume from such a record;
+a run with other delays may resume from a record taken before the first start time that differs
+(the planner's searches share these prefixes). A resumed run equals a fresh one exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+from ..errors import ModelError
+from . import _pipeline
+from ._cachestate import CacheState
+from .scenario import Scenario
+
+# Samples are tracked per subset of jobs (2**jobs classes), which bounds the number of jobs.
+MAX_JOBS = 12
+
+
+class Quality(NamedTuple):
+    """Integration settings. A step covers between ``min_step`` and ``max_step`` of an epoch of the
+    fastest job and shrinks when a job's time per sample moves by more than ``step_tol`` (relative
+    to its time per sample if it missed everything alone) over half a step. The bandwidth fixed
+    point stops when no job's bandwidth moves by more than ``fixed_point_tol`` (relative)."""
+
+    step_tol: float
+    min_step: float
+    max_step: float
+    fixed_point_tol: float
+    max_blocks: int = 16
+
+
+FINE = Quality(step_tol=0.02, min_step=1 / 64, max_step=1 / 6, fixed_point_tol=1e-5, max_blocks=16)
+COARSE = Quality(step_tol=0.05, min_step=1 / 48, max_step=1 / 5, fixed_point_tol=1e-4, max_blocks=8)
+SEARCH = Quality(step_tol=0.1, min_step=1 / 32, max_step=1 / 3, fixed_point_tol=1e-3, max_blocks=4)
+
+
+def pipe_fluid(P: int, h: float, a: float, b: float, t: float) -> float:
+    """The plain fluid rule, one sample per max(tau, t): no prefetch-buffer loss (for ablations)."""
+    tau = h * a + (1.0 - h) * b
+    return tau if tau > t else t
+
+
+# Seconds per sample of a job's loader/compute pipeline (pipe_fluid ignores the buffer loss).
+PIPE: Callable[[int, float, float, float, float], float] = _pipeline.sample_time
+# "product" (processor sharing, product form) or "independent" (readers independent; an ablation).
+SHARING = "product"
+# Feed the pipeline the variance of miss times that sharing causes (product form only).
+MISS_VARIANCE = True
+
+_SUBSETS: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {}
+
+
+def _subsets(R: int) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """Every non-empty subset of R readers as (size, members, non-members)."""
+    out = _SUBSETS.get(R)
+    if out is None:
+        out = []
+        for A in range(1, 1 << R):
+            members = tuple(i for i in range(R) if (A >> i) & 1)
+            others = tuple(i for i in range(R) if not (A >> i) & 1)
+            out.append((len(members), members, others))
+        _SUBSETS[R] = out
+    return out
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The engine's state at the top of a step, at time ``t``, with the delays of the jobs started."""
+
+    t: float
+    started: tuple[tuple[int, float], ...]
+    state: tuple[Any, ...]
+
+
+class Engine(CacheState):
+    """Integrates one scenario; reusable for many delay vectors (one run at a time)."""
+
+    def __init__(self, sc: Scenario, quality: Quality = FINE, record: bool = False):
+        import numpy as np
+
+        self.np = np
+        self.J = J = len(sc.jobs)
+        if J > MAX_JOBS:
+            raise ModelError(f"the fluid model handles at most {MAX_JOBS} jobs, got {J}; "
+                             "plan the jobs in groups of at most that many")
+        self.q = quality
+        self.record = record
+        self.n = float(sc.dataset.samples)
+        self.s = float(sc.dataset.sample_bytes)
+        self.per_reader = [0.0] + [sc.storage.per_reader(k) for k in range(1, J + 1)]
+        self.read_time = [0.0] + [self.s / self.per_reader[k] for k in range(1, J + 1)]
+        self.tau_prod = [1.0]
+        for k in range(1, J + 1):
+            self.tau_prod.append(self.tau_prod[-1] * self.read_time[k])
+        self.hit_time = sc.hit_time
+        self.cap = float(sc.cache_samples)
+        self.lru = sc.cache.policy == "lru" and 0 < self.cap < self.n
+        self.t_cpu = [j.sample_time for j in sc.jobs]
+        self.epochs = [j.epochs for j in sc.jobs]
+        self.P = sc.loader.prefetch
+        # a job's time per sample if it missed everything alone: the scale of step errors
+        self.t_ref = [max(t, self.read_time[1]) for t in self.t_cpu]
+        self.shape = (2,) * J
+        # length-1 slices (not integers) so that every index is a view, even with one job
+        self.sl1 = [tuple(slice(1, 2) if ax == J - 1 - j else slice(None) for ax in range(J)) for j in range(J)]
+        self.sl0 = [tuple(slice(0, 1) if ax == J - 1 - j else slice(None) for ax in range(J)) for j in range(J)]
+        self.bsl1 = [(slice(None),) + sl for sl in self.sl1]
+        self.bsl0 = [(slice(None),) + sl for sl in self.sl0]
+        self.last0 = [(-1,) + sl for sl in self.sl0]
+        # maskmat[k, j] = 1 when flat class k has job j yet to read (bit j of k)
+        self.maskmat = np.array([[(k >> j) & 1 for j in range(J)] for k in range(1 << J)], dtype=float)
+        self.reset()
+
+    # ---- state ----------------------------------------------------------------------------------
+    def reset(self) -> None:
+        np, J = self.np, self.J
+        self.t = 0.0
+        self.status = [0] * J           # 0 waiting, 1 running, 2 done
+        self.epoch = [0] * J
+        self.Nu = np.zeros(self.shape)
+        self.Nu[(0,) * J] = self.n
+        self.Nb = np.zeros((1,) + self.shape)
+        self.done = [0.0] * J           # samples read in total
+        self.finish = [math.inf] * J
+        self.b = [0.0] * J              # warm start of the bandwidth fixed point
+        self.m2: dict[int, float] = {}  # second moment of each reader's miss time (warm start)
+        self.last_m2: list[float] = []
+        self.step_frac = 1.0 / 32       # current step, as a fraction of an epoch
+        self.fresh = True               # solve the rates afresh at the next step (after an event)
+        self.hist: tuple | None = None  # (running jobs, 1/x, dt, slope) of the last step, for step control
+        self.full = self.cap <= 0       # the cache is full (it then stays full)
+        self.x: list[float] = [0.0] * J  # last midpoint rates: the next predictor
+        self.m: list[float] = [0.0] * J
+        self.series: list[tuple] = []
+
+    def snapshot(self, delays: list[float]) -> Snapshot:
+        started = tuple((j, delays[j]) for j in range(self.J) if self.status[j] != 0)
+        state = (self.t, list(self.status), list(self.epoch), self.Nu.copy(), self.Nb.copy(), list(self.done),
+                 list(self.finish), list(self.b), self.step_frac, self.fresh, list(self.x), list(self.m),
+                 self.hist, self.full, dict(self.m2))
+        return Snapshot(self.t, started, state)
+
+    def restore(self, snap: Snapshot) -> None:
+        (self.t, status, epoch, Nu, Nb, done, finish, b, self.step_frac, self.fresh, x, m, self.hist, self.full,
+         m2) = snap.state
+        self.m2 = dict(m2)
+        self.status, self.epoch, self.done, self.finish = list(status), list(epoch), list(done), list(finish)
+        self.Nu, self.Nb, self.b, self.x, self.m = Nu.copy(), Nb.copy(), list(b), list(x), list(m)
+        self.series = []
+
+    # ---- rates ----------------------------------------------------------------------------------
+    def rates(self, U: list[float], v: list[float]) -> tuple[list[float], list[float]]:
+        """Per-job read rate x (samples/s) and miss fraction m at a state (x = 0 when not running)."""
+        J, s, a, P = self.J, self.s, self.hit_time, self.P
+        pipe = PIPE
+        t_cpu = self.t_cpu
+        x = [0.0] * J
+        m = [0.0] * J
+        readers = []
+        for j in range(J):
+            if self.status[j] != 1:
+                continue
+            mj = v[j] / U[j] if U[j] > 0 else 0.0
+            mj = 0.0 if mj < 1e-12 else (1.0 if mj > 1.0 else mj)
+            m[j] = mj
+            if mj > 0.0:
+                readers.append(j)
+            else:
+                x[j] = 1.0 / pipe(P, 1.0, a, 0.0, t_cpu[j])
+        if not readers:
+            return x, m
+        b = self.b
+        for j in readers:
+            if b[j] <= 0.0:
+                b[j] = self.per_reader[1]
+        share = self.share_product if SHARING == "product" else self.share_independent
+        last = math.inf
+        damp = 1.0
+        m2 = self.m2  # second moment of each reader's miss time (sharing makes it vary)
+        for _ in range(60):
+            Z = []
+            for k, j in enumerate(readers):
+                miss_t = s / b[j]
+                x[j] = 1.0 / self._pipe_moments(m[j], a, miss_t, m2.get(j, miss_t * miss_t), t_cpu[j])
+                z = 1.0 / (x[j] * m[j]) - miss_t  # think time between two of this job's misses
+                Z.append(z if z > 0.0 else 0.0)
+            nb = share(readers, Z)
+            if SHARING == "product" and MISS_VARIANCE:
+                for k, j in enumerate(readers):
+                    m2[j] = self.last_m2[k]
+            change = 0.0
+            for k, j in enumerate(readers):
+                c = abs(nb[k] - b[j]) / b[j]
+                if c > change:
+                    change = c
+            if change > 0.7 * last:  # slow or oscillating: damp
+                damp = max(0.25, damp * 0.5)
+            last = change
+            for k, j in enumerate(readers):
+                b[j] += damp * (nb[k] - b[j])
+            if change < self.q.fixed_point_tol:
+                break
+        return x, m
+
+    def _pipe_moments(self, m: float, a: float, miss_t: float, miss_m2: float, t: float) -> float:
+        """Pipeline time per sample when a miss takes a variable time (mean miss_t, second
+        moment miss_m2): the table is fed the two-point fetch time (a, or a + D with
+        probability m') that has the same mean and variance as hits mixed with such misses."""
+        if not MISS_VARIANCE or miss_m2 <= miss_t * miss_t * (1 + 1e-9) or miss_t <= a:
+            return PIPE(self.P, 1.0 - m, a, miss_t, t)
+        e1 = m * (miss_t - a)                              # E[X - a]
+        e2 = m * (miss_m2 - 2.0 * a * miss_t + a * a)      # E[(X - a)^2]
+        D = e2 / e1
+        return PIPE(self.P, 1.0 - e1 / D, a, a + D, t)
+
+    def share_product(self, readers: list[int], Z: list[float]) -> list[float]:
+        """Mean bytes/s each reader's miss gets, by processor sharing in product form.
+
+        Each reader alternates between thinking (``Z`` seconds on average: hits, compute, a full
+        buffer) and reading one sample at the source, which gives each of k concurrent reads
+        ``bandwidth[k-1] / k``. This is a closed network of a processor-sharing station with a
+        state-dependent rate and one private delay station per reader, so the stationary law of
+        the set A of readers reading is product form (BCMP) and insensitive to the distributions:
+        ``pi(A) ~ prod_{l <= |A|} read_time(l) * prod_{i not in A} Z_i``.
+        """
+        R = len(readers)
+        num = [0.0] * R
+        den = [0.0] * R
+        inv = [0.0] * R
+        tau_prod = self.tau_prod
+        per_reader = self.per_reader
+        for k, members, others in _subsets(R):
+            w = tau_prod[k]
+            for i in others:
+                w *= Z[i]
+            if w == 0.0:
+                continue
+            wr = w * per_reader[k]
+            wi = w / per_reader[k]
+            for i in members:
+                num[i] += wr
+                den[i] += w
+                inv[i] += wi
+        # per read (reads end faster where the rate is higher), a miss takes s / rate: its mean is
+        # s / b with b the time-averaged rate below, its second moment s^2 * E_t[1/rate] / b
+        s2 = self.s * self.s
+        self.last_m2 = [s2 * inv[i] / num[i] if num[i] > 0.0 else (self.s / per_reader[R]) ** 2 for i in range(R)]
+        return [num[i] / den[i] if den[i] > 0.0 else per_reader[R] for i in range(R)]
+
+    def share_independent(self, readers: list[int], Z: list[float]) -> list[float]:
+        """Mean bytes/s per reader if readers read independently (busy fraction read/(read+think))."""
+        busy = [(self.s / self.b[j]) / (Z[k] + self.s / self.b[j]) for k, j in enumerate(readers)]
+        out = []
+        for k, _ in enumerate(readers):
+            dist = [1.0]
+            for k2, p in enumerate(busy):
+                if k2 != k:
+                    nd = [0.0] * (len(dist) + 1)
+                    for c, q in enumerate(dist):
+                        nd[c] += q * (1.0 - p)
+                        nd[c + 1] += q * p
+                    dist = nd
+            out.append(sum(q * self.per_reader[c + 1] for c, q in enumerate(dist)))
+        return out
+
+    # ---- driver ---------------------------------------------------------------------------------
+    def run(self, delays: list[float], resume: Snapshot | None = None,
+            keep: list[Snapshot] | None = None, stop: float = math.inf) -> list[float]:
+        """Finish time of every job when job j starts at ``delays[j]``; optionally resume/record.
+
+        With ``stop``, the run ends as soon as the time passes it with a job unfinished, whose
+        finish time is then reported as inf (the makespan is known to exceed ``stop``).
+        """
+        if resume is None:
+            self.reset()
+        else:
+            self.restore(resume)
+        J, n, q = self.J, self.n, self.q
+        guard = 0
+        while True:
+            guard += 1
+            if guard > 1_000_000:
+                raise ModelError("the fluid model made no progress; please report this scenario")
+            if keep is not None:
+                keep.append(self.snapshot(delays))
+            for j in range(J):
+                if self.status[j] == 0 and delays[j] <= self.t + 1e-12:
+                    self.status[j] = 1
+                    self.b[j] = 0.0
+                    self.m2.pop(j, None)
+                    self._set_bit(j, True)
+                    self.fresh = True
+                    self.hist = None
+            run = [j for j in range(J) if self.status[j] == 1]
+            pending = [delays[j] for j in range(J) if self.status[j] == 0]
+            if not run and not pending:
+                break
+            if self.t > stop:
+                return [f if f <= stop else math.inf for f in self.finish]
+            t_next_start = min(pending) if pending else math.inf
+            if not run:
+                self._record(None, None)
+                self.t = t_next_start
+                continue
+            U, v = self.counts(self.Nu, self.Nb)
+            changing = self.changing()
+            if self.fresh or not changing:
+                self.x, self.m = self.rates(U, v)
+                self.fresh = False
+            x, m = self.x, self.m
+            self._record(x, m)
+            dt = min(min(U[j] / x[j] for j in run), t_next_start - self.t)
+            if changing:
+                # midpoint rule; the predictor uses the last midpoint rates (still second order)
+                frac = self.step_frac
+                dt = min(dt, min(n * frac / x[j] for j in run))
+                dt = self._fill_time(x, m, dt)
+                if self.lru and sum(x[j] * m[j] for j in run) * dt > self.cap:
+                    # the cache turns over within half a step: its fast dynamics only balance out
+                    # over a turnover, so predict the midpoint with a real half step
+                    Nu2, Nb2 = self.advance(U, v, x, m, dt / 2, state=(self.Nu, self.Nb))
+                    U2, v2 = self.counts(Nu2, Nb2)
+                else:
+                    dv = self.dvdt(x, m)
+                    U2 = [U[j] - x[j] * dt / 2 for j in range(J)]
+                    v2 = [min(max(v[j] + dv[j] * dt / 2, 0.0), max(U2[j], 0.0)) for j in range(J)]
+                x2, miss2 = self.rates(U2, v2)
+                # Step control. The midpoint rule is exact while a job's time per sample changes
+                # linearly in time, so what limits the step is the change of that slope: the
+                # second difference of the midpoint times per sample over the last steps. After
+                # an event (no history yet) the first difference is used instead.
+                inv = [1.0 / x2[j] if x2[j] > 0 else 0.0 for j in range(J)]
+                hist = self.hist
+                if hist is not None and hist[0] == run:
+                    _, inv1, dt1, slope1 = hist
+                    slope = [(inv[j] - inv1[j]) / (0.5 * (dt + dt1)) for j in range(J)]
+                    if slope1 is not None:
+                        err = max(abs(slope[j] - slope1[j]) * dt * dt / self.t_ref[j] for j in run)
+                        grow = 2.0 if err <= 0 else min(2.0, max(0.5, 0.9 * (q.step_tol / err) ** (1 / 3)))
+                    else:
+                        err = max(abs(inv[j] - inv1[j]) / self.t_ref[j] for j in run)
+                        grow = 2.0 if err <= 0 else min(2.0, max(0.5, 0.9 * math.sqrt(q.step_tol / err)))
+                    self.hist = (run, inv, dt, slope)
+                else:
+                    grow = 1.0
+                    self.hist = (run, inv, dt, None)
+                self.step_frac = min(q.max_step, max(q.min_step, frac * grow))
+                x, m = self.x, self.m = x2, miss2
+                # re-aim at the nearest event with the midpoint rates
+                dt = min([dt] + [U[j] / x[j] for j in run] + [t_next_start - self.t])
+                dt_fill = self._fill_time(x, m, dt)
+                if dt_fill < dt:
+                    dt = dt_fill
+                    self.fresh = True
+                    self.hist = None
+            # jobs whose epoch end this step was aimed at (the clamps in advance may leave a crumb)
+            ending = [j for j in run if U[j] <= x[j] * dt * (1.0 + 1e-9)]
+            self.advance(U, v, x, m, dt)
+            self.t += dt
+            U, v = self.counts(self.Nu, self.Nb)
+            for j in run:
+                self.done[j] += x[j] * dt
+                if j in ending or U[j] <= 1e-9 * n:
+                    self._end_epoch(j)
+            if self.t >= t_next_start - 1e-12:
+                self.fresh = True
+        self._record(None, None)
+        return list(self.finish)
+
+    def _end_epoch(self, j: int) -> None:
+        self.fresh = True
+        self.hist = None
+        self.epoch[j] += 1
+        if self.epoch[j] >= self.epochs[j]:
+            self.status[j] = 2
+            self.finish[j] = self.t
+            self._set_bit(j, False)
+        else:
+            self._set_bit(j, True)
+
+    def _record(self, x: list[float] | None, m: list[float] | None) -> None:
+        if not self.record:
+            return
+        J = self.J
+        prog = tuple(min(1.0, self.done[j] / (self.epochs[j] * self.n)) for j in range(J))
+        if x is None or m is None:
+            hit = tuple(math.nan for _ in range(J))
+            bw = 0.0
+        else:
+            hit = tuple(1.0 - m[j] if self.status[j] == 1 else math.nan for j in range(J))
+            bw = sum(x[j] * m[j] for j in range(J) if self.status[j] == 1) * self.s
+        self.series.append((self.t, prog, hit, bw, (self.n - float(self.Nu.sum())) / self.n))

@@ -1,0 +1,371 @@
+"""``calibrate``: measure a :class:`~hpcstagger.model.Scenario` from short runs, within a time budget.
+
+What is measured (the budget, 60 s by default (knob ``calibrate_budget``), is shared out in this
+order):
+
+1. **The dataset.** ``len(source)`` samples; the mean bytes of the samples read.
+2. **The cache's hit bandwidth**, per reader: against a cache object with ``put(key, data)`` and
+   ``get(key)`` (such as hpcstagger's ShmCache) when one is given, else by reading sample-sized
+   files in a fresh directory under ``/dev/shm`` (what a node-local cache's hit costs).
+3. **The source's aggregate bandwidth with 1, 2, ... k concurrent readers.** k separate processes
+   (multiprocessing, ``spawn`` by default) each read random samples through the source; after a
+   barrier, the bytes read inside a common window divided by its length give ``bandwidth[k-1]``.
+   Reads that straddle the window edges count in proportion to their overlap.
+4. **Each job's seconds per sample with the data in memory.** Its step function is called on
+   batches of samples already read into memory; the first call (warm-up) is not counted.
+
+A source is a map-style, picklable object: ``len(source)``, ``source[i] -> bytes`` and, for the
+cache, ``source.key(i)``. A job is a callable ``step(samples: list[bytes])`` that trains on one
+batch, for example a closure over the user's model and optimiser that decodes the bytes, runs
+forward and backward and steps the optimiser.
+
+Reads from a real file system can be served by the page cache; calibrate against data the node
+has not read recently (or larger than its memory) to measure the storage itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from ..errors import ConfigError, ModelError
+from .scenario import POLICIES, Cache, Dataset, Job, Loader, Scenario, Storage
+
+__all__ = ["Calibration", "calibrate"]
+
+log = logging.getLogger(__name__)
+
+# Shares of the budget: preload + hits, the source, the jobs.
+_SHARE_PRELOAD, _SHARE_HITS, _SHARE_SOURCE = 0.10, 0.05, 0.45
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The measured scenario, the raw measurements, and the file written (if any)."""
+
+    scenario: Scenario
+    measurements: dict[str, Any] = field(default_factory=dict)
+    path: str | None = None
+
+
+def _reader(source: Any, seed: int, barrier: Any, duration: float, queue: Any) -> None:
+    """Child process: read random samples for ``duration`` seconds after the barrier."""
+    try:
+        rng = random.Random(seed)
+        n = len(source)
+        source[rng.randrange(n)]  # warm up: open files, connect
+        barrier.wait(timeout=120)
+        start = time.monotonic()
+        end = start + duration
+        records = []
+        while True:
+            t0 = time.monotonic()
+            if t0 >= end:
+                break
+            data = source[rng.randrange(n)]
+            records.append((t0, time.monotonic(), len(data)))
+        queue.put(("ok", start, records))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        try:
+            barrier.abort()
+        except Exception:  # noqa: BLE001
+            pass
+        queue.put(("error", f"{type(exc).__name__}: {exc}", []))
+
+
+def _aggregate(results: list[tuple[float, list[tuple[float, float, int]]]], duration: float) -> tuple[float, float]:
+    """Bytes/s of all readers inside the window where every reader was reading, and its length."""
+    lo = max(start for start, _ in results)
+    hi = min(start for start, _ in results) + duration
+    if hi <= lo:
+        raise ModelError("calibration readers did not overlap in time; give calibrate a larger budget")
+    total = 0.0
+    for _, records in results:
+        for t0, t1, nbytes in records:
+            if t1 <= lo or t0 >= hi:
+                continue
+            if t1 > t0:
+                total += nbytes * (min(t1, hi) - max(t0, lo)) / (t1 - t0)
+    return total / (hi - lo), hi - lo
+
+
+def _measure_readers(source: Any, k: int, duration: float, ctx: Any, seed: int) -> dict[str, Any]:
+    barrier = ctx.Barrier(k)
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_reader, args=(source, seed * 1000 + r, barrier, duration, queue), daemon=True)
+             for r in range(k)]
+    t0 = time.monotonic()
+    try:
+        for p in procs:
+            p.start()
+    except Exception as exc:
+        for p in procs:
+            if p.pid is not None:
+                p.terminate()
+                p.join(timeout=5)
+        raise ConfigError(f"the source cannot be sent to a reader process ({type(exc).__name__}: {exc}); "
+                          "a source must be picklable: define its class at module level") from exc
+    import queue as queue_mod
+
+    results: list = []
+    errors: list[str] = []
+    try:
+        deadline = time.monotonic() + duration + 120
+        while len(results) + len(errors) < k:
+            try:
+                status, a, b = queue.get(timeout=0.2)
+            except queue_mod.Empty:
+                dead = [p for p in procs if p.exitcode is not None and p.exitcode != 0]
+                if dead:  # a reader died without reporting (it could not even start)
+                    errors.append(f"a reader process exited with status {dead[0].exitcode} before reporting")
+                    break
+                if time.monotonic() > deadline:
+                    errors.append(f"no answer from a reader within {duration + 120:.0f} s")
+                    break
+                continue
+            if status == "ok":
+                results.append((a, b))
+            else:
+                errors.append(a)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+    if errors:
+        raise ModelError(f"reading the source with {k} concurrent reader(s) failed: {errors[0]}; "
+                         "check that the source is picklable and readable from a fresh process")
+    bw, window = _aggregate(results, duration)
+    return {"readers": k, "bandwidth": bw, "window_s": window, "elapsed_s": time.monotonic() - t0,
+            "reads": sum(len(r) for _, r in results)}
+
+
+def _hit_bandwidth(samples: list[tuple[str, bytes]], cache: Any, seconds: float) -> dict[str, Any]:
+    """Per-reader bytes/s of cache hits: through ``cache`` (put/get) or files in /dev/shm."""
+    nbytes, t_used = 0, 0.0
+    tmp = None
+    try:
+        if cache is not None:
+            for key, data in samples:
+                cache.put(key, data)
+            how = f"{type(cache).__name__}.get"
+
+            def read(i: int) -> int:
+                got = cache.get(samples[i][0])
+                if got is None:
+                    raise ModelError(f"the cache lost key {samples[i][0]!r} just put; give calibrate a cache "
+                                     "with room for a few samples")
+                return len(got)
+        else:
+            root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            tmp = tempfile.mkdtemp(prefix="hpcstagger-calibrate-", dir=root)
+            paths = []
+            for i, (_, data) in enumerate(samples):
+                path = os.path.join(tmp, f"s{i}")
+                with open(path, "wb") as f:
+                    f.write(data)
+                paths.append(path)
+            how = f"files in {root or tempfile.gettempdir()}"
+
+            def read(i: int) -> int:
+                with open(paths[i], "rb") as f:
+                    return len(f.read())
+        start = time.perf_counter()
+        i = 0
+        while True:
+            nbytes += read(i % len(samples))
+            i += 1
+            t_used = time.perf_counter() - start
+            if t_used >= seconds and i >= len(samples):
+                break
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return {"hit_bandwidth": nbytes / t_used if t_used > 0 else math.inf, "reads": i, "how": how}
+
+
+def _time_job(step: Callable[[list[bytes]], Any], samples: list[bytes], batch: int, seconds: float) -> dict[str, Any]:
+    """Seconds per sample of ``step`` on in-memory batches (first call excluded)."""
+    def batch_at(i: int) -> list[bytes]:
+        return [samples[(i * batch + k) % len(samples)] for k in range(batch)]
+
+    step(batch_at(0))  # warm-up
+    calls, t_total = 0, 0.0
+    start = time.perf_counter()
+    while True:
+        b = batch_at(calls + 1)
+        t0 = time.perf_counter()
+        step(b)
+        t_total += time.perf_counter() - t0
+        calls += 1
+        if time.perf_counter() - start >= seconds and calls >= 2:
+            break
+    return {"sample_time": t_total / (calls * batch), "calls": calls, "batch": batch}
+
+
+def _capacity_bytes(capacity: float | str | None, n: int, sample_bytes: float) -> float:
+    if capacity is None:
+        return 0.0
+    if isinstance(capacity, str):
+        text = capacity.strip()
+        try:
+            if text.endswith("%"):
+                return float(text[:-1]) / 100.0 * n * sample_bytes
+            return float(text)
+        except ValueError:
+            raise ConfigError(f"capacity must be bytes or a percentage of the dataset like '60%', got {capacity!r}") from None
+    return float(capacity)
+
+
+def calibrate(source: Any, jobs: Mapping[str, Callable[[list[bytes]], Any]], *,
+              epochs: int | Mapping[str, int] = 1, capacity: float | str | None = None, policy: str = "minio",
+              readers: int | Sequence[int] | None = None, budget: float | None = None, batch: int = 16,
+              prefetch: int = 2, cache: Any = None, out: str | os.PathLike[str] | None = None,
+              progress: bool = True, mp_context: str = "spawn", seed: int = 0) -> Calibration:
+    """Measure a scenario from ``source`` and ``jobs`` within ``budget`` seconds (see the module docstring;
+    default: the ``calibrate_budget`` knob, 60 s).
+
+    ``jobs`` maps job names to step callables; ``epochs`` is a number or a name -> number map.
+    ``capacity`` is the cache size in bytes or a percentage of the dataset ("60%"; default none);
+    ``readers`` the concurrency levels to measure (default 1 and 2, and up to the number of jobs,
+    at most 4). ``cache`` is an object with ``put``/``get`` to time hits against (default: files in
+    /dev/shm). With ``out`` the scenario is written there atomically. Raises ConfigError for bad
+    arguments and ModelError when a measurement fails.
+    """
+    from .._io import atomic_write
+
+    t_start = time.monotonic()
+    if budget is None:
+        from .. import config
+
+        budget = float(config.get("calibrate_budget"))
+    if not jobs:
+        raise ConfigError("calibrate needs at least one job: a mapping name -> step(samples)")
+    if policy not in POLICIES:
+        raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    if not budget > 0:
+        raise ConfigError(f"budget must be > 0 seconds, got {budget!r}")
+    if int(batch) < 1:
+        raise ConfigError(f"batch must be >= 1, got {batch!r}")
+    for name, step in jobs.items():
+        if not callable(step):
+            raise ConfigError(f"job {name!r}: expected a callable step(samples), got {type(step).__name__}")
+    try:
+        n = len(source)
+    except TypeError:
+        raise ConfigError(f"the source must support len() and indexing, got {type(source).__name__}") from None
+    if n < 1:
+        raise ConfigError("the source is empty")
+    if readers is None:
+        levels = list(range(1, max(2, min(len(jobs), 4)) + 1))
+    elif isinstance(readers, int):
+        levels = list(range(1, max(1, readers) + 1))
+    else:
+        levels = sorted({int(k) for k in readers})
+    if not levels or levels[0] != 1 or levels != list(range(1, levels[-1] + 1)):
+        raise ConfigError(f"readers must be 1, 2, ... k (consecutive from 1), got {readers!r}")
+    epoch_map = {name: (epochs.get(name, 1) if isinstance(epochs, Mapping) else epochs) for name in jobs}
+
+    import multiprocessing
+    from tqdm import tqdm
+
+    ctx = multiprocessing.get_context(mp_context)
+    bar = tqdm(total=2 + len(levels) + len(jobs), desc="calibrate", unit="step", file=sys.stderr,
+               disable=not progress, leave=True)
+    meas: dict[str, Any] = {"budget_s": budget, "samples": n}
+    try:
+        # 1. preload samples into memory (they also give the mean sample size)
+        bar.set_postfix_str("reading samples into memory")
+        rng = random.Random(seed)
+        preload_deadline = time.monotonic() + _SHARE_PRELOAD * budget
+        idx = list(range(n))
+        rng.shuffle(idx)
+        held: list[tuple[str, bytes]] = []
+        for i in idx[:max(batch, 256)]:
+            try:
+                data = source[i]
+            except Exception as exc:
+                raise ModelError(f"reading sample {i} from the source failed: {type(exc).__name__}: {exc}") from exc
+            if not isinstance(data, (bytes, bytearray, memoryview)):
+                raise ConfigError(f"source[{i}] returned {type(data).__name__}; a source returns the sample's bytes")
+            key = source.key(i) if hasattr(source, "key") else str(i)
+            held.append((str(key), bytes(data)))
+            if time.monotonic() > preload_deadline and len(held) >= min(batch, n):
+                break
+        sample_bytes = sum(len(d) for _, d in held) / len(held)
+        if sample_bytes <= 0:
+            raise ConfigError("the source's samples are empty (0 bytes)")
+        meas["preloaded"] = len(held)
+        meas["sample_bytes"] = sample_bytes
+        bar.update(1)
+
+        # 2. cache hits
+        bar.set_postfix_str("cache hit bandwidth")
+        meas["hits"] = _hit_bandwidth(held[:64], cache, _SHARE_HITS * budget)
+        bar.update(1)
+
+        # 3. the source with 1, 2, ... readers
+        per_level = _SHARE_SOURCE * budget / len(levels)
+        overhead = 0.0
+        meas["source"] = []
+        for k in levels:
+            bar.set_postfix_str(f"source with {k} reader(s)")
+            window = max(0.2, per_level - overhead)
+            m = _measure_readers(source, k, window, ctx, seed + k)
+            overhead = max(0.0, m["elapsed_s"] - window)  # process start-up, learnt from the last level
+            meas["source"].append(m)
+            bar.update(1)
+
+        # 4. jobs on in-memory data
+        remaining = budget - (time.monotonic() - t_start)
+        per_job = max(0.05, remaining / len(jobs))
+        meas["jobs"] = {}
+        samples = [d for _, d in held]
+        for name, step in jobs.items():
+            bar.set_postfix_str(f"job {name}")
+            try:
+                meas["jobs"][name] = _time_job(step, samples, int(batch), per_job)
+            except Exception as exc:
+                raise ModelError(f"job {name!r}: its step raised {type(exc).__name__}: {exc}") from exc
+            bar.update(1)
+    finally:
+        bar.close()
+
+    bandwidth = tuple(m["bandwidth"] for m in meas["source"])
+    hit_bw = meas["hits"]["hit_bandwidth"]
+    scenario = Scenario(
+        dataset=Dataset(samples=n, sample_bytes=sample_bytes),
+        storage=Storage(bandwidth),
+        jobs=tuple(Job(name=name, sample_time=meas["jobs"][name]["sample_time"], epochs=int(epoch_map[name]))
+                   for name in jobs),
+        cache=Cache(capacity=_capacity_bytes(capacity, n, sample_bytes), policy=policy,
+                    hit_bandwidth=hit_bw if math.isfinite(hit_bw) and hit_bw > 0 else math.inf),
+        loader=Loader(prefetch=int(prefetch)))
+    meas["elapsed_s"] = time.monotonic() - t_start
+    path = None
+    if out is not None:
+        comments = {
+            "dataset.sample_bytes": f"mean of {meas['preloaded']} samples read",
+            "storage.bandwidth": "measured with " + ", ".join(
+                f"{m['readers']} reader(s): {m['bandwidth'] / 1e6:.1f} MB/s over {m['window_s']:.1f} s"
+                for m in meas["source"]),
+            "cache.hit_bandwidth": f"measured per reader with {meas['hits']['how']}",
+        }
+        for name in jobs:
+            j = meas["jobs"][name]
+            comments[f"job.{name}"] = (f"{j['sample_time'] * 1e3:.3f} ms/sample measured over {j['calls']} "
+                                       f"in-memory batches of {j['batch']}")
+        text = (f"# hpcstagger calibrate, {time.strftime('%Y-%m-%d %H:%M:%S')}, {meas['elapsed_s']:.0f} s\n"
+                + scenario.to_toml(comments))
+        path = os.fspath(out)
+        atomic_write(path, text.encode())
+    return Calibration(scenario=scenario, measurements=meas, path=path)

@@ -1,0 +1,370 @@
+"""``optimal_plan``: the start delays that minimise the predicted makespan.
+
+Search. Every job may start first; delays are searched over ``[0, max_delay]`` per job and
+shifted so that the earliest is 0.
+
+- **2 jobs**: one signed stagger ``s`` (job 2 starts ``s`` after job 1; negative: job 1 starts
+  ``-s`` after job 2) on a grid denser near 0, then scipy's bounded Brent between the grid
+  neighbours of the best point. The grid is the makespan-versus-stagger curve.
+- **N jobs**: first one family per job f: f starts at 0 and every other job at a common delay
+  (a grid), and overlapped sequential orders, which picks the job to go first; then coordinate
+  descent from the best point, each coordinate by a grid plus bounded Brent; last, a search
+  along the plan's delays scaled together from 0 (simultaneous) to 1.6, which is also the curve.
+
+Which job goes first is therefore decided by the model, not by a rule: it is the job whose head
+start lowers the predicted makespan most. In practice that is the job with the most work when
+the jobs differ in length (its delay adds to the makespan one for one, while the others finish
+early anyway), and among similar jobs the most I/O-bound one (it fills the cache fastest).
+
+Ties go to simultaneous start: a stagger is only recommended when it lowers the predicted
+makespan by more than ``min_gain`` (1% by default: below that the model cannot tell, its
+typical error being a fraction of a percent), and a job whose delay can return to 0
+without raising the makespan starts at 0. So compute-bound jobs, and sources that lose nothing
+under concurrency with a cache that cannot help a late starter, get delays of exactly 0.
+
+The search runs the model at a coarser integration tolerance (the scan of start points coarser
+still) and, for 3 or more jobs, stops refining after a time budget; the plan's makespans are
+recomputed at full accuracy, and a stagger that does not pay then is dropped.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from ..errors import ConfigError
+from . import _engine
+from .scenario import Scenario
+
+__all__ = ["Plan", "optimal_plan"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A start plan and what the model predicts for it.
+
+    ``delays`` (job name -> seconds; the first job at 0), the predicted ``makespan`` and
+    ``finish`` per job with those delays, and the predicted makespans of a simultaneous start
+    (``simultaneous``) and of fully sequential runs in job order (``sequential``). ``order`` is the
+    start order. ``curve_stagger``/``curve_makespan`` is the predicted makespan-versus-delay curve
+    described by ``curve_label``.
+    """
+
+    delays: dict[str, float]
+    makespan: float
+    simultaneous: float
+    sequential: float
+    finish: dict[str, float] = field(default_factory=dict)
+    order: tuple[str, ...] = ()
+    curve_stagger: tuple[float, ...] = ()
+    curve_makespan: tuple[float, ...] = ()
+    curve_label: str = ""
+    evaluations: int = 0
+    seconds: float = 0.0
+
+    @property
+    def gain(self) -> float:
+        """Predicted makespan saved against a simultaneous start, as a fraction of it."""
+        return 1.0 - self.makespan / self.simultaneous if self.simultaneous > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON-able types: delays, makespan, simultaneous, sequential and the rest."""
+        return {"delays": dict(self.delays), "makespan": self.makespan, "simultaneous": self.simultaneous,
+                "sequential": self.sequential, "gain": self.gain, "finish": dict(self.finish),
+                "order": list(self.order),
+                "curve": {"label": self.curve_label, "stagger": list(self.curve_stagger),
+                          "makespan": list(self.curve_makespan)},
+                "evaluations": self.evaluations, "seconds": self.seconds}
+
+
+# A search run stops once it passes the best makespan so far by this fraction (it cannot win).
+_CUTOFF = 0.05
+
+
+class _Evaluator:
+    """Predicted makespan of delay vectors, cached, resuming runs from shared prefixes."""
+
+    def __init__(self, sc: Scenario, quality: _engine.Quality, keep_runs: int = 6):
+        self.engine = _engine.Engine(sc, quality)
+        self.cache: dict[tuple[float, ...], tuple[float, list[float]]] = {}
+        self.runs: list[tuple[list[float], list[_engine.Snapshot]]] = []
+        self.keep_runs = keep_runs
+        self.count = 0
+        self.best = math.inf  # best makespan seen: runs that pass it (plus cutoff) stop early
+        self.cutoff = _CUTOFF
+
+    def _resume_point(self, d: list[float]) -> tuple[_engine.Snapshot | None, list[_engine.Snapshot]]:
+        best: _engine.Snapshot | None = None
+        best_prefix: list[_engine.Snapshot] = []
+        for delays, snaps in self.runs:
+            diff = [min(a, b) for a, b in zip(d, delays) if a != b]
+            bound = min(diff) if diff else math.inf
+            # the last snapshot strictly before the first start time that differs
+            k = bisect.bisect_left([s.t for s in snaps], bound) - 1
+            if k >= 0 and (best is None or snaps[k].t > best.t):
+                best, best_prefix = snaps[k], snaps[:k]
+        return best, best_prefix
+
+    def finish(self, d: list[float]) -> tuple[float, list[float]]:
+        """Makespan and finish times of delays ``d``. A run that passes ``self.best`` times
+        ``1 + cutoff`` stops there (it cannot win) and reports that time as its makespan."""
+        key = tuple(d)
+        hit = self.cache.get(key)
+        if hit is not None and (math.isfinite(max(hit[1])) or hit[0] >= self.best * (1.0 + self.cutoff)):
+            return hit
+        snap, prefix = self._resume_point(d)
+        keep: list[_engine.Snapshot] = []
+        stop = self.best * (1.0 + self.cutoff)
+        finish = self.engine.run(d, resume=snap, keep=keep, stop=stop)
+        self.count += 1
+        self.runs.append((list(d), prefix + keep))
+        if len(self.runs) > self.keep_runs:
+            self.runs.pop(0)
+        makespan = max(finish)
+        if not math.isfinite(makespan):
+            makespan = max(stop, self.engine.t)  # a lower bound: good enough to rank it last
+        elif makespan < self.best:
+            self.best = makespan
+        out = (makespan, finish)
+        self.cache[key] = out
+        return out
+
+    def __call__(self, d: list[float]) -> float:
+        return self.finish(d)[0]
+
+
+def _grid(upper: float, points: int) -> list[float]:
+    """``points`` values in (0, upper], denser near 0 (quadratic spacing)."""
+    return [upper * (k / points) ** 2 for k in range(1, points + 1)]
+
+
+def _line_search(f: Callable[[float], float], lo: float, hi: float, current: float, f_current: float,
+                 points: int, refine_iter: int) -> tuple[float, float, list[tuple[float, float]]]:
+    """Minimise f over [lo, hi]: a grid (denser near ``lo``), then bounded Brent around the best."""
+    from scipy.optimize import minimize_scalar
+
+    xs = sorted({lo, current, *(lo + g for g in _grid(hi - lo, points))})
+    vals = [f_current if x == current else f(x) for x in xs]
+    k = min(range(len(xs)), key=lambda i: (vals[i], xs[i]))
+    best_x, best_v = xs[k], vals[k]
+    a = xs[k - 1] if k > 0 else xs[k]
+    b = xs[k + 1] if k + 1 < len(xs) else xs[k]
+    if b - a > 1e-9 * max(1.0, hi) and refine_iter > 0:
+        res = minimize_scalar(f, bounds=(a, b), method="bounded",
+                              options={"xatol": 1e-4 * (hi - lo) + 1e-9, "maxiter": refine_iter})
+        if float(res.fun) < best_v:
+            best_x, best_v = float(res.x), float(res.fun)
+    return best_x, best_v, list(zip(xs, vals))
+
+
+def _solo_times(sc: Scenario) -> list[float]:
+    out = []
+    for job in sc.jobs:
+        eng = _engine.Engine(replace(sc, jobs=(job,)), _engine.FINE)
+        out.append(eng.run([0.0])[0])
+    return out
+
+
+def _sequential(sc: Scenario) -> float:
+    """Makespan of the jobs run one after another in job order (the cache carries over)."""
+    delays = [0.0]
+    finish = _engine.Engine(replace(sc, jobs=sc.jobs[:1]), _engine.FINE).run(delays)
+    for j in range(1, len(sc.jobs)):
+        delays.append(finish[j - 1])
+        finish = _engine.Engine(replace(sc, jobs=sc.jobs[:j + 1]), _engine.FINE).run(delays)
+    return max(finish)
+
+
+def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain: float | None = None,
+                 grid: int | None = None, budget: float = 0.45) -> Plan:
+    """The start delays that minimise the predicted makespan (see the module docstring).
+
+    ``max_delay`` bounds every job's delay (default: the sum of the other jobs' solo run times,
+    enough to run them all first). ``min_gain`` is the least relative gain over a simultaneous
+    start for which a stagger is recommended (default: the ``plan_min_gain`` knob, 0.01).
+    ``grid`` sets the grid points of the 1-D searches. For 3 or more jobs the search keeps to
+    ``budget`` seconds: the scan of start points is as fine as a quarter of it affords, coordinate
+    descent stops at 70% of it, and a last search along the plan's delays scaled together uses the
+    rest; this bounds the time on slow scenarios (lru, many epochs).
+    Raises ConfigError for a bad argument and ModelError when the model cannot answer.
+    """
+    t0 = time.perf_counter()
+    if min_gain is None:
+        from .. import config
+
+        min_gain = float(config.get("plan_min_gain"))
+    sc = scenario
+    J = len(sc.jobs)
+    names = sc.job_names
+    if max_delay is not None and (not isinstance(max_delay, (int, float)) or not max_delay >= 0
+                                  or math.isinf(max_delay)):
+        raise ConfigError(f"max_delay must be a finite number of seconds >= 0, got {max_delay!r}")
+    if not 0 <= min_gain < 1:
+        raise ConfigError(f"min_gain must be in [0, 1), got {min_gain!r}")
+    ev = _Evaluator(sc, _engine.COARSE)
+    zero = [0.0] * J
+    simultaneous_coarse = ev(zero)
+    best_d, best = list(zero), simultaneous_coarse
+    curve: list[tuple[float, float]] = [(0.0, simultaneous_coarse)]
+    label = "simultaneous start only"
+    if J >= 2:
+        solo = _solo_times(sc)
+        bound = [float(max_delay) if max_delay is not None else sum(solo) - solo[j] for j in range(J)]
+        if J == 2:
+            best_d, best, curve = _plan_two(ev, bound, grid or 24)
+            label = f"stagger of {names[1]} after {names[0]} (s; negative: {names[0]} starts later)"
+        else:
+            best_d, best = _plan_many(sc, ev, bound, grid or 6, solo, t0 + 0.25 * budget, t0 + 0.7 * budget)
+            best_d, best = _tie_break(ev, best_d, best, min_gain)
+            top = max(best_d)
+            if top > 0:
+                # the delays scaled together, 0 (simultaneous) to 2: the curve, and a last search
+                # along it (coordinate descent can stop short of a point on this ray)
+                base = list(best_d)
+                scales = [0.0, 0.25, 0.5, 0.75, 0.9, 1.0, 1.25, 1.6]
+                ev.cutoff = math.inf  # the reported curve: every point runs to the end
+                vals = [ev([lam * x for x in base]) for lam in scales]
+                ev.cutoff = _CUTOFF
+                k = min(range(len(scales)), key=lambda i: (vals[i], abs(scales[i] - 1.0)))
+                lam_best, val_best = scales[k], vals[k]
+                if 0 < k < len(scales) - 1 and time.perf_counter() < t0 + budget:
+                    from scipy.optimize import minimize_scalar
+
+                    res = minimize_scalar(lambda lam: ev([lam * x for x in base]),
+                                          bounds=(scales[k - 1], scales[k + 1]), method="bounded",
+                                          options={"xatol": 1e-3, "maxiter": 8})
+                    if float(res.fun) < val_best:
+                        lam_best, val_best = float(res.x), float(res.fun)
+                if val_best < best:
+                    best_d, best = [lam_best * x for x in base], val_best
+                curve = sorted(set(zip((lam * top for lam in scales), vals)) | {(lam_best * top, val_best)})
+                label = (f"largest delay, with every delay scaled along the plan (0: simultaneous; "
+                         f"plan at {max(best_d):.3g} s)")
+        if best > simultaneous_coarse * (1.0 - min_gain):
+            best_d, best = list(zero), simultaneous_coarse
+        elif J == 2:
+            best_d, best = _tie_break(ev, best_d, best, min_gain)
+    final_eng = _engine.Engine(sc, _engine.FINE)
+    finish = final_eng.run(best_d)
+    simultaneous = max(final_eng.run(zero)) if any(best_d) else max(finish)
+    if any(best_d) and max(finish) > simultaneous * (1.0 - min_gain):
+        # the stagger does not pay at full accuracy: start together
+        best_d = list(zero)
+        finish = final_eng.run(best_d)
+    sequential = _sequential(sc) if J > 1 else max(finish)
+    order = tuple(names[j] for j in sorted(range(J), key=lambda j: (best_d[j], j)))
+    return Plan(delays=dict(zip(names, best_d)), makespan=max(finish), simultaneous=simultaneous,
+                sequential=sequential, finish=dict(zip(names, finish)), order=order,
+                curve_stagger=tuple(c[0] for c in curve), curve_makespan=tuple(c[1] for c in curve),
+                curve_label=label, evaluations=ev.count, seconds=time.perf_counter() - t0)
+
+
+def _plan_two(ev: _Evaluator, bound: list[float], points: int):
+    """2 jobs: signed stagger s in [-bound[0], bound[1]] (job 1 delayed when s < 0)."""
+    def delays(s: float) -> list[float]:
+        return [0.0, s] if s >= 0 else [-s, 0.0]
+
+    def f(s: float) -> float:
+        return ev(delays(s))
+
+    xs = sorted({0.0, *_grid(bound[1], points), *(-g for g in _grid(bound[0], points))})
+    ev.cutoff = math.inf  # the grid is the reported curve: every point runs to the end
+    vals = [f(x) for x in xs]
+    ev.cutoff = _CUTOFF
+    k = min(range(len(xs)), key=lambda i: (vals[i], abs(xs[i])))
+    best_s, best = xs[k], vals[k]
+    a = xs[k - 1] if k > 0 else xs[k]
+    b = xs[k + 1] if k + 1 < len(xs) else xs[k]
+    if b > a:
+        from scipy.optimize import minimize_scalar
+
+        res = minimize_scalar(f, bounds=(a, b), method="bounded",
+                              options={"xatol": 1e-5 * (bound[0] + bound[1]) + 1e-9, "maxiter": 30})
+        if float(res.fun) < best:
+            best_s, best = float(res.x), float(res.fun)
+    curve = sorted(set(zip(xs, vals)) | {(best_s, best)})
+    return delays(best_s), best, curve
+
+
+def _plan_many(sc: Scenario, ev: _Evaluator, bound: list[float], points: int,
+               solo: list[float], scan_until: float, deadline: float) -> tuple[list[float], float]:
+    """N jobs: scan one-parameter families (cheaply) for a start point, then coordinate descent."""
+    J = len(bound)
+    scan = _Evaluator(sc, _engine.SEARCH)
+    t_eval = time.perf_counter()
+    scan([0.0] * J)
+    t_eval = time.perf_counter() - t_eval
+    # as many family points as the scan's share of the budget affords (a slow model: coarse scan)
+    remaining = max(scan_until - time.perf_counter(), 0.0)
+    fam = int(min(max(remaining / max(J * t_eval, 1e-9), 3), 2 * points))
+    candidates: list[list[float]] = [[0.0] * J]
+    for first in range(J):  # this job first, every other one a common delay later
+        upper = max(bound[j] for j in range(J) if j != first)
+        for delta in _grid(upper, fam):
+            d = [min(delta, bound[j]) for j in range(J)]
+            d[first] = 0.0
+            candidates.append(d)
+    for order in (list(range(J)), sorted(range(J), key=lambda j: -solo[j])):
+        for lam in (0.5, 1.0):  # one after another (longest first, or in job order), or overlapped by half
+            d = [0.0] * J
+            t = 0.0
+            for j in order:
+                d[j] = min(lam * t, bound[j])
+                t += solo[j]
+            candidates.append(d)
+    scored = sorted(((scan(d), i) for i, d in enumerate(candidates)))
+    best_d, best = list(candidates[scored[0][1]]), math.inf
+    for _, i in scored[:2]:  # the two best starts, at planning accuracy
+        val = ev(candidates[i])
+        if val < best:
+            best_d, best = list(candidates[i]), val
+    width = [bound[j] / points for j in range(J)]
+    for sweep in range(2):
+        before = best
+        for j in sorted(range(J), key=lambda i: -best_d[i]):
+            if time.perf_counter() > deadline:
+                break
+
+            def f(x: float, j: int = j) -> float:
+                d = list(best_d)
+                d[j] = x
+                return ev(d)
+
+            if sweep == 0:  # a grid over the whole range, then Brent around the best point
+                x, val, _ = _line_search(f, 0.0, bound[j], best_d[j], best, points, 5)
+            else:  # Brent in a bracket around the current point
+                lo, hi = max(0.0, best_d[j] - width[j]), min(bound[j], best_d[j] + width[j])
+                x, val = best_d[j], best
+                if hi > lo:
+                    from scipy.optimize import minimize_scalar
+
+                    res = minimize_scalar(f, bounds=(lo, hi), method="bounded",
+                                          options={"xatol": 1e-4 * bound[j] + 1e-9, "maxiter": 5})
+                    if float(res.fun) < val:
+                        x, val = float(res.x), float(res.fun)
+            if val < best:
+                best_d[j], best = x, val
+                shift = min(best_d)
+                if shift > 0:
+                    best_d = [v - shift for v in best_d]
+                    best = ev(best_d)
+        if best > before * (1.0 - 1e-4):
+            break
+    return best_d, best
+
+
+def _tie_break(ev: _Evaluator, d: list[float], best: float, min_gain: float) -> tuple[list[float], float]:
+    """Start at 0 every job whose delay does not matter (within min_gain / 10 of the makespan)."""
+    d = list(d)
+    for j in sorted(range(len(d)), key=lambda i: -d[i]):
+        if d[j] <= 0:
+            continue
+        trial = list(d)
+        trial[j] = 0.0
+        val = ev(trial)
+        if val <= best * (1.0 + min_gain / 10):
+            d, best = trial, min(best, val)
+    return d, best

@@ -1,0 +1,85 @@
+"""`hpcstagger plan`: the table, one JSON object, the plot, and one-line errors naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_cli
+
+SCENARIO = """
+[dataset]
+samples = 4000
+sample_bytes = 131072
+[storage]
+bandwidth = [2.0e8, 1.2e8]
+[cache]
+capacity = 6.0e8
+policy = "minio"
+hit_bandwidth = 5.0e9
+[[job]]
+name = "resnet"
+sample_time = 0.0005
+epochs = 3
+[[job]]
+name = "vit"
+sample_time = 0.0008
+epochs = 2
+"""
+
+
+@pytest.fixture
+def scenario_file(tmp_path):
+    path = tmp_path / "s.toml"
+    path.write_text(SCENARIO)
+    return path
+
+
+def test_plan_json_is_one_object_matching_the_library(scenario_file):
+    from hpcstagger.model import Scenario, optimal_plan
+
+    out = run_cli("plan", str(scenario_file), "--json")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert set(d["delays"]) == {"resnet", "vit"} and min(d["delays"].values()) == 0.0
+    plan = optimal_plan(Scenario.from_toml(scenario_file))
+    assert d["makespan"] == pytest.approx(plan.makespan) and d["delays"] == pytest.approx(plan.delays)
+    assert d["simultaneous"] == pytest.approx(plan.simultaneous)
+    assert d["sequential"] == pytest.approx(plan.sequential)
+    assert d["makespan"] < d["simultaneous"]
+
+
+def test_plan_table_and_plot(scenario_file, tmp_path):
+    png = tmp_path / "plan.png"
+    out = run_cli("plan", str(scenario_file), "--plot", str(png))
+    assert out.returncode == 0, out.stderr
+    for needle in ("resnet", "vit", "start delay", "plan", "simultaneous", "sequential", "the plan saves"):
+        assert needle in out.stdout
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    import matplotlib.image
+
+    img = matplotlib.image.imread(str(png))
+    assert img.shape[0] > 400 and img.shape[1] > 400
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda t: t.replace("sample_time = 0.0008", "sample_time = -1"), "job[1].sample_time must be > 0"),
+    (lambda t: t.replace('policy = "minio"', 'policy = "fifo"'), "cache.policy must be one of"),
+    (lambda t: t.replace("epochs = 2", "epochs = 2\nepoch = 3"), "unknown key job[1].epoch"),
+    (lambda t: t.replace("[storage]\nbandwidth = [2.0e8, 1.2e8]\n", ""), "missing [storage]"),
+])
+def test_bad_scenario_is_one_line_naming_the_field(scenario_file, edit, needle):
+    scenario_file.write_text(edit(SCENARIO))
+    out = run_cli("plan", str(scenario_file), "--json")
+    assert out.returncode == 1
+    assert needle in out.stderr and out.stdout == ""
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_missing_file_and_usage_errors(tmp_path):
+    out = run_cli("plan", str(tmp_path / "nope.toml"))
+    assert out.returncode == 1 and "cannot read scenario file" in out.stderr
+    out = run_cli("plan")
+    assert out.returncode == 2 and "required: scenario" in out.stderr

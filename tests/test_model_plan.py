@@ -1,0 +1,141 @@
+"""optimal_plan: the limiting cases, exactly, and the plan's structure.
+
+The issue lists "with no cache, or no concurrency loss, simultaneous start is optimal". Under the
+semantics (a read shares the source equally with the other reads in flight) that holds for
+identical jobs, which is what these tests pin down. For different jobs it does not: a short
+I/O-bound job then takes bandwidth from a long, compute-bound one, and starting it later shortens
+the makespan even with no cache and no loss. The last test shows this in the simulator too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import pytest
+
+from hpcstagger.errors import ConfigError
+from hpcstagger.model import Scenario, optimal_plan, predict, simulate
+
+S = 131072.0
+B = 1.31072e8  # one sample per millisecond alone
+
+
+def scenario(n=1000, jobs=((0.002, 1),), bandwidth=(B,), capacity=0.0, policy="minio", hit_bw=20 * B) -> Scenario:
+    return Scenario.from_dict({
+        "dataset": {"samples": n, "sample_bytes": S}, "storage": {"bandwidth": list(bandwidth)},
+        "cache": {"capacity": capacity * n * S, "policy": policy, "hit_bandwidth": hit_bw},
+        "job": [{"name": f"j{i}", "sample_time": t, "epochs": e} for i, (t, e) in enumerate(jobs)]})
+
+
+@pytest.mark.parametrize("jobs, bandwidth, capacity, policy", [
+    (((0.012, 2), (0.018, 1)), (B, 0.5 * B), 0.5, "minio"),
+    (((0.024, 1), (0.016, 3), (0.02, 2)), (B, 0.7 * B, 0.4 * B), 0.3, "lru"),
+    (((0.036, 2), (0.036, 2), (0.027, 1), (0.054, 1)), (B, 0.45 * B), 1.2, "minio"),
+    (((0.008, 1), (0.011, 2)), (B, 0.6 * B), 0.0, "none"),
+])
+def test_compute_bound_jobs_get_delays_of_zero(jobs, bandwidth, capacity, policy):
+    # every job stays compute-bound even when all of them miss at once at the lowest bandwidth
+    sc = scenario(jobs=jobs, bandwidth=bandwidth, capacity=capacity, policy=policy)
+    assert all(t > 2 * len(jobs) * S / min(bandwidth) for t, _ in jobs)
+    plan = optimal_plan(sc)
+    assert all(d == 0.0 for d in plan.delays.values()), plan.delays
+    assert plan.makespan == plan.simultaneous
+    longest = max(e * sc.dataset.samples * t for t, e in jobs)
+    assert plan.makespan == pytest.approx(longest, rel=2e-3)
+
+
+@pytest.mark.parametrize("count, t, epochs, capacity, policy", [
+    (2, 0.0006, 2, 0.0, "none"),
+    (3, 0.0012, 1, 0.0, "none"),
+    (2, 0.0004, 3, 0.7, "minio"),
+    (3, 0.0009, 2, 1.1, "minio"),
+    (2, 0.0007, 3, 0.5, "lru"),
+    (4, 0.0005, 2, 0.3, "minio"),
+])
+def test_identical_jobs_without_concurrency_loss_start_together(count, t, epochs, capacity, policy):
+    sc = scenario(jobs=tuple((t, epochs) for _ in range(count)), bandwidth=(B,), capacity=capacity, policy=policy)
+    plan = optimal_plan(sc)
+    assert all(d == 0.0 for d in plan.delays.values()), plan.delays
+    assert plan.makespan == plan.simultaneous <= plan.sequential * (1 + 1e-9)
+
+
+def test_identical_io_bound_jobs_without_cache_but_with_loss_run_one_after_another():
+    # no cache and a source that loses 40% under concurrency: running alone is worth the wait
+    n, t = 1000, 0.0003
+    sc = scenario(n, jobs=((t, 2), (t, 2)), bandwidth=(B, 0.6 * B), policy="none")
+    plan = optimal_plan(sc)
+    closed = 2 * 2 * n * S / B  # two solo runs back to back
+    assert plan.makespan == pytest.approx(closed, rel=1e-6)
+    assert plan.sequential == pytest.approx(closed, rel=1e-9)
+    assert plan.simultaneous == pytest.approx(2 * n * S / (0.3 * B), rel=1e-6)
+    assert sorted(plan.delays.values()) == [0.0, pytest.approx(2 * n * S / B, rel=1e-6)]
+
+
+def test_plan_structure_and_dict():
+    sc = scenario(jobs=((0.0004, 3), (0.0005, 2)), bandwidth=(B, 0.6 * B), capacity=1.0)
+    plan = optimal_plan(sc)
+    assert min(plan.delays.values()) == 0.0 and plan.order[0] in plan.delays
+    assert plan.makespan < plan.simultaneous * 0.99          # caching pays here
+    assert plan.makespan <= plan.sequential
+    assert max(plan.finish.values()) == pytest.approx(plan.makespan)
+    # the curve is the predicted makespan against the signed stagger, and the plan is its minimum
+    xs, ys = plan.curve_stagger, plan.curve_makespan
+    assert list(xs) == sorted(xs) and 0.0 in xs and len(xs) >= 30
+    assert min(ys) >= plan.makespan * (1 - 0.02)
+    check = predict(sc, plan.delays, series=False).makespan
+    assert check == pytest.approx(plan.makespan, rel=1e-9)
+    # every point of the curve is a full prediction (none is cut short by the search)
+    for x, y in list(zip(xs, ys))[::6]:
+        d = {"j0": 0.0, "j1": x} if x >= 0 else {"j0": -x, "j1": 0.0}
+        assert y == pytest.approx(predict(sc, d, series=False).makespan, rel=0.01), x
+    assert max(ys) > 1.1 * plan.makespan  # the far ends are much worse, and shown as such
+    d = plan.to_dict()
+    assert {"delays", "makespan", "simultaneous", "sequential"} <= set(d)
+    json.dumps(d, allow_nan=False)
+    # bounds: no delay beyond max_delay; max_delay 0 means start together
+    limited = optimal_plan(sc, max_delay=0.2)
+    assert max(limited.delays.values()) <= 0.2 + 1e-12
+    assert all(v == 0.0 for v in optimal_plan(sc, max_delay=0.0).delays.values())
+    for bad in ({"max_delay": -1}, {"max_delay": math.inf}, {"min_gain": 1.5}):
+        with pytest.raises(ConfigError):
+            optimal_plan(sc, **bad)
+
+
+def test_single_job_plan_is_trivial():
+    sc = scenario(jobs=((0.0005, 2),), capacity=0.5)
+    plan = optimal_plan(sc)
+    assert plan.delays == {"j0": 0.0} and plan.makespan == plan.simultaneous == plan.sequential
+
+
+@pytest.mark.slow
+def test_plan_is_near_the_simulators_best_and_beats_simultaneous():
+    # the setting of the HiPC 2023 study: two jobs, a cache that holds the data, a lossy source
+    n = 1500
+    sc = scenario(n, jobs=((0.0004, 3), (0.0004, 3)), bandwidth=(B, 0.55 * B), capacity=1.0)
+    plan = optimal_plan(sc)
+    assert max(plan.delays.values()) > 0
+
+    def sim(delays):
+        return statistics.fmean(simulate(sc, delays, seed=k).makespan for k in range(2))
+
+    planned = sim([plan.delays[j] for j in sc.job_names])
+    grid = [sim([0.0, s]) for s in [0.0, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0, 1.3, 1.6, 2.0]]
+    assert planned <= sim([0.0, 0.0]) * 0.95
+    assert planned <= min(grid) * 1.03
+
+
+@pytest.mark.slow
+def test_different_jobs_gain_from_staggering_without_cache_or_loss():
+    # a long compute-bound job and short I/O-bound ones: starting the short ones later lets the
+    # long one have the bandwidth it needs; the simulator confirms the model
+    n = 1000
+    sc = scenario(n, jobs=((0.00276, 3), (0.00273, 1), (0.00034, 1), (0.00044, 2)), bandwidth=(B,), policy="none")
+    plan = optimal_plan(sc)
+    assert plan.gain > 0.08
+
+    def sim(delays):
+        return statistics.fmean(simulate(sc, delays, seed=k).makespan for k in range(2))
+
+    assert sim([plan.delays[j] for j in sc.job_names]) < 0.93 * sim([0.0] * 4)
