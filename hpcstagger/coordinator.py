@@ -52,6 +52,8 @@ ENV_DELAYS = "HPCSTAGGER_DELAYS"    # JSON {job: seconds}, for mode "fixed" (hpc
 ENV_RUN_DIR = "HPCSTAGGER_RUN_DIR"  # where status files go (default: <workdir>/status)
 ENV_ONLY = "HPCSTAGGER_ONLY_JOBS"   # comma-separated: this launch runs only these jobs of the spec
 
+PLAN_MODES_IN_WORLD = ("plan", "simultaneous", "fixed")
+
 IdleWork = Callable[[float], bool]
 """Work done while a job waits: called with the seconds left, does a bounded step, returns whether
 more is left."""
@@ -213,7 +215,7 @@ class Session:
         backend = backend or self.backend
         t = time.perf_counter()
         if backend == "horovod":
-            from .integrations.horovod import init_horovod
+            from .integrations.horovod import init as init_horovod
 
             init_horovod(self.comm)
         elif backend == "ddp":
@@ -448,36 +450,57 @@ def _init(spec: Spec | str | os.PathLike[str] | None, *, job: str | None,
 
 def _plan_delays(spec: Spec | None, order: list[str], calibrations: Mapping[str, Mapping[str, float]],
                  mode: str) -> dict[str, Any]:
-    """The delays for ``mode`` (run on world rank 0), with the predicted makespans when known."""
-    zero = {n: 0.0 for n in order}
-    if mode == "simultaneous" or len(order) == 1:
-        return {"mode": mode, "delays": zero}
-    if mode == "sequential":
-        raise ConfigError("plan mode 'sequential' runs the jobs one after another, each in its own launch: "
-                          "use 'hpcstagger launch --mode sequential' (or the rendered Slurm script), not "
-                          "one MPI world")
+    """The delays for ``mode`` (run on world rank 0), and what the model predicts when it can.
+
+    With a calibrated scenario (``[plan] scenario``), every mode also reports the predicted
+    makespan of its delays and of the plan, a simultaneous start and sequential runs
+    (``predicted``), and the scenario it used, with each job's own calibration in it
+    (``scenario``).
+    """
+    if mode not in PLAN_MODES_IN_WORLD:
+        if mode == "sequential":
+            raise ConfigError("plan mode 'sequential' runs the jobs one after another, each in its own launch: "
+                              "use 'hpcstagger launch --mode sequential' (or the rendered Slurm script), not "
+                              "one MPI world")
+        raise ConfigError(f"plan mode must be plan, simultaneous, sequential or fixed, not {mode!r}")
+    delays = {n: 0.0 for n in order}
     if mode == "fixed":
         fixed = dict(json.loads(os.environ[ENV_DELAYS])) if os.environ.get(ENV_DELAYS) else (
             dict(spec.plan.delays) if spec else {})
         unknown = sorted(set(fixed) - set(order))
         if unknown:
             raise ConfigError(f"fixed delays name unknown job(s) {', '.join(unknown)}; jobs: {', '.join(order)}")
-        return {"mode": mode, "delays": {n: float(fixed.get(n, 0.0)) for n in order}}
-    if mode != "plan":
-        raise ConfigError(f"plan mode must be plan, simultaneous, sequential or fixed, not {mode!r}")
-    from .model import optimal_plan
+        delays = {n: float(fixed.get(n, 0.0)) for n in order}
+    out: dict[str, Any] = {"mode": mode, "delays": delays,
+                           "calibrations": {n: dict(c) for n, c in calibrations.items()}}
+    if spec is None or not spec.plan.scenario:
+        if mode == "plan" and len(order) > 1:
+            raise ConfigError("plan mode 'plan' needs a calibrated scenario: run 'hpcstagger calibrate' and set "
+                              "[plan] scenario in the spec, or choose mode 'simultaneous' or 'fixed'")
+        return out
+    from .model import optimal_plan, predict
 
     scenario = _scenario_for(spec, order, calibrations)
-    max_delay = spec.plan.max_delay if spec else None
-    p = optimal_plan(scenario, max_delay=max_delay)
-    return {"mode": mode, "delays": {n: float(p.delays.get(n, 0.0)) for n in order},
-            "predicted": {"plan": float(p.makespan), "simultaneous": float(p.simultaneous),
-                          "sequential": float(p.sequential)}}
+    p = optimal_plan(scenario, max_delay=spec.plan.max_delay)
+    if mode == "plan":
+        out["delays"] = {n: float(p.delays.get(n, 0.0)) for n in order}
+    out["predicted"] = {"plan": float(p.makespan), "simultaneous": float(p.simultaneous),
+                        "sequential": float(p.sequential),
+                        mode: float(p.makespan) if mode == "plan" else float(predict(scenario, out["delays"]).makespan)}
+    out["scenario"] = scenario.to_dict()
+    out["curve"] = p.to_dict()["curve"]
+    return out
 
 
 def _scenario_for(spec: Spec | None, order: list[str], calibrations: Mapping[str, Mapping[str, float]]) -> Any:
     """The scenario to plan with: the spec's calibrated scenario file, with each job's epochs from
-    the spec and its sample time from the job's own calibration when it sent one."""
+    the spec and its sample time from the job's own calibration when it sent one.
+
+    A job's calibration may also report ``miss_overhead``: seconds each read that goes to the source
+    costs the job beyond the source's own time (its cache insert, its loader's work). The source is
+    then planned with the bandwidth the jobs actually see: with ``k`` readers each read of ``S``
+    bytes takes ``S * k / bandwidth[k-1] + overhead``, the mean of the reported overheads.
+    """
     from .model import Scenario
 
     if spec is None or not spec.plan.scenario:
@@ -499,4 +522,10 @@ def _scenario_for(spec: Spec | None, order: list[str], calibrations: Mapping[str
         entry["sample_time"] = float(sample_time)
         jobs.append(entry)
     base["job"] = jobs
+    overheads = [float(c["miss_overhead"]) for c in calibrations.values() if c.get("miss_overhead", 0) > 0]
+    if overheads:
+        o = sum(overheads) / len(overheads)
+        size = float(base["dataset"]["sample_bytes"])
+        base["storage"]["bandwidth"] = [k * size / (k * size / float(b) + o)
+                                        for k, b in enumerate(base["storage"]["bandwidth"], start=1)]
     return Scenario.from_dict(base)

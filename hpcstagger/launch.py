@@ -59,6 +59,9 @@ class RunResult:
     predicted: dict[str, float] = field(default_factory=dict)
     overhead: float | None = None
     wall: float = 0.0
+    scenario: dict[str, Any] = field(default_factory=dict)
+    calibrations: dict[str, Any] = field(default_factory=dict)
+    curve: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -86,7 +89,8 @@ class RunResult:
     def to_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "returncode": self.returncode, "run_dir": self.run_dir,
                 "delays": self.delays, "makespan": self.makespan, "predicted": self.predicted,
-                "overhead": self.overhead, "wall": self.wall,
+                "overhead": self.overhead, "wall": self.wall, "scenario": self.scenario,
+                "calibrations": self.calibrations, "curve": self.curve,
                 "jobs": {n: vars(j) for n, j in self.jobs.items()}}
 
 
@@ -184,6 +188,7 @@ def collect_results(spec: Spec, run_dir: str | os.PathLike[str], *, jobs: Sequen
     results: dict[str, JobResult] = {}
     delays: dict[str, float] = {}
     predicted: dict[str, float] = {}
+    plan_info: dict[str, Any] = {}
     overheads = []
     for job in spec.jobs:
         if jobs is not None and job.name not in jobs:
@@ -209,13 +214,16 @@ def collect_results(spec: Spec, run_dir: str | os.PathLike[str], *, jobs: Sequen
             if r.get("rank") == 0:
                 jr.metrics = r.get("metrics", {})
                 predicted.update((r.get("plan") or {}).get("predicted") or {})
+                plan_info = plan_info or (r.get("plan") or {})
                 overheads.append(sum(t.get(k, 0.0) for k in ("rendezvous", "split", "plan_exchange")))
             mode = mode or r.get("mode", "")
         results[job.name] = jr
     finishes = [j.finish for j in results.values() if j.finish is not None]
     makespan = max(finishes) if finishes and len(finishes) == len(results) else None
     return RunResult(mode=mode, returncode=returncode, run_dir=str(run_dir), jobs=results, delays=delays,
-                     makespan=makespan, predicted=predicted, overhead=max(overheads) if overheads else None)
+                     makespan=makespan, predicted=predicted, overhead=max(overheads) if overheads else None,
+                     scenario=plan_info.get("scenario") or {}, calibrations=plan_info.get("calibrations") or {},
+                     curve=plan_info.get("curve") or {})
 
 
 def _collect_sequential(spec: Spec, run_dir: Path, returncode: int) -> RunResult:

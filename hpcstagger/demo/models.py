@@ -22,6 +22,6 @@ def build_model(name: str, shape: tuple[int, int, int], classes: int) -> Any:
             nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(),
             nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(32 * 16, classes))
     if name == "mlp":
-        return nn.Sequential(nn.Flatten(), nn.Linear(c * h * w, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(),
-                             nn.Linear(128, classes))
+        return nn.Sequential(nn.Flatten(), nn.Linear(c * h * w, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(),
+                             nn.Linear(64, classes))
     raise ConfigError(f"unknown demo model {name!r}; choose one of {', '.join(MODELS)}")
