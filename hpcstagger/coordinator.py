@@ -131,7 +131,9 @@ class Session:
 
     @property
     def overhead(self) -> float:
-        """The coordinator's own cost in seconds: split, gather, plan and broadcast."""
+        """Seconds this rank spent in the coordinator (rendezvous, split, plan exchange), including
+        any wait for slower ranks; ``hpcstagger launch`` reports the run's own cost as the time the
+        last rank to arrive spent there."""
         return sum(self.timings.get(k, 0.0) for k in ("rendezvous", "split", "plan_exchange"))
 
     def elapsed(self) -> float:
@@ -151,29 +153,12 @@ class Session:
         return self.spec
 
     def source(self) -> Any:
-        """The spec's ``[dataset]`` as a source: HDF5Source or DirectorySource, wrapped in a
-        ThrottledSource (shared by every job of the run) when ``throttle`` is set."""
-        spec = self._need_spec("source")
-        ds = spec.dataset
-        if not ds.path:
-            raise ConfigError("the spec has no [dataset] path; set it, or build your own source")
-        from .cache import DirectorySource, HDF5Source, ThrottledSource
-
-        base: Any = HDF5Source(ds.path, ds.name) if ds.format == "hdf5" else DirectorySource(ds.path, ds.pattern)
-        if ds.throttle:
-            return ThrottledSource(base, list(ds.throttle), shared_name=f"{spec.run.name}-source",
-                                   latency=ds.latency)
-        return base
+        """The spec's ``[dataset]`` as a source (see :meth:`hpcstagger.spec.Spec.make_source`)."""
+        return self._need_spec("source").make_source()
 
     def cache(self) -> Any:
-        """The spec's ``[cache]`` as a ShmCache shared by every job on the node, or None (capacity 0)."""
-        spec = self._need_spec("cache")
-        c = spec.cache
-        if c.capacity <= 0 or c.policy == "none":
-            return None
-        from .cache import ShmCache
-
-        return ShmCache(c.name, c.capacity, policy=c.policy, root=c.root or None)
+        """The spec's ``[cache]`` as the node's ShmCache, or None (capacity 0)."""
+        return self._need_spec("cache").make_cache()
 
     def checkpoint_dir(self) -> tuple[str, str | None]:
         """This job's checkpoint directory and staging directory (None without a fast level)."""

@@ -94,6 +94,9 @@ class RunResult:
                 "jobs": {n: vars(j) for n, j in self.jobs.items()}}
 
 
+_COORDINATOR_PHASES = ("rendezvous", "split", "plan_exchange")
+
+
 def parse_delays(text: str) -> dict[str, float]:
     """``"a=0,b=12.5"`` -> {"a": 0.0, "b": 12.5}; raises ConfigError on bad input."""
     out = {}
@@ -189,7 +192,7 @@ def collect_results(spec: Spec, run_dir: str | os.PathLike[str], *, jobs: Sequen
     delays: dict[str, float] = {}
     predicted: dict[str, float] = {}
     plan_info: dict[str, Any] = {}
-    overheads = []
+    phases: dict[str, list[float]] = {}
     for job in spec.jobs:
         if jobs is not None and job.name not in jobs:
             continue
@@ -211,17 +214,22 @@ def collect_results(spec: Spec, run_dir: str | os.PathLike[str], *, jobs: Sequen
                 jr.finish = t["finished_at"] if jr.finish is None else max(jr.finish, t["finished_at"])
             if r.get("error"):
                 jr.error = f"rank {r['rank']}: {r['error']}"
+            for phase in _COORDINATOR_PHASES:
+                if phase in t:
+                    phases.setdefault(phase, []).append(float(t[phase]))
             if r.get("rank") == 0:
                 jr.metrics = r.get("metrics", {})
                 predicted.update((r.get("plan") or {}).get("predicted") or {})
                 plan_info = plan_info or (r.get("plan") or {})
-                overheads.append(sum(t.get(k, 0.0) for k in ("rendezvous", "split", "plan_exchange")))
             mode = mode or r.get("mode", "")
         results[job.name] = jr
     finishes = [j.finish for j in results.values() if j.finish is not None]
     makespan = max(finishes) if finishes and len(finishes) == len(results) else None
+    # Each phase's cost is what the last rank to reach it spent there: it waited for nobody, so its
+    # time is the coordinator's own (the other ranks' include waiting for slower starters).
+    overhead = sum(min(v) for v in phases.values()) if phases else None
     return RunResult(mode=mode, returncode=returncode, run_dir=str(run_dir), jobs=results, delays=delays,
-                     makespan=makespan, predicted=predicted, overhead=max(overheads) if overheads else None,
+                     makespan=makespan, predicted=predicted, overhead=overhead,
                      scenario=plan_info.get("scenario") or {}, calibrations=plan_info.get("calibrations") or {},
                      curve=plan_info.get("curve") or {})
 

@@ -328,6 +328,30 @@ class Spec:
             self.job(n)
         return replace(self, jobs=tuple(j for j in self.jobs if j.name in set(names)))
 
+    def make_source(self, shared_name: str | None = None) -> Any:
+        """The ``[dataset]`` as a source: HDF5Source or DirectorySource, wrapped in a ThrottledSource
+        (``shared_name``, default "<run name>-source", shared by every job) when ``throttle`` is set.
+        Raises ConfigError when the spec has no dataset path."""
+        ds = self.dataset
+        if not ds.path:
+            raise ConfigError("the spec has no [dataset] path; set it, or build your own source")
+        from .cache import DirectorySource, HDF5Source, ThrottledSource
+
+        base: Any = HDF5Source(ds.path, ds.name) if ds.format == "hdf5" else DirectorySource(ds.path, ds.pattern)
+        if ds.throttle:
+            return ThrottledSource(base, list(ds.throttle), shared_name=shared_name or f"{self.run.name}-source",
+                                   latency=ds.latency)
+        return base
+
+    def make_cache(self) -> Any:
+        """The ``[cache]`` as the node's ShmCache, or None (capacity 0 or policy none)."""
+        c = self.cache
+        if c.capacity <= 0 or c.policy == "none":
+            return None
+        from .cache import ShmCache
+
+        return ShmCache(c.name, c.capacity, policy=c.policy, root=c.root or None)
+
     def layout(self) -> list[tuple[JobSpec, int]]:
         """Each job with its first world rank, in launch order (MPMD places jobs consecutively)."""
         out, first = [], 0

@@ -93,3 +93,78 @@ def test_sweep_array_template(slurm_cluster, batch_job, tmp_path):
     assert "a rank 0/1 argv=['--lr', '1']" in t0 and "b rank 0/2 argv=['--lr', '2']" in t0
     assert "a rank 0/1 argv=['--lr', '3']" in t1 and "b rank 1/2 argv=['--lr', '4']" in t1
     assert (tmp_path / "hpcstagger-runs" / "sweep-0").is_dir() and (tmp_path / "hpcstagger-runs" / "sweep-1").is_dir()
+
+
+@pytest.fixture
+def examples_dir(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    for f in ("make_dataset.py", "train_ddp.py", "train_horovod.py", "colocated.toml"):
+        shutil.copy(REPO / "examples" / f, tmp_path / f)
+    subprocess.run([sys.executable, "make_dataset.py", "data.h5", "--samples", "256"], cwd=tmp_path, check=True,
+                   timeout=60, capture_output=True)
+    root = tempfile.mkdtemp(prefix="hpcs-slurm-examples-", dir="/dev/shm")
+    yield tmp_path, root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_colocated_template_trains_the_examples(slurm_cluster, batch_job, examples_dir):
+    """The full path a user takes: the examples' spec through colocated.sbatch on Slurm, DDP and
+    Horovod jobs in one allocation, the planned delays in the log, and checkpoints that verify."""
+    from conftest import cli_env, run_cli
+    import subprocess
+    import sys
+
+    cwd, root = examples_dir
+    if subprocess.run([sys.executable, "-c", "import horovod.torch"], capture_output=True).returncode:
+        pytest.skip("Horovod is not installed; scripts/install-horovod builds it")
+    spec = cwd / "colocated.toml"
+    spec.write_text(spec.read_text().replace('mode = "simultaneous"', 'mode = "fixed"\ndelays = { mlp = 1.0 }'))
+    body = (TEMPLATES / "colocated.sbatch").read_text().split("\n", 1)[1]
+    body = body.replace("set -euo pipefail", f"set -euo pipefail\nexport HPCSTAGGER_SHM_ROOT={root}", 1)
+    _, record, text = batch_job(body, "--ntasks=3", name="examples", timeout=240, script_args=(str(spec),))
+    assert record["JobState"] == "COMPLETED", text
+    assert "mode fixed: delays cnn +0.0s, mlp +1.0s" in text and "waiting 1.0 s (planned start)" in text
+    assert "epoch 2/2" in text and "mode fixed, makespan" in text
+    for job in ("cnn", "mlp"):
+        out = run_cli("ckpt", "verify", str(cwd / "hpcstagger-runs" / "examples" / "checkpoints" / job),
+                      env=cli_env(HPCSTAGGER_SHM_ROOT=root))
+        assert out.returncode == 0 and "sound" in out.stdout, out.stdout + out.stderr
+
+
+def test_calibrate_template_writes_a_scenario_and_prints_the_plan(slurm_cluster, batch_job, examples_dir):
+    from hpcstagger.model import Scenario
+
+    cwd, root = examples_dir
+    spec = cwd / "thr.toml"
+    spec.write_text(textwrap.dedent("""
+        [run]
+        name = "thr"
+        [dataset]
+        path = "data.h5"
+        name = "samples"
+        throttle = [4e6, 2e6]
+        [cache]
+        capacity = "1MB"
+        [[job]]
+        name = "cnn"
+        command = "python train_ddp.py"
+        sample_time = 0.0005
+        [[job]]
+        name = "mlp"
+        command = "python train_horovod.py"
+        sample_time = 0.0002
+        epochs = 3
+    """))
+    body = (TEMPLATES / "calibrate.sbatch").read_text().split("\n", 1)[1]
+    body = body.replace("set -euo pipefail", f"set -euo pipefail\nexport HPCSTAGGER_SHM_ROOT={root} BUDGET=5", 1)
+    _, record, text = batch_job(body, name="calibrate", timeout=180, script_args=(str(spec),))
+    assert record["JobState"] == "COMPLETED", text
+    sc = Scenario.from_toml(cwd / "scenario.toml")
+    assert 3.0e6 < sc.storage.bandwidth[0] < 4.4e6 and sc.storage.bandwidth[1] < sc.storage.bandwidth[0]
+    assert [j.name for j in sc.jobs] == ["cnn", "mlp"] and sc.jobs[1].epochs == 3
+    assert "predicted makespan" in text and "simultaneous" in text

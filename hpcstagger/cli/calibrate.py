@@ -18,9 +18,12 @@ def register(sub: Any) -> None:
                     "Sources and jobs are named 'module:function': the function is called with no "
                     "arguments and returns the source (len, [i] -> bytes, key(i); picklable) or the "
                     "job's step(samples: list[bytes]).")
-    p.add_argument("--source", required=True, metavar="MODULE:FUNCTION",
-                   help="factory of the dataset source (e.g. mypkg.data:make_source)")
-    p.add_argument("--job", action="append", required=True, metavar="NAME=MODULE:FUNCTION",
+    p.add_argument("--spec", metavar="SPEC",
+                   help="take the source ([dataset], with its throttle), the cache's capacity and policy, the "
+                        "jobs and their epochs from a job spec; jobs without --job use the spec's sample_time")
+    p.add_argument("--source", metavar="MODULE:FUNCTION",
+                   help="factory of the dataset source (e.g. mypkg.data:make_source); not with --spec")
+    p.add_argument("--job", action="append", default=[], metavar="NAME=MODULE:FUNCTION",
                    help="a job and the factory of its step function; repeat for every job")
     p.add_argument("--epochs", action="append", default=[], metavar="N|NAME=N",
                    help="epochs of every job (N) or of one job (NAME=N); default 1")
@@ -98,11 +101,52 @@ def run(args: argparse.Namespace) -> int:
         if not callable(step):
             raise ConfigError(f"job {name!r}: {factory!r} did not give a callable step(samples)")
         jobs[name] = step
-    source = load_factory(args.source, "source")
+    known: dict[str, float] = {}
+    capacity, policy = args.capacity, args.policy
     cache = load_factory(args.cache, "cache") if args.cache else None
-    cal = calibrate(source, jobs, epochs=_epochs(args.epochs, list(jobs)), capacity=args.capacity,
-                    policy=args.policy, readers=args.readers, budget=args.budget, batch=args.batch,
-                    prefetch=args.prefetch, cache=cache, out=args.out, progress=True)
+    private_cache = None
+    if args.spec:
+        from ..spec import Spec
+
+        if args.source:
+            raise ConfigError("give the source with --spec or with --source, not both")
+        spec = Spec.from_toml(args.spec)
+        for name in jobs:
+            spec.job(name)
+        missing = [j.name for j in spec.jobs if j.name not in jobs and not j.sample_time]
+        if missing:
+            raise ConfigError(f"job(s) {', '.join(missing)}: give --job NAME=MODULE:FUNCTION to measure, or "
+                              "sample_time in the spec's [[job]] (jobs that calibrate themselves at launch "
+                              "replace it with their measurement)")
+        known = {j.name: float(j.sample_time) for j in spec.jobs if j.name not in jobs and j.sample_time}
+        source = spec.make_source(shared_name=f"{spec.run.name}-calibrate")
+        if capacity is None:
+            capacity = spec.cache.capacity
+        policy = spec.cache.policy if spec.cache.capacity else "none"
+        if cache is None and spec.cache.capacity:
+            from ..cache import ShmCache
+
+            private_cache = cache = ShmCache(f"{spec.cache.name}-calibrate", max(64 << 20, spec.cache.capacity // 16),
+                                             root=spec.cache.root or None)
+        epochs: int | dict[str, int] = {j.name: j.epochs for j in spec.jobs}
+        if args.epochs:
+            epochs = _epochs(args.epochs, list(spec.job_names))
+    else:
+        if not args.source:
+            raise ConfigError("give the source: --source MODULE:FUNCTION, or --spec SPEC")
+        if not jobs:
+            raise ConfigError("give at least one --job NAME=MODULE:FUNCTION")
+        source = load_factory(args.source, "source")
+        epochs = _epochs(args.epochs, list(jobs))
+    try:
+        cal = calibrate(source, jobs, epochs=epochs, capacity=capacity, policy=policy, readers=args.readers,
+                        budget=args.budget, batch=args.batch, prefetch=args.prefetch, cache=cache, out=args.out,
+                        progress=True, known=known)
+    finally:
+        if private_cache is not None:
+            private_cache.destroy(force=True)
+        if hasattr(source, "unlink"):
+            source.unlink()
     if args.json:
         from .._io import json_safe
 

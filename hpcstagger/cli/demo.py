@@ -18,6 +18,8 @@ def register(sub: Any) -> None:
     p.add_argument("--workdir", default="hpcstagger-demo", help="where data, runs and plots go (default ./hpcstagger-demo)")
     p.add_argument("--samples", type=int, default=6000, help="dataset size in samples (default 6000, 12 KB each)")
     p.add_argument("--epochs", type=int, default=3, help="epochs of each job (default 3)")
+    p.add_argument("--calibrate-budget", type=float, default=20.0, metavar="S",
+                   help="seconds the calibration may take (default 20)")
     p.add_argument("--sweep", metavar="S,S,...",
                    help="also run the later job at these fixed delays (seconds), for a measured sweep")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
@@ -32,6 +34,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--samples must be at least 100, got {args.samples}")
     if args.epochs < 1:
         raise ConfigError(f"--epochs must be at least 1, got {args.epochs}")
+    if not args.calibrate_budget > 0:
+        raise ConfigError(f"--calibrate-budget must be > 0 seconds, got {args.calibrate_budget}")
     sweep: tuple[float, ...] = ()
     if args.sweep:
         try:
@@ -41,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         if any(v < 0 for v in sweep):
             raise ConfigError("--sweep delays must be >= 0")
     cfg = DemoConfig(workdir=args.workdir, samples=args.samples, epochs={"convnet": args.epochs, "mlp": args.epochs},
-                     sweep=sweep)
+                     sweep=sweep, calibrate_budget=args.calibrate_budget)
     result = run_demo(cfg)
     if args.json:
         json.dump(result, sys.stdout, default=str)

@@ -200,7 +200,10 @@ def measure_miss_overhead(spec: Any, step: Callable[[list[bytes]], float], *, ba
     finally:
         cache.destroy(force=True)
         source.unlink()
-    first = next(m for m in marks if m[0] >= t0 + seconds / 2)
+    if len(marks) < 4:
+        return 0.0  # too few samples to tell
+    # the second half of what was measured (the dataset may run out before ``seconds``)
+    first = next(m for m in marks if m[0] >= (t0 + marks[-1][0]) / 2)
     last = marks[-1]
     count = max(1, last[1] - first[1])
     per_sample = (last[0] - first[0]) / count

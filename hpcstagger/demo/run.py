@@ -50,7 +50,7 @@ class DemoConfig:
     bandwidth: tuple[float, ...] = (2.0e7, 8.0e6)   # bytes/s with 1 and 2 concurrent readers
     cache_fraction: float = 1.0                     # cache capacity as a fraction of the dataset
     epochs: Mapping[str, int] = field(default_factory=lambda: {"convnet": 3, "mlp": 3})
-    checkpoint_every: int = 90                      # steps between asynchronous checkpoints (2 per epoch)
+    checkpoint_every: int = 0                       # steps between asynchronous checkpoints; 0: twice per epoch
     calibrate_budget: float = 20.0
     modes: tuple[str, ...] = ("plan", "simultaneous", "sequential")
     sweep: tuple[float, ...] = ()                   # extra fixed delays of the later job to measure
@@ -108,7 +108,7 @@ def _write_spec(cfg: DemoConfig, work: Path, data: Path, scenario: Path, capacit
         capacity = {capacity}
         [checkpoint]
         directory = "checkpoints"
-        every = {cfg.checkpoint_every}
+        every = {cfg.checkpoint_every or max(1, -(-cfg.samples // cfg.batch) // 2)}
         keep = 2
         [plan]
         mode = "plan"

@@ -230,7 +230,8 @@ def calibrate(source: Any, jobs: Mapping[str, Callable[[list[bytes]], Any]], *,
               epochs: int | Mapping[str, int] = 1, capacity: float | str | None = None, policy: str = "minio",
               readers: int | Sequence[int] | None = None, budget: float | None = None, batch: int = 16,
               prefetch: int = 2, cache: Any = None, out: str | os.PathLike[str] | None = None,
-              progress: bool = True, mp_context: str = "spawn", seed: int = 0) -> Calibration:
+              progress: bool = True, mp_context: str = "spawn", seed: int = 0,
+              known: Mapping[str, float] | None = None) -> Calibration:
     """Measure a scenario from ``source`` and ``jobs`` within ``budget`` seconds (see the module docstring;
     default: the ``calibrate_budget`` knob, 60 s).
 
@@ -238,8 +239,10 @@ def calibrate(source: Any, jobs: Mapping[str, Callable[[list[bytes]], Any]], *,
     ``capacity`` is the cache size in bytes or a percentage of the dataset ("60%"; default none);
     ``readers`` the concurrency levels to measure (default 1 and 2, and up to the number of jobs,
     at most 4). ``cache`` is an object with ``put``/``get`` to time hits against (default: files in
-    /dev/shm). With ``out`` the scenario is written there atomically. Raises ConfigError for bad
-    arguments and ModelError when a measurement fails.
+    /dev/shm). With ``out`` the scenario is written there atomically. ``known`` adds jobs whose
+    seconds per sample are already known (name -> seconds; not measured), for example jobs that
+    measure themselves when they start (``hpcstagger.init(calibration=...)``). Raises ConfigError
+    for bad arguments and ModelError when a measurement fails.
     """
     from .._io import atomic_write
 
@@ -248,8 +251,15 @@ def calibrate(source: Any, jobs: Mapping[str, Callable[[list[bytes]], Any]], *,
         from .. import config
 
         budget = float(config.get("calibrate_budget"))
-    if not jobs:
-        raise ConfigError("calibrate needs at least one job: a mapping name -> step(samples)")
+    known = dict(known or {})
+    if not jobs and not known:
+        raise ConfigError("calibrate needs at least one job: a mapping name -> step(samples), or known "
+                          "seconds per sample (known={name: seconds})")
+    for name, value in known.items():
+        if name in jobs:
+            raise ConfigError(f"job {name!r} is both measured (jobs) and known (known); give it once")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ConfigError(f"known sample time of job {name!r} must be > 0 seconds, got {value!r}")
     if policy not in POLICIES:
         raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     if not budget > 0:
@@ -266,14 +276,15 @@ def calibrate(source: Any, jobs: Mapping[str, Callable[[list[bytes]], Any]], *,
     if n < 1:
         raise ConfigError("the source is empty")
     if readers is None:
-        levels = list(range(1, max(2, min(len(jobs), 4)) + 1))
+        levels = list(range(1, max(2, min(len(jobs) + len(known), 4)) + 1))
     elif isinstance(readers, int):
         levels = list(range(1, max(1, readers) + 1))
     else:
         levels = sorted({int(k) for k in readers})
     if not levels or levels[0] != 1 or levels != list(range(1, levels[-1] + 1)):
         raise ConfigError(f"readers must be 1, 2, ... k (consecutive from 1), got {readers!r}")
-    epoch_map = {name: (epochs.get(name, 1) if isinstance(epochs, Mapping) else epochs) for name in jobs}
+    names = list(jobs) + list(known)
+    epoch_map = {name: (epochs.get(name, 1) if isinstance(epochs, Mapping) else epochs) for name in names}
 
     import multiprocessing
     from tqdm import tqdm
@@ -327,7 +338,7 @@ def calibrate(source: Any, jobs: Mapping[str, Callable[[list[bytes]], Any]], *,
 
         # 4. jobs on in-memory data
         remaining = budget - (time.monotonic() - t_start)
-        per_job = max(0.05, remaining / len(jobs))
+        per_job = max(0.05, remaining / max(1, len(jobs)))
         meas["jobs"] = {}
         samples = [d for _, d in held]
         for name, step in jobs.items():
@@ -345,8 +356,8 @@ def calibrate(source: Any, jobs: Mapping[str, Callable[[list[bytes]], Any]], *,
     scenario = Scenario(
         dataset=Dataset(samples=n, sample_bytes=sample_bytes),
         storage=Storage(bandwidth),
-        jobs=tuple(Job(name=name, sample_time=meas["jobs"][name]["sample_time"], epochs=int(epoch_map[name]))
-                   for name in jobs),
+        jobs=tuple(Job(name=name, sample_time=meas["jobs"][name]["sample_time"] if name in jobs else float(known[name]),
+                       epochs=int(epoch_map[name])) for name in names),
         cache=Cache(capacity=_capacity_bytes(capacity, n, sample_bytes), policy=policy,
                     hit_bandwidth=hit_bw if math.isfinite(hit_bw) and hit_bw > 0 else math.inf),
         loader=Loader(prefetch=int(prefetch)))
@@ -364,6 +375,8 @@ def calibrate(source: Any, jobs: Mapping[str, Callable[[list[bytes]], Any]], *,
             j = meas["jobs"][name]
             comments[f"job.{name}"] = (f"{j['sample_time'] * 1e3:.3f} ms/sample measured over {j['calls']} "
                                        f"in-memory batches of {j['batch']}")
+        for name in known:
+            comments[f"job.{name}"] = "sample_time given, not measured"
         text = (f"# hpcstagger calibrate, {time.strftime('%Y-%m-%d %H:%M:%S')}, {meas['elapsed_s']:.0f} s\n"
                 + scenario.to_toml(comments))
         path = os.fspath(out)
