@@ -50,11 +50,29 @@ def unheld_entries(since: float, root: Path = SHM) -> list[Path]:
     return out
 
 
-def remove_stale_mpich_segments(since: float) -> int:
-    """Remove MPICH segments created after ``since`` that no live process holds; return how many."""
+def remove_stale_mpich_segments(since: float, settle: float = 0.0) -> int:
+    """Remove MPICH segments created after ``since`` that no live process holds; return how many.
+
+    With ``settle`` > 0, keep looking for up to that many seconds while new segments are still held:
+    the ranks of an aborted run can outlive their launcher by a moment.
+    """
+    import time
+
     removed = 0
-    for entry in unheld_entries(since):
-        if entry.name.startswith("mpich_shm_"):
-            entry.unlink(missing_ok=True)
-            removed += 1
-    return removed
+    deadline = time.monotonic() + settle
+    while True:
+        for entry in unheld_entries(since):
+            if entry.name.startswith("mpich_shm_"):
+                entry.unlink(missing_ok=True)
+                removed += 1
+        held = [e for e in SHM.glob("mpich_shm_*") if _mtime(e) >= since - 1]
+        if not held or time.monotonic() >= deadline:
+            return removed
+        time.sleep(0.1)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.lstat().st_mtime
+    except FileNotFoundError:
+        return 0.0

@@ -264,7 +264,7 @@ def _run(argv: list[str], env: dict[str, str], timeout: float, cwd: str) -> int:
     try:
         rc = proc.wait(timeout=timeout)
         if rc != 0:  # killed ranks skip MPICH's cleanup of its /dev/shm segments
-            remove_stale_mpich_segments(started)
+            remove_stale_mpich_segments(started, settle=3.0)
         return rc
     except subprocess.TimeoutExpired:
         print(f"hpcstagger launch: the run exceeded its timeout of {timeout:g} s; stopping it", file=sys.stderr)
@@ -274,12 +274,12 @@ def _run(argv: list[str], env: dict[str, str], timeout: float, cwd: str) -> int:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        remove_stale_mpich_segments(started)
+        remove_stale_mpich_segments(started, settle=3.0)
         return 124
     except KeyboardInterrupt:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait()
-        remove_stale_mpich_segments(started)
+        remove_stale_mpich_segments(started, settle=3.0)
         raise
 
 
