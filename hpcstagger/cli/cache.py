@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Any
 
+from .._text import human_bytes, table
+
 
 def register(sub: Any) -> None:
     p = sub.add_parser("cache", help="list, inspect and clear the shared sample caches in /dev/shm",
@@ -41,14 +43,6 @@ def register(sub: Any) -> None:
     q.set_defaults(func=run_clear)
 
 
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
-
-
 def _root(args: argparse.Namespace) -> str:
     import os
 
@@ -76,13 +70,11 @@ def run_ls(args: argparse.Namespace) -> int:
     if not rows:
         print(f"no caches under {root}")
         return 0
-    table = [("NAME", "POLICY", "USED", "CAPACITY", "ENTRIES", "HIT RATE", "PROCESSES")]
+    lines = [("NAME", "POLICY", "USED", "CAPACITY", "ENTRIES", "HIT RATE", "PROCESSES")]
     for s in rows:
-        table.append((s["name"], s["policy"], _bytes(s["bytes_used"]), _bytes(s["capacity_bytes"]),
+        lines.append((s["name"], s["policy"], human_bytes(s["bytes_used"]), human_bytes(s["capacity_bytes"]),
                       str(s["entries"]), f"{100 * s['hit_rate']:.1f}%", str(s["processes"])))
-    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
-    for r in table:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    print(table(lines))
     return 0
 
 
@@ -105,7 +97,7 @@ def run_stats(args: argparse.Namespace) -> int:
     for k in order + sorted(set(stats) - set(order)):
         v = stats[k]
         if k in ("capacity_bytes", "bytes_used", "reserved_bytes", "wasted_bytes"):
-            v = f"{v} ({_bytes(v)})"
+            v = f"{v} ({human_bytes(v)})"
         elif k == "hit_rate":
             v = f"{100 * v:.1f}%"
         print(f"{k.ljust(width)}  {v}")
@@ -129,9 +121,9 @@ def run_clear(args: argparse.Namespace) -> int:
     if others:
         cache.clear()
         cache.close()
-        print(f"cleared cache {args.name!r} ({_bytes(freed)} of entries dropped); "
+        print(f"cleared cache {args.name!r} ({human_bytes(freed)} of entries dropped); "
               f"kept it because {others} live process(es) use it")
     else:
         cache.destroy()
-        print(f"removed cache {args.name!r} ({_bytes(freed)} freed) from {root}")
+        print(f"removed cache {args.name!r} ({human_bytes(freed)} freed) from {root}")
     return 0

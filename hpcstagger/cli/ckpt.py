@@ -8,6 +8,8 @@ import os
 import sys
 from typing import Any
 
+from .._text import human_bytes
+
 
 def register(sub: Any) -> None:
     p = sub.add_parser("ckpt", help="list, verify and export checkpoints",
@@ -43,14 +45,6 @@ def register(sub: Any) -> None:
     e.add_argument("--step", type=int, help="the step to export (default: the newest committed)")
     e.add_argument("--out", required=True, metavar="FILE.pt", help="the file to write")
     e.set_defaults(func=run_export)
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
 
 
 def _describe(entry: Any) -> dict[str, Any]:
@@ -97,7 +91,7 @@ def run_ls(args: argparse.Namespace) -> int:
     print(f"{'step':>10}  {'status':<10}  {'ranks':>5}  {'tensors':>7}  {'size':>10}  created")
     for r in rows:
         print(f"{r['step']:>10}  {r['status']:<10}  {r.get('world_size', '-'):>5}  {r.get('tensors', '-'):>7}  "
-              f"{_human(r['bytes']) if 'bytes' in r else '-':>10}  {r.get('created') or r.get('error', '')}")
+              f"{human_bytes(r['bytes']) if 'bytes' in r else '-':>10}  {r.get('created') or r.get('error', '')}")
     return 0
 
 
@@ -181,5 +175,5 @@ def run_export(args: argparse.Namespace) -> int:
     _entries(args.directory)
     state = _tensors_only(load(args.directory, args.step, map_location="cpu"))
     atomic_write(args.out, lambda f: torch.save(state, f))
-    print(f"wrote {args.out} ({_human(os.path.getsize(args.out))})")
+    print(f"wrote {args.out} ({human_bytes(os.path.getsize(args.out))})")
     return 0

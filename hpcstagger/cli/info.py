@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Any
 
+from .._text import human_bytes
+
 
 def register(sub: Any) -> None:
     p = sub.add_parser("info", help="report versions, launchers, Slurm job, /dev/shm, CPUs and GPUs",
@@ -15,16 +17,6 @@ def register(sub: Any) -> None:
                                    "job this runs in, /dev/shm capacity, CPUs and GPUs.")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.set_defaults(func=run)
-
-
-def _bytes(n: Any) -> str:
-    if not isinstance(n, (int, float)):
-        return "?"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    return str(n)
 
 
 def _version(entry: dict[str, Any]) -> str:
@@ -72,12 +64,12 @@ def format_text(info: dict[str, Any]) -> str:
     sysinfo = info["system"]
     rows.append(("host", f"{sysinfo['hostname']} ({sysinfo['platform']})"))
     rows.append(("cpus", f"{sysinfo['cpus_usable']} usable of {sysinfo['cpu_count']}"))
-    rows.append(("memory", _bytes(sysinfo["memory_bytes"])))
+    rows.append(("memory", human_bytes(sysinfo["memory_bytes"])))
     shm = info["shm"]
     if "error" in shm:
         rows.append(("/dev/shm", f"unavailable: {shm['error']}"))
     else:
-        rows.append(("/dev/shm", f"{_bytes(shm['available_bytes'])} free of {_bytes(shm['size_bytes'])}"))
+        rows.append(("/dev/shm", f"{human_bytes(shm['available_bytes'])} free of {human_bytes(shm['size_bytes'])}"))
     gpus = info["gpus"]
     if gpus["count"]:
         rows.append(("gpus", "; ".join(f"{d['index']}: {d['name']}" for d in gpus["devices"])))

@@ -8,6 +8,8 @@ import shlex
 import sys
 from typing import Any
 
+from .._text import table
+
 
 def register(sub: Any) -> None:
     p = sub.add_parser("launch", help="run the jobs of a spec locally with MPMD mpiexec",
@@ -98,9 +100,7 @@ def format_result(result: Any) -> str:
 
     for j in result.jobs.values():
         rows.append((j.name, str(j.ranks), s(j.delay), s(j.start), s(j.finish), j.state))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n" + table(rows)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Any
 
+from .._text import human_bytes
+
 
 def register(sub: Any) -> None:
     p = sub.add_parser(
@@ -37,20 +39,12 @@ def _seconds(x: float) -> str:
     return f"{x:.3f} s"
 
 
-def _bytes(x: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(x) < 1024 or unit == "TiB":
-            return f"{x:.1f} {unit}" if unit != "B" else f"{x:.0f} B"
-        x /= 1024
-    return str(x)
-
-
 def format_plan(path: str, sc: Any, plan: Any) -> str:
     """The human-readable plan table."""
     bw = "/".join(f"{b / 1e6:.0f}" for b in sc.storage.bandwidth)
     cache = ("no cache" if sc.cache_samples == 0 else
-             f"cache {_bytes(sc.cache.capacity)} {sc.cache.policy} ({sc.cache_samples / sc.dataset.samples:.0%} of the data)")
-    lines = [f"{path}: {len(sc.jobs)} job(s), {sc.dataset.samples} samples of {_bytes(sc.dataset.sample_bytes)}, "
+             f"cache {human_bytes(sc.cache.capacity)} {sc.cache.policy} ({sc.cache_samples / sc.dataset.samples:.0%} of the data)")
+    lines = [f"{path}: {len(sc.jobs)} job(s), {sc.dataset.samples} samples of {human_bytes(sc.dataset.sample_bytes)}, "
              f"source {bw} MB/s with 1, 2, ... readers, {cache}", ""]
     width = max(len("job"), *(len(n) for n in sc.job_names))
     lines.append(f"{'job'.ljust(width)}  {'start delay':>12}  {'predicted finish':>16}")

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from .. import _io
+from .._text import table
 from ..errors import ConfigError
 
 __all__ = ["DemoConfig", "run_demo", "format_table"]
@@ -216,8 +217,7 @@ def format_table(result: Mapping[str, Any]) -> str:
         delays = ", ".join(f"{n} +{d:.1f}s" for n, d in r["delays"].items())
         err = "-" if r["error"] is None else f"{100 * r['error']:+.1f}%"
         rows.append((r["label"], delays, f"{r['predicted']:.1f} s", f"{r['measured']:.1f} s", err))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+    return table(rows)
 
 
 def _plot(result: Mapping[str, Any], path: Path) -> Path:

@@ -43,7 +43,7 @@ def _load() -> list[list[float]]:
     if _tables is None:
         import numpy as np
 
-        with np.load(_TABLE_FILE) as data:
+        with np.load(_TABLE_FILE, allow_pickle=False) as data:  # never unpickle from disk
             grids = (tuple(data["p"].tolist()), tuple(data["m"].tolist()), tuple(data["lr"].tolist()),
                      tuple(data["alpha"].tolist()))
             if grids != (P_VALUES, M_GRID, LOG2_RHO, ALPHA_GRID):
