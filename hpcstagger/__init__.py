@@ -6,9 +6,8 @@ imported only when a name that needs them is first used.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
 
+from ._lazy import lazy_exports
 from ._version import __version__
 
 # Public name -> module that defines it. Resolved lazily by __getattr__.
@@ -52,15 +51,4 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = ["__version__", *_EXPORTS]
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hpcstagger' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
