@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from conftest import run_cli
+from conftest import MULTI_NODE_MPI_ENV, run_cli
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(240)]
 
@@ -99,9 +99,7 @@ def test_heterogeneous_job_with_hpcstagger_exec(slurm_two_nodes, batch_job_on, t
         #SBATCH hetjob
         #SBATCH --ntasks=2
         export HPCSTAGGER_RUN_DIR=$PWD/status
-        # The two local "nodes" are one host: MPICH's UCX then trips over its own shared-memory
-        # transport between them; TCP is what real separate nodes would use anyway.
-        export UCX_TLS=tcp
+        {MULTI_NODE_MPI_ENV}
         srun --mpi=pmi2 --kill-on-bad-exit=1 --het-group=0,1 hpcstagger exec {spec}
         hpcstagger status {spec} $HPCSTAGGER_RUN_DIR
     """

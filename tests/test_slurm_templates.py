@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import MULTI_NODE_MPI_ENV, REPO
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
 TEMPLATES = REPO / "slurm"
@@ -70,9 +70,7 @@ def test_colocated_template_without_a_spec_fails_clearly(slurm_cluster, batch_jo
 def test_hetjob_template(slurm_two_nodes, batch_job_on, tmp_path):
     spec = _spec(tmp_path)
     body = (TEMPLATES / "hetjob.sbatch").read_text().split("\n", 1)[1]
-    # The two local "nodes" share one host, where MPICH's UCX shared-memory transport between
-    # "nodes" fails; real separate nodes talk TCP or a fabric anyway.
-    body = body.replace("set -euo pipefail", "set -euo pipefail\nexport UCX_TLS=tcp", 1)
+    body = body.replace("set -euo pipefail", "set -euo pipefail\n" + MULTI_NODE_MPI_ENV, 1)
     _, record, text = batch_job_on(slurm_two_nodes, body, name="het", script_args=(str(spec),))
     assert record["JobState"] == "COMPLETED", text
     assert "a rank 0/1" in text and "b rank 1/2" in text and "waiting 1.0 s (planned start)" in text
