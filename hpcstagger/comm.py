@@ -33,6 +33,7 @@ __all__ = ["Comm", "as_comm", "launched_by_mpi", "mpi_module"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+ABORT_GRACE_SECONDS = 0.5  # pause before MPI_Abort so the launcher forwards the last output
 
 # Environment variables that MPI launchers (Hydra, PMI-2 srun, PMIx, Open MPI, MVAPICH) set per rank.
 _LAUNCHER_VARS = (
@@ -263,6 +264,11 @@ class Comm:
         try:
             sys.stdout.flush()
             sys.stderr.flush()
+            if self._c is not None:
+                # Hydra's mpiexec tears the run down as soon as the abort reaches it and can drop
+                # what this rank wrote just before (seen: the reason for the abort lost); give the
+                # launcher a moment to forward it.
+                time.sleep(ABORT_GRACE_SECONDS)
         finally:
             if self._c is not None:
                 self._c.Abort(code)

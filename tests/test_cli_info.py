@@ -95,3 +95,13 @@ def test_info_under_mpiexec_reports_each_rank():
     assert sorted(i["versions"]["mpi4py"]["world_rank"] for i in infos) == [0, 1]
     assert all(i["versions"]["mpi4py"]["world_size"] == 2 for i in infos)
     assert all(i["mpi_launch"]["launched"] for i in infos)
+    assert [i["versions"]["mpi4py"]["world_rank"] for i in infos] == [0, 1]  # rank 0 prints, in order
+
+
+@pytest.mark.timeout(120)
+def test_info_text_under_mpiexec_prints_each_rank_once():
+    out = subprocess.run([str(BIN / "mpiexec"), "-n", "3", str(BIN / "hpcstagger"), "info"],
+                         capture_output=True, text=True, timeout=100, env=_clean_env())
+    assert out.returncode == 0, out.stderr
+    ranks = [line.split("rank", 1)[1].strip() for line in out.stdout.splitlines() if line.startswith("mpi launch")]
+    assert ranks == ["0 of 3", "1 of 3", "2 of 3"], out.stdout

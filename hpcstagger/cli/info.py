@@ -79,13 +79,26 @@ def format_text(info: dict[str, Any]) -> str:
     return "\n".join(f"{k.ljust(width)}  {val}" for k, val in rows)
 
 
+def _render(info: dict[str, Any], as_json: bool) -> str:
+    if as_json:
+        return json.dumps(info, indent=None, sort_keys=True, default=str)
+    return format_text(info)
+
+
 def run(args: argparse.Namespace) -> int:
+    from ..comm import launched_by_mpi
     from ..sysinfo import collect
 
     info = collect()
-    if args.json:
-        json.dump(info, sys.stdout, indent=None, sort_keys=True, default=str)
-        sys.stdout.write("\n")
-    else:
-        print(format_text(info))
+    text = _render(info, args.json)
+    if launched_by_mpi() and (info["versions"]["mpi4py"].get("world_size") or 1) > 1:
+        # Each rank writing its own report lets the launcher interleave pieces of long lines;
+        # rank 0 prints them all, in rank order, one report (one JSON object per line) per rank.
+        from ..comm import Comm
+
+        reports = Comm.world().gather(text, root=0)
+        if reports is None:
+            return 0
+        text = "\n".join(reports) if args.json else "\n\n".join(reports)
+    print(text, flush=True)
     return 0
