@@ -22,11 +22,12 @@ Subclass :class:`ShardWriter` to inject faults: override :meth:`ShardWriter.writ
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from .. import config
 from .._io import fsync_dir, temp_path
@@ -138,34 +139,42 @@ def _create_structure(tmp: str, *, step: int, rank: int, nshards: int, items: Se
     return offsets
 
 
+@contextlib.contextmanager
+def _published(path: str, failure: str) -> Iterator[str]:
+    """Yield a temporary path beside ``path``; when the block succeeds, rename it over ``path`` and
+    fsync the directory. On any failure the temporary file goes, and errors other than
+    CheckpointError become one that starts with ``failure`` and keeps the cause."""
+    tmp: str | None = None
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = temp_path(path)
+        yield tmp
+        os.replace(tmp, path)
+        tmp = None
+        fsync_dir(os.path.dirname(path))
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - reported with the path, cause kept
+        raise CheckpointError(f"{failure}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+
+
 class ShardWriter:
     """Writes and copies shard files. Every method raises CheckpointError naming the path."""
 
     def write_shard(self, *, step: int, rank: int, nshards: int, path: str, items: Sequence[ShardItem],
                     pacer: Pacer) -> dict[str, Any]:
         """Write ``items`` durably to ``path``; returns the shard's record for the manifest."""
-        tmp = None
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+        with _published(path, f"writing checkpoint shard {path} failed") as tmp:
             checksums = [_hash_chunks(it.data, pacer) for it in items]
-            tmp = temp_path(path)
             offsets = _create_structure(tmp, step=step, rank=rank, nshards=nshards, items=items,
                                         checksums=checksums, pacer=pacer)
             size, digest = self._fill(tmp, items, offsets, pacer)
-            os.replace(tmp, path)
-            tmp = None
-            fsync_dir(os.path.dirname(path))
-        except CheckpointError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - reported with the path, cause kept
-            raise CheckpointError(f"writing checkpoint shard {path} failed: "
-                                  f"{type(exc).__name__}: {exc}") from exc
-        finally:
-            if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except FileNotFoundError:
-                    pass
         pieces = [{"key": it.spec.key, "dataset": dataset_name(it.spec.key), "start": it.piece.start,
                    "count": it.piece.count, "checksum": c} for it, c in zip(items, checksums)]
         return {"rank": rank, "file": os.path.basename(path), "size": size, "checksum": digest, "pieces": pieces}
@@ -209,10 +218,7 @@ class ShardWriter:
         """Copy shard ``src`` durably to ``dst``, checking it against its record ``expect``."""
         import xxhash
 
-        tmp = None
-        try:
-            os.makedirs(os.path.dirname(dst), exist_ok=True)
-            tmp = temp_path(dst)
+        with _published(dst, f"flushing checkpoint shard {src} to {dst} failed") as tmp:
             h = xxhash.xxh3_64()
             buf = bytearray(pacer.chunk_bytes)
             size = 0
@@ -235,18 +241,4 @@ class ShardWriter:
                 raise CheckpointError(f"staged shard {src} changed before it was flushed "
                                       f"({size} bytes, xxh3 {h.hexdigest()}; expected {expect['size']} bytes, "
                                       f"xxh3 {expect['checksum']}); the fast level is damaged")
-            os.replace(tmp, dst)
-            tmp = None
-            fsync_dir(os.path.dirname(dst))
-        except CheckpointError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            raise CheckpointError(f"flushing checkpoint shard {src} to {dst} failed: "
-                                  f"{type(exc).__name__}: {exc}") from exc
-        finally:
-            if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except FileNotFoundError:
-                    pass
         return dict(expect, file=os.path.basename(dst))
