@@ -74,26 +74,7 @@ def open_secure_dir(path: str, *, create: bool, what: str) -> int:
             pass  # a non-directory; reported below
         except OSError as exc:
             raise CacheError(f"cannot create {what} {path}: {exc.strerror}; {_ROOT_HINT}") from None
-    try:
-        lst = os.lstat(path)
-    except FileNotFoundError:
-        raise CacheError(f"{what} {path} does not exist") from None
-    if stat.S_ISLNK(lst.st_mode):
-        raise symlink_error(path, what)
-    if not stat.S_ISDIR(lst.st_mode):
-        raise CacheError(f"{what} {path} is not a directory; remove it, or {_ROOT_HINT}")
-    try:
-        fd = os.open(path, _DIR_FLAGS)
-    except OSError as exc:
-        if exc.errno in (40, 20):  # ELOOP, ENOTDIR: swapped for a link since the lstat
-            raise symlink_error(path, what) from None
-        raise CacheError(f"cannot open {what} {path}: {exc.strerror}") from None
-    try:
-        _check(os.fstat(fd), path, what, "directory")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return _open_checked_dir(path, None, path, what, f"remove it, or {_ROOT_HINT}")
 
 
 def open_secure_subdir(parent_fd: int, name: str, parent_path: str, *, create: bool, what: str) -> int:
@@ -106,18 +87,24 @@ def open_secure_subdir(parent_fd: int, name: str, parent_path: str, *, create: b
             pass
         except OSError as exc:
             raise CacheError(f"cannot create {what} {path}: {exc.strerror}") from None
+    return _open_checked_dir(name, parent_fd, path, what, "remove it")
+
+
+def _open_checked_dir(name: str, dir_fd: int | None, path: str, what: str, not_dir_fix: str) -> int:
+    """Open directory ``name`` (relative to ``dir_fd`` when given) without following a link, and
+    check owner and mode on the open descriptor; ``path`` names it in errors."""
     try:
-        lst = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+        lst = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
         raise CacheError(f"{what} {path} does not exist") from None
     if stat.S_ISLNK(lst.st_mode):
         raise symlink_error(path, what)
     if not stat.S_ISDIR(lst.st_mode):
-        raise CacheError(f"{what} {path} is not a directory; remove it")
+        raise CacheError(f"{what} {path} is not a directory; {not_dir_fix}")
     try:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
     except OSError as exc:
-        if exc.errno in (40, 20):
+        if exc.errno in (40, 20):  # ELOOP, ENOTDIR: swapped for a link since the stat
             raise symlink_error(path, what) from None
         raise CacheError(f"cannot open {what} {path}: {exc.strerror}") from None
     try:
