@@ -16,17 +16,14 @@ import statistics
 import pytest
 
 from hpcstagger.errors import ConfigError
-from hpcstagger.model import Scenario, optimal_plan, predict, simulate
+from hpcstagger.model import optimal_plan, predict, simulate
 
-S = 131072.0
-B = 1.31072e8  # one sample per millisecond alone
+from model_scenarios import B, S
+from model_scenarios import scenario as _scenario
 
 
-def scenario(n=1000, jobs=((0.002, 1),), bandwidth=(B,), capacity=0.0, policy="minio", hit_bw=20 * B) -> Scenario:
-    return Scenario.from_dict({
-        "dataset": {"samples": n, "sample_bytes": S}, "storage": {"bandwidth": list(bandwidth)},
-        "cache": {"capacity": capacity * n * S, "policy": policy, "hit_bandwidth": hit_bw},
-        "job": [{"name": f"j{i}", "sample_time": t, "epochs": e} for i, (t, e) in enumerate(jobs)]})
+def scenario(n=1000, jobs=((0.002, 1),), bandwidth=(B,), capacity=0.0, policy="minio", hit_bw=20 * B):
+    return _scenario(n, jobs, bandwidth, capacity, policy, hit_bw)
 
 
 @pytest.mark.parametrize("jobs, bandwidth, capacity, policy", [

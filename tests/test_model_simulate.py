@@ -2,25 +2,12 @@
 
 from __future__ import annotations
 
-import math
 
 import pytest
 
-from hpcstagger.model import Scenario, simulate
+from hpcstagger.model import simulate
 
-S = 131072.0
-B = 1.31072e8  # one sample per millisecond alone
-
-
-def scenario(n=500, jobs=((0.002, 1),), bandwidth=(B,), capacity=0.0, policy="minio", hit_bw=math.inf,
-             prefetch=2) -> Scenario:
-    cache = {"capacity": capacity * n * S, "policy": policy}
-    if math.isfinite(hit_bw):
-        cache["hit_bandwidth"] = hit_bw
-    return Scenario.from_dict({
-        "dataset": {"samples": n, "sample_bytes": S}, "storage": {"bandwidth": list(bandwidth)},
-        "cache": cache, "loader": {"prefetch": prefetch},
-        "job": [{"name": f"j{i}", "sample_time": t, "epochs": e} for i, (t, e) in enumerate(jobs)]})
+from model_scenarios import B, S, scenario
 
 
 def test_single_job_io_bound_and_compute_bound_exact():
