@@ -52,9 +52,11 @@ class CacheState:
         # multiplicatively (a sample two jobs read in the same step ends read by both) and nothing
         # is counted twice however long the step.
         fresh = np.zeros(self.shape)
+        N = fresh.size
+        uncached, fresh_flat = Nu.reshape(N), fresh.reshape(N)
         for j in run:  # misses: uncached samples the job has yet to read
             if misses[j] > 0.0:
-                self._read_uncached(Nu, fresh, j, misses[j], ins_share)
+                self._read_uncached(Nu, uncached, fresh_flat, j, misses[j], ins_share)
         # Hits: cached samples, and samples inserted during the step, which were cached for half
         # of it on average. Other jobs' hits keep a sample cached and unread by this job, so the
         # pools taken before any hit is applied stay right.
@@ -78,9 +80,7 @@ class CacheState:
             if early > 0:
                 Nb = self._evict(Nb, Nu, early)
             Nb = np.concatenate((Nb, self.empty_block))
-        N = fresh.size
         blocks = Nb.reshape(len(Nb), N)
-        fresh_flat = fresh.reshape(N)
         pools = ((total_of(blocks, 0) + avail * fresh_flat) @ self.maskmat).tolist()
         fracs = []
         short = {}
@@ -102,7 +102,7 @@ class CacheState:
         for j, extra in short.items():  # after the hits, which must not see these inserts
             # fewer cached samples left to read than the rates assumed: the job reads the rest of
             # its share of the step from the source, so that it reads x * dt samples in all
-            self._read_uncached(Nu, fresh, j, extra, ins_share)
+            self._read_uncached(Nu, uncached, fresh_flat, j, extra, ins_share)
         dest += fresh_flat
         if self.lru:
             Nb = self._evict(Nb, Nu, float(total_of(Nb, None)) - self.cap)
@@ -112,23 +112,21 @@ class CacheState:
             self.Nb = Nb
         return Nu, Nb
 
-    def _read_uncached(self, Nu: Any, fresh: Any, j: int, want: float, ins_share: float) -> None:
+    def _read_uncached(self, Nu: Any, uncached: Any, fresh: Any, j: int, want: float, ins_share: float) -> None:
         """Job j reads ``want`` of the uncached samples it has yet to read (at most all of them):
         ``ins_share`` of what it reads goes into ``fresh`` (inserted this step), the rest stays
-        uncached."""
+        uncached. ``uncached`` and ``fresh`` are flat; ``Nu`` is ``uncached`` as a class tensor."""
         pool = float(self.np.add.reduce(Nu[self.sl1[j]], None))  # less what earlier jobs read this step
         if pool <= 0.0:
             return
-        N = fresh.size
-        d = N - (1 << j)
-        uncached = Nu.reshape(N)
+        d = len(uncached) - (1 << j)
         moved = uncached * (self.bit1[j] * min(1.0, want / pool))
         uncached -= moved
         moved = moved[-d:]
         if ins_share == 1.0:
-            fresh.reshape(N)[:d] += moved
+            fresh[:d] += moved
         elif ins_share > 0.0:
-            fresh.reshape(N)[:d] += moved * ins_share
+            fresh[:d] += moved * ins_share
         if ins_share < 1.0:
             uncached[:d] += moved * (1.0 - ins_share)
 
@@ -176,16 +174,18 @@ class CacheState:
         oldest = None
         if self.lru and self.full and total > 0:
             blk = self.Nb[0].reshape(-1)
-            tot = float(blk.sum())
+            tot = float(self.np.add.reduce(blk, None))
             if tot > 0:
                 oldest = ((blk @ self.maskmat) / tot).tolist()
         out = [0.0] * J
         V = V.tolist()
+        # the jobs whose misses insert samples other jobs have yet to read
+        inserters = [(i, miss[i] * ins, V[i], V[i][i]) for i in run if miss[i] > 0 and V[i][i] > 0]
         for j in run:
             d = -miss[j]
-            for i in run:
-                if i != j and miss[i] > 0 and V[i][i] > 0:
-                    d -= miss[i] * ins * V[i][j] / V[i][i]
+            for i, rate, Vi, Vii in inserters:
+                if i != j:
+                    d -= rate * Vi[j] / Vii
             if oldest is not None:
                 d += total * oldest[j]
             out[j] = d

@@ -312,6 +312,7 @@ class Engine(CacheState):
             self.restore(resume)
         J, n, q = self.J, self.n, self.q
         guard = 0
+        counted = None  # the counts at the end of the last step, while the state stays as it left it
         while True:
             guard += 1
             if guard > 1_000_000:
@@ -326,6 +327,7 @@ class Engine(CacheState):
                     self._set_bit(j, True)
                     self.fresh = True
                     self.hist = None
+                    counted = None
             run = [j for j in range(J) if self.status[j] == 1]
             pending = [delays[j] for j in range(J) if self.status[j] == 0]
             if not run and not pending:
@@ -337,7 +339,7 @@ class Engine(CacheState):
                 self._record(None, None)
                 self.t = t_next_start
                 continue
-            U, v = self.counts(self.Nu, self.Nb)
+            U, v = counted if counted is not None else self.counts(self.Nu, self.Nb)
             changing = self.changing()
             if self.fresh or not changing:
                 self.x, self.m = self.rates(U, v)
@@ -392,11 +394,12 @@ class Engine(CacheState):
             ending = [j for j in run if U[j] <= x[j] * dt * (1.0 + 1e-9)]
             self.advance(U, v, x, m, dt)
             self.t += dt
-            U, v = self.counts(self.Nu, self.Nb)
+            U, v = counted = self.counts(self.Nu, self.Nb)
             for j in run:
                 self.done[j] += x[j] * dt
                 if j in ending or U[j] <= 1e-9 * n:
                     self._end_epoch(j)
+                    counted = None
             if self.t >= t_next_start - 1e-12:
                 self.fresh = True
         self._record(None, None)

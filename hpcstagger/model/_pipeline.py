@@ -60,29 +60,20 @@ def _load() -> list[list[float]]:
     return _tables
 
 
-def _bracket(grid: tuple[float, ...], steps: tuple[float, ...], x: float) -> tuple[int, float]:
-    """Cell i of the grid holding x and x's fraction of the way across it (clamped at the ends)."""
-    if x <= grid[0]:
-        return 0, 0.0
-    if x >= grid[-1]:
-        return len(grid) - 2, 1.0
-    i = bisect_right(grid, x) - 1
-    return i, (x - grid[i]) / steps[i]
-
-
 def _excess(table: list[float], i: int, fi: float, j: int, fj: float, k: int, fk: float) -> float:
-    """Trilinear interpolation of one table (the four corners unrolled: this runs per rate solve)."""
+    """Trilinear interpolation of one table: cell (i, j, k), fractions (fi, fj, fk) across it
+    (corners of weight 0 skipped)."""
     gk = 1.0 - fk
+    wi, wj = 1.0 - fi, 1.0 - fj
     out = 0.0
-    for wi, base in ((1.0 - fi, (i * _LR_N + j) * _NA + k), (fi, ((i + 1) * _LR_N + j) * _NA + k)):
-        if wi == 0.0:
+    for w, base in ((wi, (i * _LR_N + j) * _NA + k), (fi, ((i + 1) * _LR_N + j) * _NA + k)):
+        if w == 0.0:
             continue
-        wj = 1.0 - fj
         if wj != 0.0:
-            out += wi * wj * (gk * table[base] + (fk * table[base + 1] if fk else 0.0))
+            out += w * wj * (gk * table[base] + (fk * table[base + 1] if fk else 0.0))
         if fj != 0.0:
             base += _NA
-            out += wi * fj * (gk * table[base] + (fk * table[base + 1] if fk else 0.0))
+            out += w * fj * (gk * table[base] + (fk * table[base + 1] if fk else 0.0))
     return out
 
 
@@ -97,10 +88,12 @@ def sample_time(P: int, h: float, a: float, b: float, t: float) -> float:
     if hi <= 0.0 or tau <= 0.0 or m <= 0.0 or m >= 1.0 or lo >= hi or t <= 0.0:
         return base  # fetch time does not vary (or compute is free): no loss
     tables = _tables if _tables is not None else _load()
-    # m is inside (0, 1), the ends of M_GRID: no clamping
+    # m and lo / hi (times are >= 0) lie in (0, 1) and [0, 1), within the grids: no clamping
     i = bisect_right(M_GRID, m) - 1
     fi = (m - M_GRID[i]) / _M_STEPS[i]
-    k, fk = _bracket(ALPHA_GRID, _ALPHA_STEPS, lo / hi)
+    alpha = lo / hi
+    k = bisect_right(ALPHA_GRID, alpha) - 1
+    fk = (alpha - ALPHA_GRID[k]) / _ALPHA_STEPS[k]
     lr = math.log2(t / tau)
     pos = (lr - _LR_MIN) / _LR_STEP
     scale = 1.0
