@@ -112,11 +112,12 @@ class CacheState:
             self.Nb = Nb
         return Nu, Nb
 
-    def _read_uncached(self, Nu: Any, uncached: Any, fresh: Any, j: int, want: float, ins_share: float) -> None:
+    def _read_uncached(self, Nu: Any, uncached: Any, fresh: Any, j: int, want: float,
+                       ins_share: float) -> None:
         """Job j reads ``want`` of the uncached samples it has yet to read (at most all of them):
         ``ins_share`` of what it reads goes into ``fresh`` (inserted this step), the rest stays
         uncached. ``uncached`` and ``fresh`` are flat; ``Nu`` is ``uncached`` as a class tensor."""
-        pool = float(self.np.add.reduce(Nu[self.sl1[j]], None))  # less what earlier jobs read this step
+        pool = float(self.np.add.reduce(Nu[self.sl1[j]], None))  # less what earlier jobs inserted this step
         if pool <= 0.0:
             return
         d = len(uncached) - (1 << j)

@@ -131,11 +131,9 @@ class Engine(CacheState):
         self.sl0 = [tuple(slice(0, 1) if ax == J - 1 - j else slice(None) for ax in range(J)) for j in range(J)]
         self.bsl1 = [(slice(None),) + sl for sl in self.sl1]
         self.bsl0 = [(slice(None),) + sl for sl in self.sl0]
-        self.first0 = [(0,) + sl for sl in self.sl0]
-        self.last0 = [(-1,) + sl for sl in self.sl0]
         # maskmat[k, j] = 1 when flat class k has job j yet to read (bit j of k)
         self.maskmat = np.array([[(k >> j) & 1 for j in range(J)] for k in range(1 << J)], dtype=float)
-        self.bit1 = [np.ascontiguousarray(self.maskmat[:, j]) for j in range(J)]
+        self.bit1 = [np.ascontiguousarray(self.maskmat[:, j]) for j in range(J)]  # column j, flat
         self.empty_block = np.zeros((1,) + self.shape)  # lru's newest block at the start of a step
         self.reset()
 
