@@ -22,6 +22,10 @@ class CacheState:
         return U.tolist(), v.tolist()
 
     # ---- state changes --------------------------------------------------------------------------
+    # The steps work on flat views of the class tensors (bit j of a class's index set: job j has yet
+    # to read it). Moving a share of the classes with bit j set to class k - 2**j, as a whole
+    # contiguous array times a 0/1 mask and a shifted slice, moves the same amounts as strided
+    # views would, at a fraction of numpy's per-call overhead on these tiny arrays.
     def advance(self, U: list[float], v: list[float], x: list[float], m: list[float], dt: float,
                 state: tuple[Any, Any] | None = None) -> tuple[Any, Any]:
         """Move the class state on by dt at read rates x and miss fractions m (held constant).
@@ -31,6 +35,7 @@ class CacheState:
         second order.
         """
         np = self.np
+        total_of = np.add.reduce  # ndarray.sum without its Python wrapper
         if state is None:  # move the engine's own state
             Nu, Nb = self.Nu, self.Nb
         else:  # work on copies and return them
@@ -41,23 +46,17 @@ class CacheState:
         if self.lru:
             ins_share = 1.0
         else:
-            free = max(self.cap - (self.n - float(Nu.sum())), 0.0)
+            free = max(self.cap - (self.n - float(total_of(Nu, None))), 0.0)
             ins_share = min(1.0, free / total_miss) if total_miss > 0 else 0.0
         # Each job reads a fraction of its pools, one job after another, so the fractions compose
         # multiplicatively (a sample two jobs read in the same step ends read by both) and nothing
         # is counted twice however long the step.
         fresh = np.zeros(self.shape)
+        N = fresh.size
+        uncached, fresh_flat = Nu.reshape(N), fresh.reshape(N)
         for j in run:  # misses: uncached samples the job has yet to read
-            A = Nu[self.sl1[j]]  # a view
-            pool = float(A.sum())  # less what earlier jobs inserted during this step
-            if misses[j] <= 0.0 or pool <= 0.0:
-                continue
-            moved = A * min(1.0, misses[j] / pool)
-            A -= moved
-            if ins_share > 0.0:
-                fresh[self.sl0[j]] += moved * ins_share
-            if ins_share < 1.0:
-                Nu[self.sl0[j]] += moved * (1.0 - ins_share)
+            if misses[j] > 0.0:
+                self._read_uncached(Nu, uncached, fresh_flat, j, misses[j], ins_share)
         # Hits: cached samples, and samples inserted during the step, which were cached for half
         # of it on average. Other jobs' hits keep a sample cached and unread by this job, so the
         # pools taken before any hit is applied stay right.
@@ -67,8 +66,8 @@ class CacheState:
             # samples it evicts were cached for half of it on average: evict half of them before
             # the hits. When it inserts more (f < 1 turnovers' worth, a small cache), every old
             # sample goes within the first f of the step, and an inserted one lasts f of it.
-            cached = self.n - float(Nu.sum())
-            inserted = float(fresh.sum())
+            cached = self.n - float(total_of(Nu, None))
+            inserted = float(total_of(fresh, None))
             over = cached - self.cap
             f = self.cap / inserted if inserted > 0 else math.inf
             if f < 1.0:
@@ -80,9 +79,9 @@ class CacheState:
                 early = 0.5 * over
             if early > 0:
                 Nb = self._evict(Nb, Nu, early)
-            Nb = np.concatenate([Nb, np.zeros((1,) + self.shape)], axis=0)
-        dest = self.last0 if self.lru else [(0,) + sl for sl in self.sl0]
-        pools = ((Nb.reshape(len(Nb), -1).sum(axis=0) + avail * fresh.reshape(-1)) @ self.maskmat).tolist()
+            Nb = np.concatenate((Nb, self.empty_block))
+        blocks = Nb.reshape(len(Nb), N)
+        pools = ((total_of(blocks, 0) + avail * fresh_flat) @ self.maskmat).tolist()
         fracs = []
         short = {}
         for j in run:
@@ -91,63 +90,75 @@ class CacheState:
                 fracs.append((j, min(1.0, want / pools[j])))
             if want > pools[j]:
                 short[j] = want - max(pools[j], 0.0)
+        dest = blocks[-1 if self.lru else 0]  # a hit makes the sample most recently used
         for j, frac in fracs:
-            B1 = Nb[self.bsl1[j]]  # a view: cached samples job j has yet to read, every block
-            moved = B1 * frac
-            B1 -= moved
-            F1 = fresh[self.sl1[j]]
-            moved_fresh = F1 * (avail * frac)
-            F1 -= moved_fresh
-            fresh[self.sl0[j]] += moved_fresh  # still inserted during the step, for later jobs' hits
-            Nb[dest[j]] += moved.sum(axis=0)  # a hit makes the sample most recently used
+            d = N - (1 << j)
+            moved = blocks * (self.bit1[j] * frac)  # cached samples job j has yet to read, every block
+            blocks -= moved
+            dest[:d] += total_of(moved, 0)[-d:]
+            moved = fresh_flat * (self.bit1[j] * (avail * frac))
+            fresh_flat -= moved
+            fresh_flat[:d] += moved[-d:]  # still inserted during the step, for later jobs' hits
         for j, extra in short.items():  # after the hits, which must not see these inserts
             # fewer cached samples left to read than the rates assumed: the job reads the rest of
             # its share of the step from the source, so that it reads x * dt samples in all
-            A = Nu[self.sl1[j]]
-            pool = float(A.sum())
-            if pool <= 0.0:
-                continue
-            moved = A * min(1.0, extra / pool)
-            A -= moved
-            if self.lru or ins_share > 0.0:
-                share = 1.0 if self.lru else ins_share
-                fresh[self.sl0[j]] += moved * share
-                if share < 1.0:
-                    Nu[self.sl0[j]] += moved * (1.0 - share)
-            else:
-                Nu[self.sl0[j]] += moved
-        Nb[-1 if self.lru else 0] += fresh
+            self._read_uncached(Nu, uncached, fresh_flat, j, extra, ins_share)
+        dest += fresh_flat
         if self.lru:
-            Nb = self._evict(Nb, Nu, float(Nb.sum()) - self.cap)
+            Nb = self._evict(Nb, Nu, float(total_of(Nb, None)) - self.cap)
         np.maximum(Nu, 0.0, out=Nu)
         np.maximum(Nb, 0.0, out=Nb)
         if state is None:
             self.Nb = Nb
         return Nu, Nb
 
+    def _read_uncached(self, Nu: Any, uncached: Any, fresh: Any, j: int, want: float,
+                       ins_share: float) -> None:
+        """Job j reads ``want`` of the uncached samples it has yet to read (at most all of them):
+        ``ins_share`` of what it reads goes into ``fresh`` (inserted this step), the rest stays
+        uncached. ``uncached`` and ``fresh`` are flat; ``Nu`` is ``uncached`` as a class tensor."""
+        pool = float(self.np.add.reduce(Nu[self.sl1[j]], None))  # less what earlier jobs inserted this step
+        if pool <= 0.0:
+            return
+        d = len(uncached) - (1 << j)
+        moved = uncached * (self.bit1[j] * min(1.0, want / pool))
+        uncached -= moved
+        moved = moved[-d:]
+        if ins_share == 1.0:
+            fresh[:d] += moved
+        elif ins_share > 0.0:
+            fresh[:d] += moved * ins_share
+        if ins_share < 1.0:
+            uncached[:d] += moved * (1.0 - ins_share)
+
     def _evict(self, Nb: Any, Nu: Any, over: float) -> Any:
         """lru: evict ``over`` samples from Nb into Nu, oldest first, then bound the blocks."""
         np = self.np
-        sizes = Nb.reshape(len(Nb), -1).sum(axis=1)
+        sizes = np.add.reduce(Nb.reshape(len(Nb), -1), 1).tolist()
         k = 0
         while over > 1e-12 and k < len(Nb):
-            tot = float(sizes[k])
+            tot = sizes[k]
             if tot > 0:
                 take = min(tot, over)
-                ev = Nb[k] * (take / tot)
-                Nb[k] -= ev
-                Nu += ev
+                if take == tot:  # the whole block: dropped below
+                    Nu += Nb[k]
+                else:
+                    ev = Nb[k] * (take / tot)
+                    Nb[k] -= ev
+                    Nu += ev
                 sizes[k] -= take
                 over -= take
             k += 1
-        keep = sizes > 1e-9
-        if not keep.all():
-            if not keep.any():
+        keep = [size > 1e-9 for size in sizes]
+        if not all(keep):
+            if not any(keep):
                 return np.zeros((1,) + self.shape)
-            Nb, sizes = Nb[keep], sizes[keep]
+            first = keep.index(True)
+            Nb = Nb[first:] if all(keep[first:]) else Nb[np.array(keep)]  # usually the oldest go
+            sizes = [size for size in sizes if size > 1e-9]
         if len(Nb) > self.q.max_blocks:
             # merge the adjacent pair with the fewest samples (keeps the age order)
-            i = int(np.argmin(sizes[:-1] + sizes[1:]))
+            i = min(range(len(sizes) - 1), key=lambda i: sizes[i] + sizes[i + 1])
             Nb[i] += Nb[i + 1]
             Nb = np.delete(Nb, i + 1, axis=0)
         return Nb
@@ -157,7 +168,6 @@ class CacheState:
         J = self.J
         nu = self.Nu.reshape(-1)
         V = (self.maskmat.T * nu) @ self.maskmat  # V[i, j]: uncached, unread by both i and j
-        cached = self.n - float(nu.sum())
         run = [j for j in range(J) if self.status[j] == 1]
         miss = {j: x[j] * m[j] for j in run}
         total = sum(miss.values())
@@ -165,16 +175,18 @@ class CacheState:
         oldest = None
         if self.lru and self.full and total > 0:
             blk = self.Nb[0].reshape(-1)
-            tot = float(blk.sum())
+            tot = float(self.np.add.reduce(blk, None))
             if tot > 0:
                 oldest = ((blk @ self.maskmat) / tot).tolist()
         out = [0.0] * J
         V = V.tolist()
+        # the jobs whose misses insert samples other jobs have yet to read
+        inserters = [(i, miss[i] * ins, V[i], V[i][i]) for i in run if miss[i] > 0 and V[i][i] > 0]
         for j in run:
             d = -miss[j]
-            for i in run:
-                if i != j and miss[i] > 0 and V[i][i] > 0:
-                    d -= miss[i] * ins * V[i][j] / V[i][i]
+            for i, rate, Vi, Vii in inserters:
+                if i != j:
+                    d -= rate * Vi[j] / Vii
             if oldest is not None:
                 d += total * oldest[j]
             out[j] = d

@@ -114,6 +114,9 @@ class Engine(CacheState):
         self.tau_prod = [1.0]
         for k in range(1, J + 1):
             self.tau_prod.append(self.tau_prod[-1] * self.read_time[k])
+        # per number of readers, every subset of them as (tau_prod, per_reader at its size, members,
+        # non-members): share_product's loop, built on first use
+        self.share_subsets: dict[int, list[tuple[float, float, tuple[int, ...], tuple[int, ...]]]] = {}
         self.hit_time = sc.hit_time
         self.cap = float(sc.cache_samples)
         self.lru = sc.cache.policy == "lru" and 0 < self.cap < self.n
@@ -128,9 +131,10 @@ class Engine(CacheState):
         self.sl0 = [tuple(slice(0, 1) if ax == J - 1 - j else slice(None) for ax in range(J)) for j in range(J)]
         self.bsl1 = [(slice(None),) + sl for sl in self.sl1]
         self.bsl0 = [(slice(None),) + sl for sl in self.sl0]
-        self.last0 = [(-1,) + sl for sl in self.sl0]
         # maskmat[k, j] = 1 when flat class k has job j yet to read (bit j of k)
         self.maskmat = np.array([[(k >> j) & 1 for j in range(J)] for k in range(1 << J)], dtype=float)
+        self.bit1 = [np.ascontiguousarray(self.maskmat[:, j]) for j in range(J)]  # column j, flat
+        self.empty_block = np.zeros((1,) + self.shape)  # lru's newest block at the start of a step
         self.reset()
 
     # ---- state ----------------------------------------------------------------------------------
@@ -196,31 +200,35 @@ class Engine(CacheState):
             if b[j] <= 0.0:
                 b[j] = self.per_reader[1]
         share = self.share_product if SHARING == "product" else self.share_independent
+        variance = SHARING == "product" and MISS_VARIANCE
+        pipe_moments = self._pipe_moments
+        tol = self.q.fixed_point_tol
+        jobs = [(j, m[j], t_cpu[j]) for j in readers]
         last = math.inf
         damp = 1.0
         m2 = self.m2  # second moment of each reader's miss time (sharing makes it vary)
         for _ in range(60):
             Z = []
-            for k, j in enumerate(readers):
+            for j, mj, tj in jobs:
                 miss_t = s / b[j]
-                x[j] = 1.0 / self._pipe_moments(m[j], a, miss_t, m2.get(j, miss_t * miss_t), t_cpu[j])
-                z = 1.0 / (x[j] * m[j]) - miss_t  # think time between two of this job's misses
+                xj = x[j] = 1.0 / pipe_moments(mj, a, miss_t, m2.get(j, miss_t * miss_t), tj)
+                z = 1.0 / (xj * mj) - miss_t  # think time between two of this job's misses
                 Z.append(z if z > 0.0 else 0.0)
             nb = share(readers, Z)
-            if SHARING == "product" and MISS_VARIANCE:
-                for k, j in enumerate(readers):
-                    m2[j] = self.last_m2[k]
+            if variance:
+                for j, m2j in zip(readers, self.last_m2):
+                    m2[j] = m2j
             change = 0.0
-            for k, j in enumerate(readers):
-                c = abs(nb[k] - b[j]) / b[j]
+            for j, nbj in zip(readers, nb):
+                c = abs(nbj - b[j]) / b[j]
                 if c > change:
                     change = c
             if change > 0.7 * last:  # slow or oscillating: damp
                 damp = max(0.25, damp * 0.5)
             last = change
-            for k, j in enumerate(readers):
-                b[j] += damp * (nb[k] - b[j])
-            if change < self.q.fixed_point_tol:
+            for j, nbj in zip(readers, nb):
+                b[j] += damp * (nbj - b[j])
+            if change < tol:
                 break
         return x, m
 
@@ -249,22 +257,25 @@ class Engine(CacheState):
         num = [0.0] * R
         den = [0.0] * R
         inv = [0.0] * R
-        tau_prod = self.tau_prod
-        per_reader = self.per_reader
-        for k, members, others in _subsets(R):
-            w = tau_prod[k]
+        subsets = self.share_subsets.get(R)
+        if subsets is None:
+            tau_prod, per_reader = self.tau_prod, self.per_reader
+            subsets = self.share_subsets[R] = [(tau_prod[k], per_reader[k], members, others)
+                                               for k, members, others in _subsets(R)]
+        for w, rate, members, others in subsets:
             for i in others:
                 w *= Z[i]
             if w == 0.0:
                 continue
-            wr = w * per_reader[k]
-            wi = w / per_reader[k]
+            wr = w * rate
+            wi = w / rate
             for i in members:
                 num[i] += wr
                 den[i] += w
                 inv[i] += wi
         # per read (reads end faster where the rate is higher), a miss takes s / rate: its mean is
         # s / b with b the time-averaged rate below, its second moment s^2 * E_t[1/rate] / b
+        per_reader = self.per_reader
         s2 = self.s * self.s
         self.last_m2 = [s2 * inv[i] / num[i] if num[i] > 0.0 else (self.s / per_reader[R]) ** 2 for i in range(R)]
         return [num[i] / den[i] if den[i] > 0.0 else per_reader[R] for i in range(R)]
@@ -299,6 +310,7 @@ class Engine(CacheState):
             self.restore(resume)
         J, n, q = self.J, self.n, self.q
         guard = 0
+        counted = None  # the counts at the end of the last step, while the state stays as it left it
         while True:
             guard += 1
             if guard > 1_000_000:
@@ -313,6 +325,7 @@ class Engine(CacheState):
                     self._set_bit(j, True)
                     self.fresh = True
                     self.hist = None
+                    counted = None
             run = [j for j in range(J) if self.status[j] == 1]
             pending = [delays[j] for j in range(J) if self.status[j] == 0]
             if not run and not pending:
@@ -324,7 +337,7 @@ class Engine(CacheState):
                 self._record(None, None)
                 self.t = t_next_start
                 continue
-            U, v = self.counts(self.Nu, self.Nb)
+            U, v = counted if counted is not None else self.counts(self.Nu, self.Nb)
             changing = self.changing()
             if self.fresh or not changing:
                 self.x, self.m = self.rates(U, v)
@@ -379,11 +392,12 @@ class Engine(CacheState):
             ending = [j for j in run if U[j] <= x[j] * dt * (1.0 + 1e-9)]
             self.advance(U, v, x, m, dt)
             self.t += dt
-            U, v = self.counts(self.Nu, self.Nb)
+            U, v = counted = self.counts(self.Nu, self.Nb)
             for j in run:
                 self.done[j] += x[j] * dt
                 if j in ending or U[j] <= 1e-9 * n:
                     self._end_epoch(j)
+                    counted = None
             if self.t >= t_next_start - 1e-12:
                 self.fresh = True
         self._record(None, None)

@@ -19,9 +19,9 @@ the last depth the excess is scaled by 1 / P, its diffusion limit.
 
 from __future__ import annotations
 
-import bisect
 import math
 import os
+from bisect import bisect_right
 from typing import Any
 
 __all__ = ["sample_time", "build_table", "P_VALUES", "M_GRID", "LOG2_RHO", "ALPHA_GRID"]
@@ -36,6 +36,10 @@ _TABLE_FILE = os.path.join(os.path.dirname(__file__), "_pipeline_table.npz")
 
 _tables: list[list[float]] | None = None
 _INV_P = [1.0 / p for p in P_VALUES]
+_P_INDEX = {p: q for q, p in enumerate(P_VALUES)}
+_NA = len(ALPHA_GRID)
+_M_STEPS = tuple(M_GRID[i + 1] - M_GRID[i] for i in range(len(M_GRID) - 1))
+_ALPHA_STEPS = tuple(ALPHA_GRID[i + 1] - ALPHA_GRID[i] for i in range(len(ALPHA_GRID) - 1))
 
 
 def _load() -> list[list[float]]:
@@ -56,27 +60,20 @@ def _load() -> list[list[float]]:
     return _tables
 
 
-def _bracket(grid: tuple[float, ...], x: float) -> tuple[int, float]:
-    if x <= grid[0]:
-        return 0, 0.0
-    if x >= grid[-1]:
-        return len(grid) - 2, 1.0
-    i = bisect.bisect_right(grid, x) - 1
-    return i, (x - grid[i]) / (grid[i + 1] - grid[i])
-
-
 def _excess(table: list[float], i: int, fi: float, j: int, fj: float, k: int, fk: float) -> float:
-    nl, na = _LR_N, len(ALPHA_GRID)
+    """Trilinear interpolation of one table: cell (i, j, k), fractions (fi, fj, fk) across it
+    (corners of weight 0 skipped)."""
+    gk = 1.0 - fk
+    wi, wj = 1.0 - fi, 1.0 - fj
     out = 0.0
-    for di, wi in ((0, 1.0 - fi), (1, fi)):
-        if wi == 0.0:
+    for w, base in ((wi, (i * _LR_N + j) * _NA + k), (fi, ((i + 1) * _LR_N + j) * _NA + k)):
+        if w == 0.0:
             continue
-        for dj, wj in ((0, 1.0 - fj), (1, fj)):
-            if wj == 0.0:
-                continue
-            base = ((i + di) * nl + (j + dj)) * na + k
-            w = wi * wj
-            out += w * ((1.0 - fk) * table[base] + (fk * table[base + 1] if fk else 0.0))
+        if wj != 0.0:
+            out += w * wj * (gk * table[base] + (fk * table[base + 1] if fk else 0.0))
+        if fj != 0.0:
+            base += _NA
+            out += w * fj * (gk * table[base] + (fk * table[base + 1] if fk else 0.0))
     return out
 
 
@@ -90,9 +87,13 @@ def sample_time(P: int, h: float, a: float, b: float, t: float) -> float:
         lo, hi, m = b, a, h
     if hi <= 0.0 or tau <= 0.0 or m <= 0.0 or m >= 1.0 or lo >= hi or t <= 0.0:
         return base  # fetch time does not vary (or compute is free): no loss
-    tables = _load()
-    i, fi = _bracket(M_GRID, m)
-    k, fk = _bracket(ALPHA_GRID, lo / hi)
+    tables = _tables if _tables is not None else _load()
+    # m and lo / hi (times are >= 0) lie in (0, 1) and [0, 1), within the grids: no clamping
+    i = bisect_right(M_GRID, m) - 1
+    fi = (m - M_GRID[i]) / _M_STEPS[i]
+    alpha = lo / hi
+    k = bisect_right(ALPHA_GRID, alpha) - 1
+    fk = (alpha - ALPHA_GRID[k]) / _ALPHA_STEPS[k]
     lr = math.log2(t / tau)
     pos = (lr - _LR_MIN) / _LR_STEP
     scale = 1.0
@@ -105,12 +106,13 @@ def sample_time(P: int, h: float, a: float, b: float, t: float) -> float:
     else:
         j = int(pos)
         fj = pos - j
-    if P in P_VALUES:
-        e = _excess(tables[P_VALUES.index(P)], i, fi, j, fj, k, fk)
+    q = _P_INDEX.get(P)
+    if q is not None:
+        e = _excess(tables[q], i, fi, j, fj, k, fk)
     elif P > P_VALUES[-1]:
         e = _excess(tables[-1], i, fi, j, fj, k, fk) * P_VALUES[-1] / P
     else:
-        q = bisect.bisect_right(P_VALUES, P) - 1
+        q = bisect_right(P_VALUES, P) - 1
         w = (1.0 / P - _INV_P[q + 1]) / (_INV_P[q] - _INV_P[q + 1])
         e = (w * _excess(tables[q], i, fi, j, fj, k, fk)
              + (1.0 - w) * _excess(tables[q + 1], i, fi, j, fj, k, fk))
