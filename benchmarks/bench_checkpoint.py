@@ -62,26 +62,6 @@ def _batch(step: int, rank: int, batch: int):
     return torch.randn(batch, 512, generator=g), torch.randn(batch, 512, generator=g)
 
 
-def _nbytes(state) -> int:
-    import torch
-
-    total = 0
-
-    def walk(o):
-        nonlocal total
-        if isinstance(o, torch.Tensor):
-            total += o.numel() * o.element_size()
-        elif isinstance(o, dict):
-            for v in o.values():
-                walk(v)
-        elif isinstance(o, (list, tuple)):
-            for v in o:
-                walk(v)
-
-    walk(state)
-    return total
-
-
 def _tensors(state):
     import torch
 
@@ -149,13 +129,13 @@ def worker(args: argparse.Namespace) -> None:
 
     train_step(0)  # Adam state exists from here on
     state = {"model": model, "optimizer": opt, "step": 0}
-    nbytes = _nbytes({"m": model.state_dict(), "o": opt.state_dict()})
+    srcs = _tensors({"m": model.state_dict(), "o": opt.state_dict()})
+    nbytes = sum(s_.numel() * s_.element_size() for s_ in srcs)
     log(f"state {nbytes / 1e6:.0f} MB ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters)")
     res: dict = {"ranks": size, "state_bytes": nbytes, "reps": reps}
 
     # (a) floor: a bare copy of the whole state into preallocated buffers, on every rank at once
     # (measured in each round below, the faster of numpy's and torch's copy).
-    srcs = _tensors({"m": model.state_dict(), "o": opt.state_dict()})
     bufs = [torch.empty_like(t) for t in srcs]
     for b in bufs:
         b.zero_()
