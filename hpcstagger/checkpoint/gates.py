@@ -60,7 +60,20 @@ class Gate:
             pause = min(pause * 2, 0.005)
 
 
-class ActivityGate(Gate):
+class _Marks:
+    """``active()`` for a class with ``enter()`` and ``exit()``: the ``with`` body is an activity."""
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """The ``with`` body is an activity (for a source read hook: a read from the source)."""
+        self.enter()
+        try:
+            yield
+        finally:
+            self.exit()
+
+
+class ActivityGate(_Marks, Gate):
     """Busy while at least one activity is in progress; safe to use from several threads."""
 
     def __init__(self) -> None:
@@ -81,15 +94,6 @@ class ActivityGate(Gate):
                 self._count -= 1
                 if self._count == 0:
                     self._cond.notify_all()
-
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        """The ``with`` body is an activity."""
-        self.enter()
-        try:
-            yield
-        finally:
-            self.exit()
 
     @property
     def count(self) -> int:
@@ -246,7 +250,7 @@ def _slot(path: str) -> _Slot:
     return s
 
 
-class SourceReadHook:
+class SourceReadHook(_Marks):
     """Picklable ``enter()``/``exit()`` pair that marks a :class:`SharedActivityGate` busy.
 
     Pass it as ``CachedDataset(..., source_read_hook=hook)``; it works in any process on the node
@@ -277,15 +281,6 @@ class SourceReadHook:
                 s.count -= 1
                 s.words[_HEADER // 8 + 2 * s.index + 1] = s.count
 
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        """The ``with`` body is a source read."""
-        self.enter()
-        try:
-            yield
-        finally:
-            self.exit()
-
 
 def _unlink(path: str, owner: int) -> None:
     if os.getpid() == owner:
@@ -294,7 +289,7 @@ def _unlink(path: str, owner: int) -> None:
         _local.pop(path, None)
 
 
-class SharedActivityGate(Gate):
+class SharedActivityGate(_Marks, Gate):
     """Busy while any process is inside ``enter()``/``exit()`` of one of this gate's hooks.
 
     The counters live in a 16 KiB file in ``directory`` (default /dev/shm) under a unique name,
@@ -332,10 +327,6 @@ class SharedActivityGate(Gate):
     def exit(self) -> None:
         """An activity ends in this process."""
         self._hook.exit()
-
-    def active(self):  # noqa: ANN201 - a context manager
-        """The ``with`` body is an activity."""
-        return self._hook.active()
 
     def busy_processes(self) -> list[int]:
         """PIDs of live processes with an activity in progress."""
