@@ -24,6 +24,16 @@ def _kill(proc: mp.Process) -> None:
     assert proc.exitcode == -signal.SIGKILL
 
 
+def _kill_a_writer_after(shm_root, name: str, seconds: float) -> None:
+    """Start a process that puts into cache ``name`` without end, and SIGKILL it ``seconds`` in."""
+    ready = FORK.Event()
+    proc = FORK.Process(target=cache_util.put_forever, args=(shm_root, name, ready))
+    proc.start()
+    assert ready.wait(30)
+    time.sleep(seconds)
+    _kill(proc)
+
+
 @pytest.mark.timeout(60)
 def test_writer_killed_mid_put_leaves_no_partial_entry(shm_root):
     cache = ShmCache("k", 1 << 20)
@@ -70,12 +80,7 @@ def test_writers_killed_at_random_moments_never_expose_bad_bytes(shm_root):
     cache = ShmCache("r", 8 << 20)
     rng = random.Random(5)
     for _ in range(6):
-        ready = FORK.Event()
-        proc = FORK.Process(target=cache_util.put_forever, args=(shm_root, "r", ready))
-        proc.start()
-        assert ready.wait(30)
-        time.sleep(rng.uniform(0.02, 0.3))
-        _kill(proc)
+        _kill_a_writer_after(shm_root, "r", rng.uniform(0.02, 0.3))
         again = ShmCache("r", None)
         check_consistent(again, {k: sample(k, 20_000, 200_000) for k in range(1000, 1400)})
         again.close()
@@ -152,12 +157,7 @@ def test_stress_while_a_writer_is_killed_again_and_again(shm_root):
                                     [(shm_root, "chaos", seed, 10_000, nkeys, 300) for seed in range(3)])
         kills = during = 0
         while not result.ready() or kills < 3:
-            ready = FORK.Event()
-            proc = FORK.Process(target=cache_util.put_forever, args=(shm_root, "chaos", ready))
-            proc.start()
-            assert ready.wait(30)
-            time.sleep(rng.uniform(0.005, 0.1))
-            _kill(proc)
+            _kill_a_writer_after(shm_root, "chaos", rng.uniform(0.005, 0.1))
             kills += 1
             during += not result.ready()
         outs = result.get(120)
