@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
 from .._text import human_bytes
@@ -86,12 +85,11 @@ def _render(info: dict[str, Any], as_json: bool) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..comm import launched_by_mpi
     from ..sysinfo import collect
 
     info = collect()
     text = _render(info, args.json)
-    if launched_by_mpi() and (info["versions"]["mpi4py"].get("world_size") or 1) > 1:
+    if info["versions"]["mpi4py"].get("world_size", 1) > 1:  # set only when MPI is initialised
         # Each rank writing its own report lets the launcher interleave pieces of long lines;
         # rank 0 prints them all, in rank order, one report (one JSON object per line) per rank.
         from ..comm import Comm
