@@ -183,20 +183,11 @@ class ShmCache:
         if led.w[H_GEN] != led.gen:
             with led.lock():
                 led.map_generation()
+        i, state = self._probe(hi, lo)
+        if state != LIVE:
+            return None
         imv = led.imv
-        mask = led.mask
-        i = lo & mask
-        khi, klo, off, meta = _unpack_slot(imv, i << 5)
-        if klo != lo or khi != hi:  # a collision chain (or a miss): probe on
-            for _ in range(mask):
-                if not (khi or klo):
-                    return None
-                i = (i + 1) & mask
-                khi, klo, off, meta = _unpack_slot(imv, i << 5)
-                if klo == lo and khi == hi:
-                    break
-            else:
-                return None
+        _, _, off, meta = _unpack_slot(imv, i << 5)  # the entry check below catches a slot that moved on
         if meta >> 56 != LIVE:
             return None
         n = meta & LEN_MASK
