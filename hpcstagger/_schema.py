@@ -8,15 +8,17 @@ checker, naming it by its dotted path (``job[1].ranks must be an integer >= 1, g
 from __future__ import annotations
 
 import math
+import os
 import re
 import shlex
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from .errors import ConfigError
 
 __all__ = ["REQUIRED", "Field", "Table", "number", "integer", "string", "choice", "boolean", "size",
-           "command", "str_map", "number_list", "table"]
+           "command", "str_map", "number_list", "table", "load_toml"]
 
 
 class _Required:
@@ -91,6 +93,29 @@ class Table:
         return out
 
 
+def load_toml(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
+    """Read TOML file ``path`` (a ``what``: "spec file", "scenario file") into a dict.
+
+    Raises ConfigError for a missing or unreadable file, or text that is not UTF-8 TOML.
+    """
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
+    name = os.fspath(path)
+    try:
+        with open(name, "rb") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {name} does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {name}: {exc.strerror or exc}") from None
+    try:
+        return tomllib.loads(text.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{what} {name} is not valid TOML: {exc}") from None
+
+
 # ---------------------------------------------------------------------------- checkers
 
 
@@ -130,6 +155,7 @@ def string(*, pattern: str | None = None, hint: str = "", allow_empty: bool = Fa
     def check(where: str, value: Any) -> str:
         if not isinstance(value, str):
             raise ConfigError(f"{where} must be a string, got {value!r}")
+        _no_nul(where, value)
         if not value and not allow_empty:
             raise ConfigError(f"{where} must not be empty")
         if pattern is not None and value and not re.fullmatch(pattern, value):
@@ -137,6 +163,12 @@ def string(*, pattern: str | None = None, hint: str = "", allow_empty: bool = Fa
         return value
 
     return check
+
+
+def _no_nul(where: str, value: str) -> None:
+    # No path, argument or environment variable can hold one; the OS would refuse it much later.
+    if "\x00" in value:
+        raise ConfigError(f"{where} must not contain a NUL character, got {value!r}")
 
 
 def choice(*options: str) -> Checker:
@@ -173,7 +205,10 @@ def size(where: str, value: Any) -> int:
         if not m or unit not in _UNITS:
             raise ConfigError(f"{where} = {value!r} is not a size; use bytes or a number with a unit "
                               "(B, kB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. \"512MB\"")
-        return int(float(m.group(1)) * _UNITS[unit])
+        v = float(m.group(1)) * _UNITS[unit]
+        if not math.isfinite(v):
+            raise ConfigError(f"{where} = {value!r} is too large for a size")
+        return int(v)
     return int(number(minimum=0)(where, value))
 
 
@@ -190,6 +225,8 @@ def command(where: str, value: Any) -> tuple[str, ...]:
         raise ConfigError(f"{where} must be a string or a list of strings, got {value!r}")
     if not parts:
         raise ConfigError(f"{where} must not be empty")
+    for i, part in enumerate(parts):
+        _no_nul(f"{where}[{i}]", part)
     return tuple(parts)
 
 
@@ -201,6 +238,9 @@ def str_map(where: str, value: Any) -> dict[str, str]:
     for k, v in value.items():
         if isinstance(v, bool) or not isinstance(v, (str, int, float)):
             raise ConfigError(f"{where}.{k} must be a string or a number, got {v!r}")
+        if not k or "=" in str(k):
+            raise ConfigError(f"{where}: {str(k)!r} is not a variable name (it must be non-empty, without '=')")
+        _no_nul(f"{where}.{k}", str(k) + str(v))
         out[str(k)] = str(v)
     return out
 

@@ -50,7 +50,6 @@ unknown key lists the valid keys with their defaults, and a bad value names its 
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -227,20 +226,7 @@ class Spec:
     def from_toml(cls, path: str | os.PathLike[str]) -> "Spec":
         """Read and validate a spec file. Raises ConfigError naming the file and the bad field."""
         p = Path(path)
-        try:
-            text = p.read_bytes()
-        except FileNotFoundError:
-            raise ConfigError(f"spec file {p} does not exist") from None
-        except OSError as exc:
-            raise ConfigError(f"cannot read spec file {p}: {exc.strerror}") from None
-        if sys.version_info >= (3, 11):
-            import tomllib
-        else:  # pragma: no cover - Python 3.10
-            import tomli as tomllib
-        try:
-            data = tomllib.loads(text.decode("utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"spec file {p} is not valid TOML: {exc}") from None
+        data = S.load_toml(p, "spec file")
         try:
             return cls.from_dict(data, base_dir=p.resolve().parent, path=str(p.resolve()))
         except ConfigError as exc:

@@ -80,6 +80,6 @@ def test_bad_scenario_is_one_line_naming_the_field(scenario_file, edit, needle):
 
 def test_missing_file_and_usage_errors(tmp_path):
     out = run_cli("plan", str(tmp_path / "nope.toml"))
-    assert out.returncode == 1 and "cannot read scenario file" in out.stderr
+    assert out.returncode == 1 and "nope.toml does not exist" in out.stderr
     out = run_cli("plan")
     assert out.returncode == 2 and "required: scenario" in out.stderr

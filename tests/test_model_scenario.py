@@ -69,7 +69,7 @@ def test_defaults_no_cache_section_and_unlimited_hits():
 @pytest.mark.parametrize("mutate, message", [
     (lambda d: d["job"][1].__setitem__("sample_time", 0), r"job\[1\]\.sample_time must be > 0"),
     (lambda d: d["job"][0].__setitem__("sample_time", -1.5), r"job\[0\]\.sample_time must be > 0"),
-    (lambda d: d["job"][0].__setitem__("epochs", 0), r"job\[0\]\.epochs must be >= 1"),
+    (lambda d: d["job"][0].__setitem__("epochs", 0), r"job\[0\]\.epochs must be an integer >= 1"),
     (lambda d: d["job"][0].__setitem__("epochs", 1.5), r"job\[0\]\.epochs must be an integer"),
     (lambda d: d["job"][1].pop("name"), r"missing job\[1\]\.name \(required\)"),
     (lambda d: d["job"][1].__setitem__("name", "a"), r"job\[1\]\.name 'a' is used twice"),
@@ -78,13 +78,27 @@ def test_defaults_no_cache_section_and_unlimited_hits():
     (lambda d: d["dataset"].__setitem__("sample_bytes", float("nan")), r"dataset\.sample_bytes must be a finite"),
     (lambda d: d["storage"].__setitem__("bandwidth", []), r"storage\.bandwidth must be a non-empty list"),
     (lambda d: d["storage"].__setitem__("bandwidth", [1e6, -1]), r"storage\.bandwidth\[1\] must be > 0"),
-    (lambda d: d["cache"].__setitem__("policy", "fifo"), r"cache\.policy must be one of minio, lru, none"),
+    (lambda d: d["cache"].__setitem__("policy", "fifo"), r"cache\.policy must be one of 'minio', 'lru', 'none'"),
     (lambda d: d["cache"].__setitem__("capacity", -1), r"cache\.capacity must be >= 0"),
     (lambda d: d["cache"].__setitem__("hit_bandwidth", 0), r"cache\.hit_bandwidth must be > 0"),
-    (lambda d: d.__setitem__("loader", {"prefetch": 0}), r"loader\.prefetch must be >= 1"),
+    (lambda d: d.__setitem__("loader", {"prefetch": 0}), r"loader\.prefetch must be an integer >= 1"),
     (lambda d: d.pop("job"), r"missing \[\[job\]\]"),
     (lambda d: d.__setitem__("job", []), r"\[\[job\]\] must be a non-empty list"),
-    (lambda d: d.__setitem__("storage", 5), r"storage must be a table"),
+    (lambda d: d.__setitem__("storage", 5), r"\[storage\] must be a table"),
+    # infinities and NaN, in integer and number fields alike (once a traceback from `plan`)
+    (lambda d: d["dataset"].__setitem__("samples", -math.inf), r"dataset\.samples must be an integer, got -inf"),
+    (lambda d: d["dataset"].__setitem__("samples", math.inf), r"dataset\.samples must be an integer, got inf"),
+    (lambda d: d["dataset"].__setitem__("samples", math.nan), r"dataset\.samples must be an integer, got nan"),
+    (lambda d: d["job"][1].__setitem__("epochs", math.inf), r"job\[1\]\.epochs must be an integer, got inf"),
+    (lambda d: d.__setitem__("loader", {"prefetch": -math.inf}), r"loader\.prefetch must be an integer"),
+    (lambda d: d["job"][0].__setitem__("sample_time", math.inf), r"job\[0\]\.sample_time must be a finite"),
+    (lambda d: d["storage"].__setitem__("bandwidth", [math.nan]), r"storage\.bandwidth\[0\] must be a finite"),
+    (lambda d: d["cache"].__setitem__("capacity", math.inf), r"cache\.capacity must be a finite"),
+    (lambda d: d["cache"].__setitem__("hit_bandwidth", math.nan), r"cache\.hit_bandwidth must be a finite"),
+    (lambda d: d["job"][0].__setitem__("name", "  "), r"job\[0\]\.name must not be blank"),
+    # values fine alone whose products overflow
+    (lambda d: d["storage"].__setitem__("bandwidth", [5e-324]), r"storage\.bandwidth\[0\] = 5e-324 is too small"),
+    (lambda d: d["job"][0].__setitem__("sample_time", 1e308), r"run time overflows"),
 ])
 def test_bad_fields_are_named_by_path(mutate, message):
     d = base()
@@ -100,7 +114,7 @@ def test_unknown_keys_list_the_valid_ones_with_defaults():
         Scenario.from_dict(d)
     msg = str(err.value)
     assert "unknown key cache.polcy" in msg
-    assert 'capacity (0), policy ("minio"), hit_bandwidth (unlimited)' in msg
+    assert 'capacity (default 0), policy (default "minio"), hit_bandwidth (default unlimited)' in msg
     d = base()
     d["job"][0]["gpus"] = 4
     with pytest.raises(ConfigError, match=r"unknown key job\[0\]\.gpus; valid keys of \[job\]: name \(required\)"):
@@ -137,8 +151,10 @@ def test_toml_round_trip_and_comments(tmp_path):
 
 
 def test_file_errors_name_the_file(tmp_path):
-    with pytest.raises(ConfigError, match="cannot read scenario file"):
+    with pytest.raises(ConfigError, match=r"scenario file .*missing\.toml does not exist"):
         Scenario.from_toml(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="cannot read scenario file"):
+        Scenario.from_toml(tmp_path)  # a directory
     bad = tmp_path / "bad.toml"
     bad.write_text("[dataset\nsamples = 1")
     with pytest.raises(ConfigError, match="is not valid TOML"):

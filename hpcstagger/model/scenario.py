@@ -30,12 +30,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from .. import _schema as S
 from ..errors import ConfigError
 
 __all__ = ["Dataset", "Storage", "Cache", "Loader", "Job", "Scenario", "POLICIES"]
 
 POLICIES = ("minio", "lru", "none")
-_UNSET: Any = object()
 
 
 @dataclass(frozen=True)
@@ -87,58 +87,27 @@ class Job:
     epochs: int = 1
 
 
-# Valid keys per table: name -> (default or _UNSET when required, description for errors).
-_SCHEMA: dict[str, dict[str, tuple[Any, str]]] = {
-    "dataset": {"samples": (_UNSET, "required"), "sample_bytes": (_UNSET, "required")},
-    "storage": {"bandwidth": (_UNSET, "required")},
-    "cache": {"capacity": (0.0, "0"), "policy": ("minio", '"minio"'),
-              "hit_bandwidth": (math.inf, "unlimited")},
-    "loader": {"prefetch": (2, "2")},
-    "job": {"name": (_UNSET, "required"), "sample_time": (_UNSET, "required"), "epochs": (1, "1")},
-}
+def _job_name(where: str, value: Any) -> str:
+    name = S.string()(where, value)
+    if not name.strip():
+        raise ConfigError(f"{where} must not be blank, got {value!r}")
+    return name
+
+
+_POSITIVE = S.number(minimum=0, exclusive=True)
+_DELAY = S.number(minimum=0)
+_DATASET = S.Table("dataset", [S.Field("samples", S.integer(minimum=1)), S.Field("sample_bytes", _POSITIVE)])
+_STORAGE = S.Table("storage", [S.Field("bandwidth", S.number_list(minimum=0, exclusive=True))])
+_CACHE = S.Table("cache", [
+    S.Field("capacity", S.number(minimum=0), 0.0, shown="0"),
+    S.Field("policy", S.choice(*POLICIES), "minio"),
+    S.Field("hit_bandwidth", S.number(minimum=0, exclusive=True, allow_inf=True), math.inf, shown="unlimited"),
+])
+_LOADER = S.Table("loader", [S.Field("prefetch", S.integer(minimum=1), 2)])
+_JOB = S.Table("job", [S.Field("name", _job_name), S.Field("sample_time", _POSITIVE),
+                       S.Field("epochs", S.integer(minimum=1), 1)])
 _TOP = {"dataset": "required", "storage": "required", "cache": "optional (no cache)",
         "loader": "optional", "job": "required, one [[job]] table per job"}
-
-
-def _valid_keys(table: str) -> str:
-    return ", ".join(f"{k} ({d})" for k, (_, d) in _SCHEMA[table].items())
-
-
-def _check_keys(path: str, table: str, data: Mapping[str, Any]) -> None:
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{path} must be a table, got {type(data).__name__}")
-    for key in data:
-        if key not in _SCHEMA[table]:
-            raise ConfigError(f"unknown key {path}.{key}; valid keys of [{table}]: {_valid_keys(table)}")
-
-
-def _get(path: str, table: str, data: Mapping[str, Any], key: str) -> Any:
-    default = _SCHEMA[table][key][0]
-    if key not in data:
-        if default is _UNSET:
-            raise ConfigError(f"missing {path}.{key} (required); valid keys of [{table}]: {_valid_keys(table)}")
-        return default
-    return data[key]
-
-
-def _number(where: str, value: Any, *, positive: bool = True, allow_zero: bool = False,
-            allow_inf: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{where} must be a number, got {value!r}")
-    value = float(value)
-    if math.isnan(value) or (math.isinf(value) and not allow_inf):
-        raise ConfigError(f"{where} must be a finite number, got {value!r}")
-    if positive and (value < 0 or (value == 0 and not allow_zero)):
-        raise ConfigError(f"{where} must be {'>= 0' if allow_zero else '> 0'} (got {value!r})")
-    return value
-
-
-def _integer(where: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or float(value) != int(value):
-        raise ConfigError(f"{where} must be an integer, got {value!r}")
-    if int(value) < minimum:
-        raise ConfigError(f"{where} must be >= {minimum} (got {value!r})")
-    return int(value)
 
 
 @dataclass(frozen=True)
@@ -205,13 +174,13 @@ class Scenario:
         if isinstance(delays, Mapping):
             out = [0.0] * n
             for name, value in delays.items():
-                out[self.job_index(str(name))] = _number(f"delay of job {name!r}", value, allow_zero=True)
+                out[self.job_index(str(name))] = _DELAY(f"delay of job {name!r}", value)
             return out
         values = list(delays)
         if len(values) != n:
             raise ConfigError(f"got {len(values)} delays for {n} jobs ({', '.join(self.job_names)}); "
                               "give one per job in job order, or a dict name -> seconds")
-        return [_number(f"delay of job {self.jobs[i].name!r}", v, allow_zero=True) for i, v in enumerate(values)]
+        return [_DELAY(f"delay of job {self.jobs[i].name!r}", v) for i, v in enumerate(values)]
 
     # ---- conversion ---------------------------------------------------------------------------
     @classmethod
@@ -230,64 +199,22 @@ class Scenario:
             if key not in data:
                 raise ConfigError(f"missing [{'[job]' if key == 'job' else key}] ({_TOP[key]})")
 
-        ds = data["dataset"]
-        _check_keys("dataset", "dataset", ds)
-        dataset = Dataset(samples=_integer("dataset.samples", _get("dataset", "dataset", ds, "samples"), 1),
-                          sample_bytes=_number("dataset.sample_bytes",
-                                               _get("dataset", "dataset", ds, "sample_bytes")))
-        st = data["storage"]
-        _check_keys("storage", "storage", st)
-        bw = _get("storage", "storage", st, "bandwidth")
-        if isinstance(bw, (int, float)) and not isinstance(bw, bool):
-            bw = [bw]
-        if not isinstance(bw, (list, tuple)) or not bw:
-            raise ConfigError(f"storage.bandwidth must be a non-empty list of bytes/s (1, 2, ... readers), got {bw!r}")
-        storage = Storage(tuple(_number(f"storage.bandwidth[{i}]", v) for i, v in enumerate(bw)))
-
-        ca = data.get("cache", {})
-        _check_keys("cache", "cache", ca)
-        policy = _get("cache", "cache", ca, "policy")
-        if policy not in POLICIES:
-            raise ConfigError(f"cache.policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-        cache = Cache(capacity=_number("cache.capacity", _get("cache", "cache", ca, "capacity"), allow_zero=True),
-                      policy=policy,
-                      hit_bandwidth=_number("cache.hit_bandwidth", _get("cache", "cache", ca, "hit_bandwidth"),
-                                            allow_inf=True))
-        lo = data.get("loader", {})
-        _check_keys("loader", "loader", lo)
-        loader = Loader(prefetch=_integer("loader.prefetch", _get("loader", "loader", lo, "prefetch"), 1))
-
+        dataset = Dataset(**_DATASET.parse("dataset", data["dataset"]))
+        storage = Storage(_STORAGE.parse("storage", data["storage"])["bandwidth"])
+        cache = Cache(**_CACHE.parse("cache", data.get("cache")))
+        loader = Loader(**_LOADER.parse("loader", data.get("loader")))
         raw_jobs = data["job"]
         if isinstance(raw_jobs, Mapping):
             raw_jobs = [raw_jobs]
         if not isinstance(raw_jobs, (list, tuple)) or not raw_jobs:
             raise ConfigError("[[job]] must be a non-empty list of job tables (name, sample_time, epochs)")
-        jobs = []
-        for i, jd in enumerate(raw_jobs):
-            where = f"job[{i}]"
-            _check_keys(where, "job", jd)
-            name = _get(where, "job", jd, "name")
-            if not isinstance(name, str) or not name.strip():
-                raise ConfigError(f"{where}.name must be a non-empty string, got {name!r}")
-            jobs.append(Job(name=name,
-                            sample_time=_number(f"{where}.sample_time", _get(where, "job", jd, "sample_time")),
-                            epochs=_integer(f"{where}.epochs", _get(where, "job", jd, "epochs"), 1)))
+        jobs = [Job(**_JOB.parse(f"job[{i}]", jd)) for i, jd in enumerate(raw_jobs)]
         return cls(dataset=dataset, storage=storage, jobs=tuple(jobs), cache=cache, loader=loader)
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str]) -> "Scenario":
         """Read and validate a scenario file. Raises ConfigError for an unreadable file, bad TOML or a bad field."""
-        try:
-            import tomllib
-        except ImportError:  # Python 3.10
-            import tomli as tomllib  # type: ignore[no-redef]
-        try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        except OSError as exc:
-            raise ConfigError(f"cannot read scenario file {os.fspath(path)!r}: {exc.strerror or exc}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"scenario file {os.fspath(path)!r} is not valid TOML: {exc}") from None
+        data = S.load_toml(path, "scenario file")
         try:
             return cls.from_dict(data)
         except ConfigError as exc:
@@ -351,26 +278,31 @@ def _toml_value(value: Any) -> str:
 
 
 def _validate(s: Scenario) -> None:
-    """Check a scenario built from its parts (from_dict has already checked types on its way)."""
-    _integer("dataset.samples", s.dataset.samples, 1)
-    _number("dataset.sample_bytes", s.dataset.sample_bytes)
-    if not s.storage.bandwidth:
-        raise ConfigError("storage.bandwidth must be a non-empty list of bytes/s (1, 2, ... readers)")
-    for i, v in enumerate(s.storage.bandwidth):
-        _number(f"storage.bandwidth[{i}]", v)
-    _number("cache.capacity", s.cache.capacity, allow_zero=True)
-    if s.cache.policy not in POLICIES:
-        raise ConfigError(f"cache.policy must be one of {', '.join(POLICIES)}, got {s.cache.policy!r}")
-    _number("cache.hit_bandwidth", s.cache.hit_bandwidth, allow_inf=True)
-    _integer("loader.prefetch", s.loader.prefetch, 1)
+    """Check a scenario built from its parts, with the checkers that from_dict uses."""
+    for table, part in ((_DATASET, s.dataset), (_CACHE, s.cache), (_LOADER, s.loader)):
+        for name, f in table.fields.items():
+            f.check(f"{table.name}.{name}", getattr(part, name))
+    _STORAGE.fields["bandwidth"].check("storage.bandwidth", s.storage.bandwidth)
     if not s.jobs:
         raise ConfigError("a scenario needs at least one [[job]]")
     seen: set[str] = set()
     for i, j in enumerate(s.jobs):
-        if not isinstance(j.name, str) or not j.name.strip():
-            raise ConfigError(f"job[{i}].name must be a non-empty string, got {j.name!r}")
+        for name, f in _JOB.fields.items():
+            f.check(f"job[{i}].{name}", getattr(j, name))
         if j.name in seen:
             raise ConfigError(f"job[{i}].name {j.name!r} is used twice; job names must be unique")
         seen.add(j.name)
-        _number(f"job[{i}].sample_time", j.sample_time)
-        _integer(f"job[{i}].epochs", j.epochs, 1)
+    # Each value may be fine alone and their products still overflow (bytes / a tiny bandwidth).
+    readers = max(len(s.storage.bandwidth), len(s.jobs))
+    for k in range(1, readers + 1):
+        read = s.dataset.sample_bytes / (s.storage.aggregate(k) / k)
+        if not math.isfinite(read):
+            i = min(k, len(s.storage.bandwidth)) - 1
+            raise ConfigError(f"storage.bandwidth[{i}] = {s.storage.bandwidth[i]!r} is too small for "
+                              f"dataset.sample_bytes = {s.dataset.sample_bytes!r}: reading one sample takes "
+                              "forever; give the bandwidth in bytes/s")
+    slowest = s.dataset.sample_bytes / min(s.storage.aggregate(k) / k for k in range(1, readers + 1))
+    total = sum(float(j.epochs) * s.dataset.samples * (j.sample_time + slowest) for j in s.jobs)
+    if not math.isfinite(total):
+        raise ConfigError("the scenario's run time overflows (samples x epochs x seconds per sample is "
+                          "infinite); check the units: seconds, bytes and bytes/s")
