@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -18,6 +20,24 @@ from hpcstagger._shm import remove_stale_mpich_segments, unheld_entries  # noqa:
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+
+# Property tests are derandomized (the same examples on every run, so a red run is reproducible)
+# and keep no example database. Hypothesis's other caches go to a temporary directory removed at
+# the end, not to .hypothesis/ in the checkout.
+_HYPOTHESIS_HOME = tempfile.mkdtemp(prefix="hpcstagger-hypothesis-")
+try:
+    from hypothesis import settings as _hypothesis_settings
+    from hypothesis.configuration import set_hypothesis_home_dir
+except ImportError:  # pragma: no cover - the test extra brings it
+    pass
+else:
+    set_hypothesis_home_dir(_HYPOTHESIS_HOME)
+    _hypothesis_settings.register_profile("hpcstagger", derandomize=True, database=None)
+    _hypothesis_settings.load_profile("hpcstagger")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_HYPOTHESIS_HOME, ignore_errors=True)
 
 
 def in_ci() -> bool:

@@ -71,10 +71,15 @@ def test_hetjob_template(slurm_two_nodes, batch_job_on, tmp_path):
     spec = _spec(tmp_path)
     body = (TEMPLATES / "hetjob.sbatch").read_text().split("\n", 1)[1]
     body = body.replace("set -euo pipefail", "set -euo pipefail\n" + MULTI_NODE_MPI_ENV, 1)
-    _, record, text = batch_job_on(slurm_two_nodes, body, name="het", script_args=(str(spec),))
+    job_id, record, text = batch_job_on(slurm_two_nodes, body, name="het", script_args=(str(spec),))
     assert record["JobState"] == "COMPLETED", text
     assert "a rank 0/1" in text and "b rank 1/2" in text and "waiting 1.0 s (planned start)" in text
     assert "b    2      1.0" in text
+    # the ranks' status files go under the spec's workdir (not the submit directory), where
+    # `hpcstagger status SPEC` finds the newest run
+    run_dir = tmp_path / "hpcstagger-runs" / "tpl" / "runs" / f"slurm-{job_id}"
+    assert sorted(p.name for p in run_dir.glob("*.json")) == ["a.0.json", "b.0.json", "b.1.json"]
+    assert f"run {run_dir}" in text
 
 
 def test_sweep_array_template(slurm_cluster, batch_job, tmp_path):
@@ -166,3 +171,21 @@ def test_calibrate_template_writes_a_scenario_and_prints_the_plan(slurm_cluster,
     assert 3.0e6 < sc.storage.bandwidth[0] < 4.4e6 and sc.storage.bandwidth[1] < sc.storage.bandwidth[0]
     assert [j.name for j in sc.jobs] == ["cnn", "mlp"] and sc.jobs[1].epochs == 3
     assert "predicted makespan" in text and "simultaneous" in text
+
+
+def test_slurm_run_dir_command(tmp_path):
+    """No cluster needed: the command only names (and creates) a directory."""
+    from conftest import cli_env, run_cli
+
+    spec = _spec(tmp_path)
+    out = run_cli("slurm", "run-dir", str(spec), "--job-id", "42")
+    expected = tmp_path / "hpcstagger-runs" / "tpl" / "runs" / "slurm-42"
+    assert out.returncode == 0 and out.stdout.strip() == str(expected) and expected.is_dir(), out
+    out = run_cli("slurm", "run-dir", str(spec), env=cli_env(SLURM_JOB_ID="7"))
+    assert out.returncode == 0 and out.stdout.strip().endswith("runs/slurm-7"), out
+    env = cli_env()
+    env.pop("SLURM_JOB_ID", None)
+    out = run_cli("slurm", "run-dir", str(spec), env=env)
+    assert out.returncode == 1 and "no job id" in out.stderr and "--job-id" in out.stderr, out
+    out = run_cli("slurm", "run-dir", str(spec), "--job-id", "../x")
+    assert out.returncode == 1 and "is not a Slurm job id" in out.stderr, out

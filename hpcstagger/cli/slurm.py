@@ -28,6 +28,14 @@ def register(sub: Any) -> None:
     s.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
                    help="an extra sbatch argument (repeatable), e.g. --sbatch-arg=--qos=debug")
     s.set_defaults(func=run_submit)
+    d = acts.add_parser("run-dir", help="create and print the status directory of a batch job's run",
+                        description="Create <workdir>/runs/slurm-<job id> for SPEC (the job id from --job-id, "
+                                    "else SLURM_JOB_ID) and print its path. Batch scripts that start the ranks "
+                                    "themselves (slurm/hetjob.sbatch) use it as HPCSTAGGER_RUN_DIR, so that "
+                                    "'hpcstagger status SPEC' finds the run.")
+    d.add_argument("spec", help="the job spec (TOML)")
+    d.add_argument("--job-id", metavar="ID", help="the Slurm job id (default: SLURM_JOB_ID)")
+    d.set_defaults(func=run_run_dir)
 
 
 def _render(spec: Any) -> str:
@@ -71,10 +79,30 @@ def run_submit(args: argparse.Namespace) -> int:
         return 0
     record = wait_for_job(job_id, args.timeout or spec.run.timeout + 600)
     state, code = record.get("JobState", "?"), record.get("ExitCode", "?")
-    run_dir = os.path.join(spec.run.workdir, "runs", f"slurm-{job_id}")
+    run_dir = slurm_run_dir(spec.run.workdir, str(job_id))
     if os.path.isdir(run_dir):
         print(format_result(collect_results(spec, run_dir)))
     if state != "COMPLETED":
         raise LaunchError(f"job {job_id} ended {state} (exit code {code}); see {output}")
     print(f"job {job_id} COMPLETED")
+    return 0
+
+
+def slurm_run_dir(workdir: str, job_id: str) -> str:
+    """The status directory of Slurm job ``job_id`` for a spec whose workdir is ``workdir``."""
+    return os.path.join(workdir, "runs", f"slurm-{job_id}")
+
+
+def run_run_dir(args: argparse.Namespace) -> int:
+    from ..errors import ConfigError
+    from ..spec import Spec
+
+    job_id = args.job_id or os.environ.get("SLURM_JOB_ID", "")
+    if not job_id:
+        raise ConfigError("no job id: run this inside a Slurm job (SLURM_JOB_ID) or pass --job-id")
+    if not job_id.replace("_", "").isalnum():
+        raise ConfigError(f"--job-id {job_id!r} is not a Slurm job id (digits, e.g. 1234 or 1234_5)")
+    run_dir = slurm_run_dir(Spec.from_toml(args.spec).run.workdir, job_id)
+    os.makedirs(run_dir, exist_ok=True)
+    print(run_dir)
     return 0
