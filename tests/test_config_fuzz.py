@@ -97,7 +97,7 @@ def _mutate(data, base: dict, tables: dict[str, list[str]]) -> dict:
 
 # Derandomized: the suite must give the same result on every run (each run still tries 300 documents
 # per model). Run with HYPOTHESIS_SEED-free exploration by hand when hunting for new failures.
-FUZZ = settings(max_examples=300, derandomize=True, deadline=None, database=None,
+FUZZ = settings(max_examples=300, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow])
 
 
