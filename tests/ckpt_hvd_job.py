@@ -6,7 +6,7 @@ The world is split into NJOBS co-located jobs, each with its own Horovod (``hvd.
 its own checkpoint directory DIR/jobJ. Each job trains a small MLP on rank-dependent data (so the
 all-reduce matters), saves sharded checkpoints over its ranks with the Horovod gate, checks that
 the replicas agree, loads the last checkpoint, and checks that a model and optimizer restored from
-it train on bit for bit like the originals. Rank 0 of each job prints one JSON line.
+it train on bit for bit like the originals. Rank 0 of each job writes DIR/report-jobJ.json.
 """
 
 from __future__ import annotations
@@ -73,10 +73,13 @@ def main(directory: str, njobs: int) -> None:
     same = all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
     ck.close()
     hvd.shutdown()
-    if job.rank == 0:
-        print(json.dumps({"job": job_id, "size": job.size, "resumed_equal": same, "gate_entered": gate.entered,
-                          "chunks": sum(h.stats.get("chunks", 0) for h in handles),
-                          "steps": sorted(os.listdir(d))}), flush=True)
+    if job.rank == 0:  # a file per job: two jobs' rank 0 printing could interleave on the launcher's stdout
+        report = json.dumps({"job": job_id, "size": job.size, "resumed_equal": same, "gate_entered": gate.entered,
+                             "chunks": sum(h.stats.get("chunks", 0) for h in handles),
+                             "steps": sorted(os.listdir(d))})
+        with open(os.path.join(directory, f"report-job{job_id}.json.tmp"), "w") as f:
+            f.write(report)
+        os.replace(os.path.join(directory, f"report-job{job_id}.json.tmp"), os.path.join(directory, f"report-job{job_id}.json"))
     job.free()
 
 

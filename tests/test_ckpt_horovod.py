@@ -36,7 +36,7 @@ def test_horovod_training_with_gated_checkpoints(tmp_path, ranks, jobs):
     out = subprocess.run(["mpiexec", "-n", str(ranks), sys.executable, str(JOB), str(tmp_path), str(jobs)],
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    results = sorted((json.loads(ln) for ln in out.stdout.splitlines() if ln.startswith("{")), key=lambda r: r["job"])
+    results = sorted((json.loads(p.read_text()) for p in tmp_path.glob("report-job*.json")), key=lambda r: r["job"])
     assert [r["job"] for r in results] == list(range(jobs)), out.stdout
     for r in results:
         assert r["size"] == ranks // jobs

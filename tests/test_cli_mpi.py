@@ -43,15 +43,19 @@ def test_failure_on_one_rank_ends_every_rank(tmp_path, mode):
     script.write_text(SCRIPT)
     start = time.monotonic()
     wall = time.time()
-    out = subprocess.run([str(BIN / "mpiexec"), "-n", "2", sys.executable, str(script), mode],
+    # Each rank's stderr to a file of its own (Hydra's -errfile-pattern): interleaving cannot split a line.
+    out = subprocess.run([str(BIN / "mpiexec"), "-n", "2", "-errfile-pattern", str(tmp_path / "err.%r"),
+                          sys.executable, str(script), mode],
                          capture_output=True, text=True, timeout=100, env=cli_env())
+    errs = [(tmp_path / f"err.{r}").read_text() if (tmp_path / f"err.{r}").exists() else "" for r in (0, 1)]
+    everything = out.stderr + "".join(errs)  # the launcher's own messages stay on its stderr
     assert out.returncode != 0
     assert time.monotonic() - start < 60
-    assert "bad spec on rank 1" in out.stderr
+    assert "bad spec on rank 1" in errs[1], errs
     if mode == "one-rank":
-        assert "MPI_Abort" in out.stderr
+        assert "MPI_Abort" in everything
         remove_stale_mpich_segments(wall)  # MPI_Abort skips MPICH's own /dev/shm cleanup
     else:
         # Both ranks raised the same CollectiveError and exited 1 on their own: no abort needed.
-        assert out.stderr.count("shared step failed on 1 of 2 rank(s): 1") == 2
-        assert "MPI_Abort" not in out.stderr and "application called" not in out.stderr
+        assert [e.count("shared step failed on 1 of 2 rank(s): 1") for e in errs] == [1, 1], errs
+        assert "MPI_Abort" not in everything and "application called" not in everything

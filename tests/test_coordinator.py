@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -27,9 +29,14 @@ PROBE = textwrap.dedent("""
     started = s.elapsed()
     total = s.comm.allreduce(1)
     s.finish(total=total)
-    print(json.dumps({"job": s.job, "rank": s.rank, "world": s.world.rank, "size": s.comm.size,
+    # one file per rank: the launcher may interleave the ranks' stdout lines
+    row = json.dumps({"job": s.job, "rank": s.rank, "world": s.world.rank, "size": s.comm.size,
                       "jobs": s.jobs, "delays": s.delays, "started": started, "total": total,
-                      "overhead": s.overhead, "mode": s.mode}), flush=True)
+                      "overhead": s.overhead, "mode": s.mode})
+    out = os.path.join(os.environ["PROBE_DIR"], f"{s.world.rank}.json")
+    with open(out + ".tmp", "w") as f:
+        f.write(row)
+    os.replace(out + ".tmp", out)
 """)
 
 
@@ -59,17 +66,25 @@ def _mpmd(tmp_path, spec, parts, timeout=120, extra_env=None):
         if i:
             cmd.append(":")
         cmd += ["-n", str(n), "env", *[f"{k}={v}" for k, v in env.items()], sys.executable, str(tmp_path / "probe.py")]
-    env = cli_env(HPCSTAGGER_SPEC=str(spec), **(extra_env or {}))
+    probe_dir = tempfile.mkdtemp(prefix="probe-", dir=tmp_path)
+    env = cli_env(HPCSTAGGER_SPEC=str(spec), PROBE_DIR=probe_dir, **(extra_env or {}))
     start = time.monotonic()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
+    out.rows = _rows(probe_dir)
     return out, time.monotonic() - start
+
+
+def _rows(probe_dir):
+    """Each rank's report, from its own file, in world-rank order."""
+    rows = [json.loads(p.read_text()) for p in Path(probe_dir).glob("*.json")]
+    return sorted(rows, key=lambda r: r["world"])
 
 
 def test_mpmd_jobs_split_wait_and_report(tmp_path):
     spec = _spec(tmp_path)
     out, _ = _mpmd(tmp_path, spec, [(1, {}), (2, {})])
     assert out.returncode == 0, out.stderr
-    rows = sorted((json.loads(line) for line in out.stdout.splitlines()), key=lambda r: r["world"])
+    rows = out.rows
     assert [(r["job"], r["rank"], r["size"], r["total"]) for r in rows] == [("a", 0, 1, 1), ("b", 0, 2, 2), ("b", 1, 2, 2)]
     assert all(r["jobs"] == {"a": [0], "b": [1, 2]} for r in rows)
     assert all(r["delays"] == {"a": 0.0, "b": 1.5} and r["mode"] == "fixed" for r in rows)
@@ -92,8 +107,8 @@ def test_env_job_identity_and_simultaneous_mode(tmp_path):
     assert "job 'b' has 0 rank(s), the spec says 2" in out.stderr
     out, _ = _mpmd(tmp_path, spec, [(1, {"HPCSTAGGER_JOB": "a"}), (2, {"HPCSTAGGER_JOB": "b"})])
     assert out.returncode == 0, out.stderr
-    rows = [json.loads(line) for line in out.stdout.splitlines()]
-    assert all(r["delays"] == {"a": 0.0, "b": 0.0} for r in rows)
+    assert [(r["job"], r["rank"]) for r in out.rows] == [("a", 0), ("b", 0), ("b", 1)]
+    assert all(r["delays"] == {"a": 0.0, "b": 0.0} for r in out.rows)
 
 
 def test_a_job_that_stalls_before_init_is_named_and_nothing_hangs(tmp_path):

@@ -8,18 +8,11 @@ import textwrap
 
 import pytest
 
-from conftest import MULTI_NODE_MPI_ENV, run_cli
+from conftest import MULTI_NODE_MPI_ENV, RANK_PROBE, rank_reports, run_cli
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(240)]
 
-WORK = textwrap.dedent("""
-    import os, sys, time
-    from hpcstagger.coordinator import init
-    s = init()
-    print(f"{s.job} rank {s.rank}/{s.comm.size} argv={sys.argv[1:]}", flush=True)
-    time.sleep(0.3)
-    s.finish()
-""")
+WORK = RANK_PROBE
 
 
 def _spec(tmp_path, launcher="srun", mode="fixed"):
@@ -53,8 +46,8 @@ def test_submit_runs_every_job_with_its_delay(slurm_cluster, tmp_path, launcher)
     job_id = re.search(r"submitted job (\d+)", out.stdout).group(1)
     assert f"job {job_id} COMPLETED" in out.stdout
     log = (tmp_path / f"sl-{job_id}.out").read_text()
-    assert "a rank 0/1 argv=['two words']" in log  # quoted arguments survive the launcher
-    assert "b rank 1/2" in log
+    assert rank_reports(tmp_path) == {"a.0": "a rank 0/1 argv=['two words']", "b.0": "b rank 0/2 argv=[]",
+                                     "b.1": "b rank 1/2 argv=[]"}  # quoted arguments survive the launcher
     assert "mode fixed: delays a +0.0s, b +1.0s" in log and "waiting 1.0 s (planned start)" in log
     status = json.loads(run_cli("status", str(spec), "--json").stdout)
     assert status["run_dir"].endswith(f"slurm-{job_id}")
@@ -105,7 +98,8 @@ def test_heterogeneous_job_with_hpcstagger_exec(slurm_two_nodes, batch_job_on, t
     """
     _, record, text = batch_job_on(slurm_two_nodes, body, name="het")
     assert record["JobState"] == "COMPLETED", text
-    assert "a rank 0/1 argv=['two words']" in text and "b rank 1/2" in text
+    assert rank_reports(tmp_path) == {"a.0": "a rank 0/1 argv=['two words']", "b.0": "b rank 0/2 argv=[]",
+                                     "b.1": "b rank 1/2 argv=[]"}, text
     assert "waiting 1.0 s (planned start)" in text
     assert "b    2      1.0" in text  # the status table printed by the batch script
 
@@ -115,4 +109,6 @@ def test_launch_with_srun_inside_an_allocation(slurm_cluster, batch_job_on, tmp_
     _, record, text = batch_job_on(slurm_cluster, f"hpcstagger launch {spec} --launcher srun\n",
                                    "--ntasks=3", name="srunlaunch")
     assert record["JobState"] == "COMPLETED", text
-    assert "mode fixed, makespan" in text and "a rank 0/1 argv=['two words']" in text
+    assert "mode fixed, makespan" in text
+    assert rank_reports(tmp_path) == {"a.0": "a rank 0/1 argv=['two words']", "b.0": "b rank 0/2 argv=[]",
+                                     "b.1": "b rank 1/2 argv=[]"}, text

@@ -7,19 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MULTI_NODE_MPI_ENV, REPO
+from conftest import MULTI_NODE_MPI_ENV, RANK_PROBE, REPO, rank_reports
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
 TEMPLATES = REPO / "slurm"
 
-WORK = textwrap.dedent("""
-    import sys, time
-    from hpcstagger.coordinator import init
-    s = init()
-    print(f"{s.job} rank {s.rank}/{s.comm.size} argv={sys.argv[1:]}", flush=True)
-    time.sleep(0.3)
-    s.finish()
-""")
+WORK = RANK_PROBE
 
 
 def _spec(tmp_path: Path, name="tpl", a_args="", b_args="", mode="fixed") -> Path:
@@ -55,7 +48,8 @@ def test_colocated_template(slurm_cluster, batch_job, tmp_path):
     body = (TEMPLATES / "colocated.sbatch").read_text().split("\n", 1)[1]
     _, record, text = batch_job(body, "--ntasks=3", name="colocated", script_args=(str(spec),))
     assert record["JobState"] == "COMPLETED", text
-    assert "a rank 0/1 argv=['two words']" in text and "b rank 1/2" in text
+    assert rank_reports(tmp_path) == {"a.0": "a rank 0/1 argv=['two words']", "b.0": "b rank 0/2 argv=[]",
+                                      "b.1": "b rank 1/2 argv=[]"}, text
     assert "mode fixed: delays a +0.0s, b +1.0s" in text and "waiting 1.0 s (planned start)" in text
     assert "mode fixed, makespan" in text  # the final table
 
@@ -73,7 +67,8 @@ def test_hetjob_template(slurm_two_nodes, batch_job_on, tmp_path):
     body = body.replace("set -euo pipefail", "set -euo pipefail\n" + MULTI_NODE_MPI_ENV, 1)
     job_id, record, text = batch_job_on(slurm_two_nodes, body, name="het", script_args=(str(spec),))
     assert record["JobState"] == "COMPLETED", text
-    assert "a rank 0/1" in text and "b rank 1/2" in text and "waiting 1.0 s (planned start)" in text
+    assert sorted(rank_reports(tmp_path)) == ["a.0", "b.0", "b.1"], text
+    assert "waiting 1.0 s (planned start)" in text
     assert "b    2      1.0" in text
     # the ranks' status files go under the spec's workdir (not the submit directory), where
     # `hpcstagger status SPEC` finds the newest run
@@ -92,9 +87,10 @@ def test_sweep_array_template(slurm_cluster, batch_job, tmp_path):
     job_id, record, _ = batch_job(body, "--array=0-1", "--output",
                                   str(tmp_path / "task-%a.out"), name="sweep", script_args=(str(template),))
     assert record["JobState"] == "COMPLETED"
-    t0, t1 = (tmp_path / "task-0.out").read_text(), (tmp_path / "task-1.out").read_text()
-    assert "a rank 0/1 argv=['--lr', '1']" in t0 and "b rank 0/2 argv=['--lr', '2']" in t0
-    assert "a rank 0/1 argv=['--lr', '3']" in t1 and "b rank 1/2 argv=['--lr', '4']" in t1
+    assert rank_reports(tmp_path, "0") == {"a.0": "a rank 0/1 argv=['--lr', '1']", "b.0": "b rank 0/2 argv=['--lr', '2']",
+                                           "b.1": "b rank 1/2 argv=['--lr', '2']"}
+    assert rank_reports(tmp_path, "1") == {"a.0": "a rank 0/1 argv=['--lr', '3']", "b.0": "b rank 0/2 argv=['--lr', '4']",
+                                           "b.1": "b rank 1/2 argv=['--lr', '4']"}
     assert (tmp_path / "hpcstagger-runs" / "sweep-0").is_dir() and (tmp_path / "hpcstagger-runs" / "sweep-1").is_dir()
 
 
