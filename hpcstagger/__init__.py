@@ -12,9 +12,9 @@ from ._version import __version__
 
 # Public name -> module that defines it. Resolved lazily by __getattr__.
 _EXPORTS: dict[str, str] = {
-    "init": "hpcstagger.coordinator",
-    "Session": "hpcstagger.coordinator",
-    "Spec": "hpcstagger.spec",
+    "init": "hpcstagger.colocated.coordinator",
+    "Session": "hpcstagger.colocated.coordinator",
+    "Spec": "hpcstagger.colocated.spec",
     "Comm": "hpcstagger.comm",
     "as_comm": "hpcstagger.comm",
     "HpcstaggerError": "hpcstagger.errors",

@@ -1,8 +1,9 @@
-"""Slurm: pure parsers of Slurm's text, a pure batch-script renderer, and small submit functions.
+"""Slurm: pure parsers of Slurm's text and small submit and wait functions.
 
-Parsers (node lists, ``scontrol show`` records, ``sbatch --parsable`` output) and
-:func:`render_batch` (a job spec in, an sbatch script out) are pure and tested on literal strings.
-:func:`submit` and :func:`wait_for_job` are the only functions here that run Slurm commands.
+Parsers (node lists, ``scontrol show`` records, ``sbatch --parsable`` output, a heterogeneous
+job's component) are pure and tested on literal strings. :func:`submit` and :func:`wait_for_job`
+are the only functions here that run Slurm commands. The batch script of a co-located run is
+rendered by :mod:`hpcstagger.colocated.batch`.
 ``sbatch --wait`` polls with a multi-second back-off, so :func:`wait_for_job` polls
 ``scontrol show job`` itself.
 """
@@ -12,12 +13,11 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import time
 from itertools import product
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from .errors import ConfigError, LaunchError
 
@@ -32,9 +32,6 @@ __all__ = [
     "job_record",
     "job_records",
     "wait_for_job",
-    "render_batch",
-    "multiprog_conf",
-    "job_wrapper",
 ]
 
 log = logging.getLogger(__name__)
@@ -266,97 +263,3 @@ def wait_for_job(job_id: int | str, timeout: float, *, poll: float = 0.2,
             raise LaunchError(f"job {job_id} is still {waiting.get('JobState', '?')} after {timeout:g} s "
                               f"(reason: {waiting.get('Reason', '?')}); cancel it with 'scancel {job_id}'")
         time.sleep(poll)
-
-
-# ---------------------------------------------------------------------------- rendering (pure)
-
-_EOF = "HPCSTAGGER_EOF"
-
-
-def job_wrapper(job: Any, workdir: str) -> str:
-    """A small shell script that runs one job's command on each of its ranks (``srun --multi-prog``
-    splits its lines on white space, so commands with quoted arguments go through these)."""
-    env = " ".join(shlex.quote(f"{k}={v}") for k, v in {"HPCSTAGGER_JOB": job.name, **job.env}.items())
-    return (f"#!/bin/bash\nexport {env}\ncd {shlex.quote(workdir)}\n"
-            f"exec {shlex.join(job.command)}\n")
-
-
-def multiprog_conf(spec: Any, wrapper: Any) -> str:
-    """The ``srun --multi-prog`` configuration: each job's task range runs ``bash wrapper(job name)``."""
-    conf, first = [], 0
-    for job in spec.jobs:
-        ranks = f"{first}" if job.ranks == 1 else f"{first}-{first + job.ranks - 1}"
-        conf.append(f"{ranks} bash {wrapper(job.name)}")
-        first += job.ranks
-    return "\n".join(conf) + "\n"
-
-
-def render_batch(spec: Any, *, python_bin: str | None = None, version: str = "") -> str:
-    """The sbatch script that runs every job of ``spec`` co-located on one node.
-
-    With ``[slurm] launcher = "srun"`` the jobs start as one ``srun --multi-prog`` step (one MPI
-    world, PMI-2) through a small wrapper script per job, since ``--multi-prog`` lines cannot hold
-    quoted arguments; with ``"mpiexec"`` as one MPMD ``mpiexec``. Mode sequential starts one step
-    per job, one after another. ``python_bin`` (the directory of the Python environment to use) is
-    put first on PATH. The script ends with ``hpcstagger status``, which prints each job's times.
-    """
-    sl = spec.slurm
-    lines = ["#!/bin/bash",
-             f"# hpcstagger batch script for run '{spec.run.name}'{', rendered by hpcstagger ' + version if version else ''}.",
-             f"# Re-render after editing the spec: hpcstagger slurm render {spec.path or 'SPEC'}",
-             f"#SBATCH --job-name={spec.run.name}",
-             "#SBATCH --nodes=1",
-             f"#SBATCH --ntasks={spec.total_ranks}",
-             f"#SBATCH --cpus-per-task={sl.cpus_per_task}",
-             f"#SBATCH --time={sl.time}",
-             f"#SBATCH --output={sl.output}"]
-    if sl.partition:
-        lines.append(f"#SBATCH --partition={sl.partition}")
-    if sl.account:
-        lines.append(f"#SBATCH --account={sl.account}")
-    lines += [f"#SBATCH {opt}" for opt in sl.options]
-    lines += ["", "set -euo pipefail"]
-    if python_bin:
-        lines.append(f'export PATH={shlex.quote(python_bin)}:"$PATH"   # the Python environment of hpcstagger')
-    lines += list(sl.setup)
-    workdir = os.path.dirname(spec.path) if spec.path else "."
-    run_dir = f"{spec.run.workdir}/runs/slurm-${{SLURM_JOB_ID}}"
-    lines += [f"export HPCSTAGGER_SPEC={shlex.quote(spec.path)}",
-              f"export HPCSTAGGER_PLAN_MODE={spec.plan.mode}",
-              "unset MPIR_CVAR_PMI_VERSION",
-              f'run_dir="{run_dir}"',
-              'mkdir -p "$run_dir"',
-              "rc=0",
-              'step() { if [ "$rc" -eq 0 ]; then "$@" || rc=$?; fi; }   # run until the first failure',
-              f'echo "hpcstagger: run {spec.run.name}, mode {spec.plan.mode}, {len(spec.jobs)} job(s) on '
-              f'$SLURM_JOB_NODELIST; status in $run_dir"']
-    srun = "srun --mpi=pmi2 --kill-on-bad-exit=1"
-    if sl.launcher == "mpiexec":
-        lines.append(f"cd {shlex.quote(workdir)}")
-    else:
-        for job in spec.jobs:
-            lines += [f'cat > "$run_dir/job-{job.name}.sh" <<\'{_EOF}\'',
-                      job_wrapper(job, workdir).rstrip("\n"), _EOF]
-    if spec.plan.mode == "sequential":
-        for job in spec.jobs:
-            env = (f'env HPCSTAGGER_ONLY_JOBS={job.name} HPCSTAGGER_PLAN_MODE=simultaneous '
-                   f'HPCSTAGGER_RUN_DIR="$run_dir/{job.name}"')
-            lines.append(f'mkdir -p "$run_dir/{job.name}"')
-            if sl.launcher == "srun":
-                lines.append(f'step {env} {srun} --ntasks={job.ranks} bash "$run_dir/job-{job.name}.sh"')
-            else:
-                lines.append(f"step {env} mpiexec -n {job.ranks} {_env_command(job)}")
-    elif sl.launcher == "srun":
-        conf = multiprog_conf(spec, lambda name: f"$run_dir/job-{name}.sh").rstrip("\n").split("\n")
-        lines += [f'cat > "$run_dir/multiprog.conf" <<{_EOF}', *conf, _EOF,
-                  f'step env HPCSTAGGER_RUN_DIR="$run_dir" {srun} --multi-prog "$run_dir/multiprog.conf"']
-    else:
-        parts = [f"-n {job.ranks} {_env_command(job)}" for job in spec.jobs]
-        lines.append('step env HPCSTAGGER_RUN_DIR="$run_dir" mpiexec ' + " : ".join(parts))
-    lines += ['hpcstagger status "$HPCSTAGGER_SPEC" "$run_dir" || true', 'exit "$rc"']
-    return "\n".join(lines) + "\n"
-
-
-def _env_command(job: Any) -> str:
-    env = " ".join(shlex.quote(f"{k}={v}") for k, v in {"HPCSTAGGER_JOB": job.name, **job.env}.items())
-    return f"env {env} {shlex.join(job.command)}"

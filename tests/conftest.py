@@ -66,7 +66,7 @@ def run_cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None,
 RANK_PROBE = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    from hpcstagger.coordinator import init
+    from hpcstagger import init
     s = init()
     line = f"{s.job} rank {s.rank}/{s.comm.size} argv={sys.argv[1:]}"
     print(line, flush=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import BIN, cli_env, remove_stale_mpich_segments
-from hpcstagger.coordinator import resolve_job
+from hpcstagger.colocated.coordinator import resolve_job
 from hpcstagger.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(180)
@@ -23,7 +23,7 @@ PROBE = textwrap.dedent("""
     from mpi4py import MPI  # MPI_Init waits for every rank, so a stall is modelled after it
     time.sleep(float(os.environ.get("PAUSE_BEFORE_INIT", "0")))
     import hpcstagger
-    from hpcstagger.coordinator import init
+    from hpcstagger import init
     s = init(timeout=float(os.environ.get("INIT_TIMEOUT", "60")), backend="none",
              calibration=lambda: {"sample_time": 0.001})
     started = s.elapsed()

@@ -9,14 +9,14 @@ import pytest
 
 from conftest import run_cli
 from hpcstagger.errors import ConfigError
-from hpcstagger.launch import mpmd_command, parse_delays
-from hpcstagger.spec import Spec
+from hpcstagger.colocated.launch import mpmd_command, parse_delays
+from hpcstagger.colocated.spec import Spec
 
 pytestmark = pytest.mark.timeout(180)
 
 WORK = textwrap.dedent("""
     import os, time
-    from hpcstagger.coordinator import init
+    from hpcstagger import init
     s = init()
     if os.environ.get("FAIL_JOB") == s.job and s.rank == s.comm.size - 1:
         raise ValueError("loss is NaN at step 7")
@@ -120,7 +120,7 @@ def test_mpmd_command_is_pure(tmp_path):
     ({"SLURM_PROCID": "1", "SLURM_HET_SIZE": "2", "SLURM_NTASKS_HET_GROUP_0": "1", "SLURM_NTASKS_HET_GROUP_1": "2"}, "b"),
 ])
 def test_exec_job_picks_the_rank_s_job(tmp_path, env, job):
-    from hpcstagger.launch import exec_job
+    from hpcstagger.colocated.launch import exec_job
 
     spec = Spec.from_toml(_spec(tmp_path))
     argv, out_env, cwd = exec_job(spec, env)
@@ -130,7 +130,7 @@ def test_exec_job_picks_the_rank_s_job(tmp_path, env, job):
 
 
 def test_exec_job_errors(tmp_path):
-    from hpcstagger.launch import exec_job
+    from hpcstagger.colocated.launch import exec_job
 
     spec = Spec.from_toml(_spec(tmp_path))
     with pytest.raises(ConfigError, match="cannot tell this rank's job"):

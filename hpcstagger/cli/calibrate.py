@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     cache = load_factory(args.cache, "cache") if args.cache else None
     private_cache = None
     if args.spec:
-        from ..spec import Spec
+        from ..colocated.spec import Spec
 
         if args.source:
             raise ConfigError("give the source with --spec or with --source, not both")

@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from .._text import table
+from ..colocated.spec import PLAN_MODES
 
 
 def register(sub: Any) -> None:
@@ -18,7 +19,7 @@ def register(sub: Any) -> None:
                                    "jobs back; afterwards each job's start, finish and the makespan are "
                                    "printed. Mode sequential runs the jobs one after another instead.")
     p.add_argument("spec", help="the job spec (TOML)")
-    p.add_argument("--mode", choices=["plan", "simultaneous", "sequential", "fixed"],
+    p.add_argument("--mode", choices=PLAN_MODES,
                    help="override the spec's [plan] mode")
     p.add_argument("--delays", metavar="JOB=S,...", help="fixed start delays, e.g. a=0,b=12.5 (implies --mode fixed)")
     p.add_argument("--timeout", type=float, metavar="S", help="stop the run after S seconds (default [run] timeout)")
@@ -47,8 +48,8 @@ def register(sub: Any) -> None:
 def run_exec(args: argparse.Namespace) -> int:
     import os
 
-    from ..launch import exec_job
-    from ..spec import Spec
+    from ..colocated.launch import exec_job
+    from ..colocated.spec import Spec
 
     spec = Spec.from_toml(args.spec)
     argv, env, cwd = exec_job(spec)
@@ -61,8 +62,8 @@ def run_status(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ..errors import ConfigError
-    from ..launch import collect_results
-    from ..spec import Spec
+    from ..colocated.launch import collect_results
+    from ..colocated.spec import Spec
 
     spec = Spec.from_toml(args.spec)
     if args.run_dir:
@@ -105,8 +106,8 @@ def format_result(result: Any) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import LaunchError
-    from ..launch import launch, mpmd_command, parse_delays
-    from ..spec import Spec
+    from ..colocated.launch import launch, mpmd_command, parse_delays
+    from ..colocated.spec import Spec
 
     spec = Spec.from_toml(args.spec)
     delays = parse_delays(args.delays) if args.delays else None

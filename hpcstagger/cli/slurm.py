@@ -40,14 +40,14 @@ def register(sub: Any) -> None:
 
 def _render(spec: Any) -> str:
     from .._version import __version__
-    from ..slurm import render_batch
+    from ..colocated.batch import render_batch
 
     return render_batch(spec, python_bin=os.path.dirname(sys.executable), version=__version__)
 
 
 def run_render(args: argparse.Namespace) -> int:
     from .._io import atomic_write
-    from ..spec import Spec
+    from ..colocated.spec import Spec
 
     text = _render(Spec.from_toml(args.spec))
     if args.out:
@@ -61,9 +61,9 @@ def run_render(args: argparse.Namespace) -> int:
 def run_submit(args: argparse.Namespace) -> int:
     from .._io import atomic_write
     from ..errors import LaunchError
-    from ..launch import collect_results
+    from ..colocated.launch import collect_results
     from ..slurm import submit, wait_for_job
-    from ..spec import Spec
+    from ..colocated.spec import Spec
     from .launch import format_result
 
     spec = Spec.from_toml(args.spec)
@@ -95,7 +95,7 @@ def slurm_run_dir(workdir: str, job_id: str) -> str:
 
 def run_run_dir(args: argparse.Namespace) -> int:
     from ..errors import ConfigError
-    from ..spec import Spec
+    from ..colocated.spec import Spec
 
     job_id = args.job_id or os.environ.get("SLURM_JOB_ID", "")
     if not job_id:

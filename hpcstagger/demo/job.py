@@ -226,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     import hpcstagger
     from hpcstagger.cache import CachedDataset
-    from hpcstagger.spec import Spec
+    from hpcstagger.colocated.spec import Spec
 
     # Everything local to this job is built before joining the run: the plan's clock starts after.
     spec = Spec.from_toml(os.environ["HPCSTAGGER_SPEC"])

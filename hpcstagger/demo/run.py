@@ -151,9 +151,9 @@ def _reset_shared_state() -> None:
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """Run the whole demo; return its results (also written to ``<workdir>/demo.json``)."""
-    from ..launch import launch
+    from ..colocated.launch import launch
     from ..model import Scenario, optimal_plan, predict
-    from ..spec import Spec
+    from ..colocated.spec import Spec
 
     started = time.monotonic()
     work = Path(cfg.workdir).resolve()

@@ -25,7 +25,6 @@ stage, so ``hpcstagger launch`` can say which job failed and how long each one t
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import socket
@@ -34,25 +33,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from . import _io, config
+from .. import _io, config
+from ..comm import Comm, as_comm
+from ..errors import CollectiveError, CollectiveTimeout, ConfigError
+from . import env as E
 from ._rendezvous import rendezvous
-from .comm import Comm, as_comm
-from .errors import CollectiveError, CollectiveTimeout, ConfigError
+from .planning import plan_delays
 from .spec import Spec
 
-__all__ = ["Session", "init", "resolve_job", "ENV_SPEC", "ENV_JOB", "ENV_MODE", "ENV_DELAYS", "ENV_RUN_DIR",
-           "ENV_ONLY"]
+__all__ = ["Session", "init", "resolve_job"]
 
 log = logging.getLogger(__name__)
 
-ENV_SPEC = "HPCSTAGGER_SPEC"        # path of the job spec
-ENV_JOB = "HPCSTAGGER_JOB"          # this rank's job: a name, or an index into the spec's jobs
-ENV_MODE = "HPCSTAGGER_PLAN_MODE"   # overrides [plan] mode (hpcstagger launch --mode)
-ENV_DELAYS = "HPCSTAGGER_DELAYS"    # JSON {job: seconds}, for mode "fixed" (hpcstagger launch --delays)
-ENV_RUN_DIR = "HPCSTAGGER_RUN_DIR"  # where status files go (default: <workdir>/status)
-ENV_ONLY = "HPCSTAGGER_ONLY_JOBS"   # comma-separated: this launch runs only these jobs of the spec
-
-PLAN_MODES_IN_WORLD = ("plan", "simultaneous", "fixed")
 
 IdleWork = Callable[[float], bool]
 """Work done while a job waits: called with the seconds left, does a bounded step, returns whether
@@ -78,8 +70,8 @@ def resolve_job(names: Sequence[str], *, explicit: str | None = None,
 
     if explicit is not None:
         return pick(explicit, "job")
-    if env.get(ENV_JOB):
-        return pick(env[ENV_JOB], ENV_JOB)
+    if env.get(E.JOB):
+        return pick(env[E.JOB], E.JOB)
     for value, source in ((appnum, "the MPMD application number"),
                           (het_component, "the heterogeneous-job component")):
         if value is not None:
@@ -90,7 +82,7 @@ def resolve_job(names: Sequence[str], *, explicit: str | None = None,
     if len(names) == 1:
         return 0
     raise ConfigError(f"cannot tell which job this rank belongs to among {', '.join(names)}: launch with "
-                      f"MPMD mpiexec or srun --multi-prog, or set {ENV_JOB}")
+                      f"MPMD mpiexec or srun --multi-prog, or set {E.JOB}")
 
 
 @dataclass
@@ -153,7 +145,7 @@ class Session:
         return self.spec
 
     def source(self) -> Any:
-        """The spec's ``[dataset]`` as a source (see :meth:`hpcstagger.spec.Spec.make_source`)."""
+        """The spec's ``[dataset]`` as a source (see :meth:`hpcstagger.colocated.spec.Spec.make_source`)."""
         return self._need_spec("source").make_source()
 
     def cache(self) -> Any:
@@ -200,11 +192,11 @@ class Session:
         backend = backend or self.backend
         t = time.perf_counter()
         if backend == "horovod":
-            from .integrations.horovod import init as init_horovod
+            from ..integrations.horovod import init as init_horovod
 
             init_horovod(self.comm)
         elif backend == "ddp":
-            from .integrations.torch_ddp import init_process_group
+            from ..integrations.torch_ddp import init_process_group
 
             init_process_group(self.comm)
         elif backend != "none":
@@ -246,9 +238,9 @@ def _appnum(world: Comm) -> int | None:
 
 def _load_spec(spec: Spec | str | os.PathLike[str] | None) -> Spec | None:
     if not isinstance(spec, Spec):
-        path = spec if spec is not None else os.environ.get(ENV_SPEC)
+        path = spec if spec is not None else os.environ.get(E.SPEC)
         spec = Spec.from_toml(path) if path else None
-    only = os.environ.get(ENV_ONLY)
+    only = os.environ.get(E.ONLY)
     if spec is not None and only:
         spec = spec.only([n for n in only.split(",") if n])
     return spec
@@ -302,7 +294,7 @@ def init(spec: Spec | str | os.PathLike[str] | None = None, *, job: str | None =
          fail_fast: bool = True) -> Session:
     """Join the co-located run: identify the job, plan, wait out the delay, start the backend.
 
-    ``spec`` is a :class:`~hpcstagger.spec.Spec` or the path of one (default ``HPCSTAGGER_SPEC``);
+    ``spec`` is a :class:`~hpcstagger.colocated.spec.Spec` or the path of one (default ``HPCSTAGGER_SPEC``);
     without a spec every MPMD part (or ``HPCSTAGGER_JOB`` value) is its own job and all start at
     once. ``calibration`` (a dict, or a function called on the job's leader only) reports the job's
     measured ``sample_time`` to the planner. ``backend`` overrides the spec's (``"none"`` skips it).
@@ -338,42 +330,60 @@ def _init(spec: Spec | str | os.PathLike[str] | None, *, job: str | None,
           calibration: Mapping[str, float] | Callable[[], Mapping[str, float]] | None,
           backend: str | None, wait: bool, idle_work: Sequence[IdleWork], world: Comm,
           timeout: float | None, verbose: bool, fail_fast: bool) -> Session:
-    from . import slurm
-
     t_begin = time.perf_counter()
     spec_obj = _load_spec(spec)
     limit = float(timeout if timeout is not None else config.get("collective_timeout"))
     timings: dict[str, float] = {}
+    name = _identify(spec_obj, job, world)
+    jobs, index, comm = _meet_and_split(world, spec_obj, name, limit, timings)
+    decided = _exchange_plan(world, comm, spec_obj, name, list(jobs), calibration, limit, timings)
+    t0 = time.time()
+    timings["init"] = time.perf_counter() - t_begin
+    session = _open_session(world, comm, spec_obj, name, index, jobs, decided, t0, timings, backend, verbose)
+    if fail_fast:
+        _install_fail_fast(session)
+    atexit.register(_record_exit, session)
+    session.write_status("planned")
+    _announce(session, decided)
+    if wait:
+        session.wait(idle_work)
+        session.start_backend()
+    return session
 
-    # 1. identity
-    names = list(spec_obj.job_names) if spec_obj else []
+
+def _identify(spec: Spec | None, job: str | None, world: Comm) -> str:
+    """Step 1: this rank's job name (see :func:`resolve_job`)."""
+    from .. import slurm
+
     appnum = _appnum(world)
-    if spec_obj:
-        index = resolve_job(names, explicit=job, appnum=appnum, het_component=slurm.het_component())
-        name = names[index]
-    else:
-        name = job or os.environ.get(ENV_JOB) or (f"job{appnum}" if appnum is not None else "job0")
-        index = -1
+    if spec:
+        names = list(spec.job_names)
+        return names[resolve_job(names, explicit=job, appnum=appnum, het_component=slurm.het_component())]
+    return job or os.environ.get(E.JOB) or (f"job{appnum}" if appnum is not None else "job0")
 
-    # 2. rendezvous: every rank says who it is; rank 0 checks the layout against the spec
+
+def _meet_and_split(world: Comm, spec: Spec | None, name: str, limit: float,
+                    timings: dict[str, float]) -> tuple[dict[str, list[int]], int, Comm]:
+    """Step 2: every rank says who it is; world rank 0 checks the layout against the spec; the world
+    splits into one communicator per job. Returns ``({job: world ranks}, job index, job comm)``."""
     t = time.perf_counter()
 
     def describe_missing(ranks: list[int]) -> str:
-        if not spec_obj:
+        if not spec:
             return f"world rank(s) {ranks}"
-        owners = sorted({j.name for j, first in spec_obj.layout() for r in ranks if first <= r < first + j.ranks})
+        owners = sorted({j.name for j, first in spec.layout() for r in ranks if first <= r < first + j.ranks})
         return f"world rank(s) {ranks} (job(s) {', '.join(repr(o) for o in owners)} by the spec's layout)"
 
     def assign(hellos: list[Any]) -> dict[int, Any]:
         by_job: dict[str, list[int]] = {}
         for r, h in enumerate(hellos):
             by_job.setdefault(h["job"], []).append(r)
-        if spec_obj:
+        if spec:
             problems = [f"job {j.name!r} has {len(by_job.get(j.name, []))} rank(s), the spec says {j.ranks}"
-                        for j in spec_obj.jobs if len(by_job.get(j.name, [])) != j.ranks]
+                        for j in spec.jobs if len(by_job.get(j.name, [])) != j.ranks]
             if problems:
                 raise ConfigError("; ".join(problems) + "; launch each job with its spec's number of ranks")
-            order = names
+            order = list(spec.job_names)
         else:
             order = sorted(by_job, key=lambda n: by_job[n][0])
         return {r: {"jobs": {n: by_job[n] for n in order}, "color": order.index(hellos[r]["job"])}
@@ -383,134 +393,54 @@ def _init(spec: Spec | str | os.PathLike[str] | None, *, job: str | None,
     layout = rendezvous(world, hello, assign, timeout=limit, describe_missing=describe_missing,
                         what="hpcstagger.init")
     timings["rendezvous"] = time.perf_counter() - t
-    jobs: dict[str, list[int]] = layout["jobs"]
-    order = list(jobs)
     index = layout["color"]
-
     t = time.perf_counter()
     comm = world.split(index, key=world.rank, timeout=limit) if world.is_mpi else Comm.single()
     assert comm is not None
     timings["split"] = time.perf_counter() - t
+    return layout["jobs"], index, comm
 
-    # 3. calibration on each job's leader, plan on world rank 0
+
+def _exchange_plan(world: Comm, comm: Comm, spec: Spec | None, name: str, order: list[str],
+                   calibration: Mapping[str, float] | Callable[[], Mapping[str, float]] | None,
+                   limit: float, timings: dict[str, float]) -> dict[str, Any]:
+    """Step 3: each job's leader calibrates; world rank 0 plans with every calibration
+    (:func:`~hpcstagger.colocated.planning.plan_delays`) and every rank gets the decision."""
     t = time.perf_counter()
     calib = _calibration_of(calibration) if comm.rank == 0 else {}
     timings["calibration"] = time.perf_counter() - t
-    mode = os.environ.get(ENV_MODE) or (spec_obj.plan.mode if spec_obj else "simultaneous")
+    mode = os.environ.get(E.MODE) or (spec.plan.mode if spec else "simultaneous")
+    fixed = E.decode_delays(os.environ)
 
     def plan(hellos: list[Any]) -> dict[int, Any]:
         leaders = {h["job"]: h["calibration"] for h in hellos if h["leader"]}
-        decided = _plan_delays(spec_obj, order, leaders, mode)
+        decided = plan_delays(spec, order, leaders, mode, fixed=fixed)
         return {r: decided for r in range(len(hellos))}
 
     t = time.perf_counter()
     decided = rendezvous(world, {"job": name, "leader": comm.rank == 0, "calibration": calib}, plan,
                          timeout=limit, what="hpcstagger.init planning")
     timings["plan_exchange"] = time.perf_counter() - t
-    t0 = time.time()
-    timings["init"] = time.perf_counter() - t_begin
+    return decided
 
-    run_dir = os.environ.get(ENV_RUN_DIR) or (os.path.join(spec_obj.run.workdir, "status") if spec_obj else "")
+
+def _open_session(world: Comm, comm: Comm, spec: Spec | None, name: str, index: int,
+                  jobs: dict[str, list[int]], decided: dict[str, Any], t0: float, timings: dict[str, float],
+                  backend: str | None, verbose: bool) -> Session:
+    """Step 4: the Session, with its status directory (``HPCSTAGGER_RUN_DIR``, else <workdir>/status)."""
+    run_dir = os.environ.get(E.RUN_DIR) or (os.path.join(spec.run.workdir, "status") if spec else "")
     if run_dir:
         os.makedirs(run_dir, exist_ok=True)
-    job_backend = backend or (spec_obj.job(name).backend if spec_obj else "none")
-    session = Session(world=world, comm=comm, job=name, job_index=index, jobs=jobs, delays=decided["delays"],
-                      mode=decided["mode"], plan=decided, spec=spec_obj, t0=t0, timings=timings,
-                      run_dir=run_dir, backend=job_backend, verbose=verbose)
-    if fail_fast:
-        _install_fail_fast(session)
-    atexit.register(_record_exit, session)
-    session.write_status("planned")
+    job_backend = backend or (spec.job(name).backend if spec else "none")
+    return Session(world=world, comm=comm, job=name, job_index=index, jobs=jobs, delays=decided["delays"],
+                   mode=decided["mode"], plan=decided, spec=spec, t0=t0, timings=timings,
+                   run_dir=run_dir, backend=job_backend, verbose=verbose)
+
+
+def _announce(session: Session, decided: Mapping[str, Any]) -> None:
     summary = ", ".join(f"{n} +{d:.1f}s" for n, d in decided["delays"].items())
     extra = ""
     if decided.get("predicted"):
         p = decided["predicted"]
         extra = "; predicted makespan " + ", ".join(f"{k} {v:.1f}s" for k, v in p.items())
     session.say(f"mode {decided['mode']}: delays {summary}{extra} (coordinator {session.overhead * 1000:.0f} ms)")
-    if wait:
-        session.wait(idle_work)
-        session.start_backend()
-    return session
-
-
-def _plan_delays(spec: Spec | None, order: list[str], calibrations: Mapping[str, Mapping[str, float]],
-                 mode: str) -> dict[str, Any]:
-    """The delays for ``mode`` (run on world rank 0), and what the model predicts when it can.
-
-    With a calibrated scenario (``[plan] scenario``), every mode also reports the predicted
-    makespan of its delays and of the plan, a simultaneous start and sequential runs
-    (``predicted``), and the scenario it used, with each job's own calibration in it
-    (``scenario``).
-    """
-    if mode not in PLAN_MODES_IN_WORLD:
-        if mode == "sequential":
-            raise ConfigError("plan mode 'sequential' runs the jobs one after another, each in its own launch: "
-                              "use 'hpcstagger launch --mode sequential' (or the rendered Slurm script), not "
-                              "one MPI world")
-        raise ConfigError(f"plan mode must be plan, simultaneous, sequential or fixed, not {mode!r}")
-    delays = {n: 0.0 for n in order}
-    if mode == "fixed":
-        fixed = dict(json.loads(os.environ[ENV_DELAYS])) if os.environ.get(ENV_DELAYS) else (
-            dict(spec.plan.delays) if spec else {})
-        unknown = sorted(set(fixed) - set(order))
-        if unknown:
-            raise ConfigError(f"fixed delays name unknown job(s) {', '.join(unknown)}; jobs: {', '.join(order)}")
-        delays = {n: float(fixed.get(n, 0.0)) for n in order}
-    out: dict[str, Any] = {"mode": mode, "delays": delays,
-                           "calibrations": {n: dict(c) for n, c in calibrations.items()}}
-    if spec is None or not spec.plan.scenario:
-        if mode == "plan" and len(order) > 1:
-            raise ConfigError("plan mode 'plan' needs a calibrated scenario: run 'hpcstagger calibrate' and set "
-                              "[plan] scenario in the spec, or choose mode 'simultaneous' or 'fixed'")
-        return out
-    from .model import optimal_plan, predict
-
-    scenario = _scenario_for(spec, order, calibrations)
-    p = optimal_plan(scenario, max_delay=spec.plan.max_delay)
-    if mode == "plan":
-        out["delays"] = {n: float(p.delays.get(n, 0.0)) for n in order}
-    out["predicted"] = {"plan": float(p.makespan), "simultaneous": float(p.simultaneous),
-                        "sequential": float(p.sequential),
-                        mode: float(p.makespan) if mode == "plan" else float(predict(scenario, out["delays"]).makespan)}
-    out["scenario"] = scenario.to_dict()
-    out["curve"] = p.to_dict()["curve"]
-    return out
-
-
-def _scenario_for(spec: Spec | None, order: list[str], calibrations: Mapping[str, Mapping[str, float]]) -> Any:
-    """The scenario to plan with: the spec's calibrated scenario file, with each job's epochs from
-    the spec and its sample time from the job's own calibration when it sent one.
-
-    A job's calibration may also report ``miss_overhead``: seconds each read that goes to the source
-    costs the job beyond the source's own time (its cache insert, its loader's work). The source is
-    then planned with the bandwidth the jobs actually see: with ``k`` readers each read of ``S``
-    bytes takes ``S * k / bandwidth[k-1] + overhead``, the mean of the reported overheads.
-    """
-    from .model import Scenario
-
-    if spec is None or not spec.plan.scenario:
-        raise ConfigError("plan mode 'plan' needs a calibrated scenario: run 'hpcstagger calibrate' and set "
-                          "[plan] scenario in the spec, or choose mode 'simultaneous' or 'fixed'")
-    base = Scenario.from_toml(spec.plan.scenario).to_dict()
-    known = {j["name"]: j for j in base.get("job", [])}
-    jobs = []
-    for name in order:
-        entry = dict(known.get(name, {}))
-        js = spec.job(name)
-        entry["name"] = name
-        entry["epochs"] = js.epochs
-        measured = calibrations.get(name, {}).get("sample_time")
-        sample_time = measured or js.sample_time or entry.get("sample_time")
-        if not sample_time:
-            raise ConfigError(f"no sample_time for job {name!r}: the scenario {spec.plan.scenario} lacks it, the spec "
-                              "gives none, and the job sent no calibration")
-        entry["sample_time"] = float(sample_time)
-        jobs.append(entry)
-    base["job"] = jobs
-    overheads = [float(c["miss_overhead"]) for c in calibrations.values() if c.get("miss_overhead", 0) > 0]
-    if overheads:
-        o = sum(overheads) / len(overheads)
-        size = float(base["dataset"]["sample_bytes"])
-        base["storage"]["bandwidth"] = [k * size / (k * size / float(b) + o)
-                                        for k, b in enumerate(base["storage"]["bandwidth"], start=1)]
-    return Scenario.from_dict(base)

@@ -54,13 +54,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from . import _schema as S
-from .errors import ConfigError
+from .. import _schema as S
+from ..errors import ConfigError
 
 __all__ = ["Spec", "RunSpec", "DatasetSpec", "CacheSpec", "CheckpointSpec", "PlanSpec", "SlurmSpec",
            "JobSpec", "PLAN_MODES", "BACKENDS"]
 
 PLAN_MODES = ("plan", "simultaneous", "sequential", "fixed")
+PLAN_MODES_IN_WORLD = ("plan", "simultaneous", "fixed")  # sequential is one launch per job
 BACKENDS = ("ddp", "horovod", "none")
 _NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
 _NAME_HINT = "use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
@@ -321,7 +322,7 @@ class Spec:
         ds = self.dataset
         if not ds.path:
             raise ConfigError("the spec has no [dataset] path; set it, or build your own source")
-        from .cache import DirectorySource, HDF5Source, ThrottledSource
+        from ..cache import DirectorySource, HDF5Source, ThrottledSource
 
         base: Any = HDF5Source(ds.path, ds.name) if ds.format == "hdf5" else DirectorySource(ds.path, ds.pattern)
         if ds.throttle:
@@ -334,7 +335,7 @@ class Spec:
         c = self.cache
         if c.capacity <= 0 or c.policy == "none":
             return None
-        from .cache import ShmCache
+        from ..cache import ShmCache
 
         return ShmCache(c.name, c.capacity, policy=c.policy, root=c.root or None)
 

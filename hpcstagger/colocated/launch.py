@@ -3,7 +3,7 @@
 :func:`mpmd_command` is pure (spec in, argv out). :func:`launch` runs it: one MPMD ``mpiexec`` for
 the modes plan, simultaneous and fixed (every job in one MPI world, the coordinator in
 :func:`hpcstagger.init` holding each back for its delay), or one ``mpiexec`` per job, one after
-another, for mode sequential. Each rank writes status files (see :mod:`hpcstagger.coordinator`),
+another, for mode sequential. Each rank writes status files (see :mod:`hpcstagger.colocated.coordinator`),
 from which :func:`collect_results` computes each job's start and finish and the makespan, measured
 from the run's time zero (when the plan reached the ranks), so process start-up is left out.
 """
@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ._shm import remove_stale_mpich_segments
-from .coordinator import ENV_DELAYS, ENV_JOB, ENV_MODE, ENV_ONLY, ENV_RUN_DIR, ENV_SPEC
-from .errors import ConfigError, LaunchError
+from .._shm import remove_stale_mpich_segments
+from . import env as E
+from ..errors import ConfigError, LaunchError
 from .spec import PLAN_MODES, JobSpec, Spec
 
 __all__ = ["JobResult", "RunResult", "mpmd_command", "launch", "collect_results", "parse_delays", "exec_job"]
@@ -117,7 +117,7 @@ def _job_argv(job: JobSpec, python: str) -> list[str]:
     cmd = list(job.command)
     if cmd[0] in ("python", "python3"):
         cmd[0] = python  # the interpreter hpcstagger runs under, so the job sees the same packages
-    env = [f"{ENV_JOB}={job.name}", *(f"{k}={v}" for k, v in job.env.items())]
+    env = [f"{E.JOB}={job.name}", *(f"{k}={v}" for k, v in job.env.items())]
     return ["env", *env, *cmd]
 
 
@@ -146,11 +146,11 @@ def exec_job(spec: Spec, environ: Mapping[str, str] | None = None) -> tuple[list
     Raises ConfigError when none of them tells.
     """
     from .coordinator import resolve_job
-    from .slurm import het_component
+    from ..slurm import het_component
 
     env = dict(os.environ if environ is None else environ)
     names = list(spec.job_names)
-    if not env.get(ENV_JOB) and het_component(env) is None:
+    if not env.get(E.JOB) and het_component(env) is None:
         rank_text = env.get("SLURM_PROCID") or env.get("PMI_RANK") or env.get("OMPI_COMM_WORLD_RANK")
         if rank_text is None or not rank_text.isdigit():
             raise ConfigError("hpcstagger exec cannot tell this rank's job: set HPCSTAGGER_JOB, or start it "
@@ -160,12 +160,12 @@ def exec_job(spec: Spec, environ: Mapping[str, str] | None = None) -> tuple[list
         if owner is None:
             raise ConfigError(f"rank {rank} is beyond the spec's {spec.total_ranks} rank(s); launch exactly "
                               f"{spec.total_ranks} tasks")
-        env[ENV_JOB] = owner
+        env[E.JOB] = owner
     index = resolve_job(names, environ=env, het_component=het_component(env))
     job = spec.jobs[index]
     env.update(job.env)
-    env[ENV_JOB] = job.name
-    env.setdefault(ENV_SPEC, spec.path)
+    env[E.JOB] = job.name
+    env.setdefault(E.SPEC, spec.path)
     return list(job.command), env, os.path.dirname(spec.path) or "."
 
 
@@ -285,7 +285,7 @@ def _run(argv: list[str], env: dict[str, str], timeout: float, cwd: str) -> int:
 
 def _srun_commands(spec: Spec, run_dir: Path, jobs: Sequence[str] | None) -> list[str]:
     """Write the per-job wrappers (and the multi-prog file) into ``run_dir``; return the srun argv."""
-    from .slurm import job_wrapper, multiprog_conf
+    from .batch import job_wrapper, multiprog_conf
 
     exe = shutil.which("srun")
     if not exe or not os.environ.get("SLURM_JOB_ID"):
@@ -332,11 +332,11 @@ def launch(spec: Spec, *, mode: str | None = None, delays: Mapping[str, float] |
     stamp = run_name or f"{time.strftime('%Y%m%d-%H%M%S')}-{mode}"
     run_dir = Path(spec.run.workdir) / "runs" / stamp
     run_dir.mkdir(parents=True, exist_ok=True)
-    base_env = {**os.environ, **(env or {}), ENV_SPEC: spec.path, ENV_MODE: mode}
+    base_env = {**os.environ, **(env or {}), E.SPEC: spec.path, E.MODE: mode}
     base_env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), base_env.get("PATH", "")])
     base_env.pop("MPIR_CVAR_PMI_VERSION", None)
     if delays:
-        base_env[ENV_DELAYS] = json.dumps(dict(delays))
+        base_env[E.DELAYS] = E.encode_delays(delays)
     limit = float(timeout or spec.run.timeout)
     cwd = os.path.dirname(spec.path)
     start = time.monotonic()
@@ -346,7 +346,7 @@ def launch(spec: Spec, *, mode: str | None = None, delays: Mapping[str, float] |
         return mpmd_command(spec, mpiexec=exe, jobs=jobs)
 
     if mode != "sequential":
-        rc = _run(command(None, run_dir), {**base_env, ENV_RUN_DIR: str(run_dir)}, limit, cwd)
+        rc = _run(command(None, run_dir), {**base_env, E.RUN_DIR: str(run_dir)}, limit, cwd)
         result = collect_results(spec, run_dir, mode=mode, returncode=rc)
     else:
         rc = 0
@@ -354,13 +354,13 @@ def launch(spec: Spec, *, mode: str | None = None, delays: Mapping[str, float] |
             sub = run_dir / job.name
             sub.mkdir(exist_ok=True)
             left = limit - (time.monotonic() - start)
-            job_env = {**base_env, ENV_RUN_DIR: str(sub), ENV_ONLY: job.name, ENV_MODE: "simultaneous"}
+            job_env = {**base_env, E.RUN_DIR: str(sub), E.ONLY: job.name, E.MODE: "simultaneous"}
             rc = _run(command([job.name], sub), job_env, max(left, 1.0), cwd)
             if rc != 0 or collect_results(spec, sub, jobs=[job.name]).jobs[job.name].state != "done":
                 break
         result = collect_results(spec, run_dir, returncode=rc)
     result.wall = time.monotonic() - start
-    from . import _io
+    from .. import _io
 
     _io.atomic_write_json(run_dir / "result.json", result.to_dict(), durable=False)
     return result

@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Mapping
 
-from .comm import Comm, mpi_module
-from .errors import CollectiveError, CollectiveTimeout
+from ..comm import Comm, mpi_module
+from ..errors import CollectiveError, CollectiveTimeout
 
 __all__ = ["rendezvous"]
 

@@ -1,0 +1,105 @@
+"""The planning step of a co-located run as a pure function: modes, fixed delays, the calibrated
+scenario, and the miss-overhead correction of the source's bandwidth."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from hpcstagger.colocated.planning import plan_delays, scenario_for
+from hpcstagger.colocated.spec import PLAN_MODES, Spec
+from hpcstagger.errors import ConfigError
+from hpcstagger.model import Scenario, predict
+
+SCENARIO = textwrap.dedent("""
+    [dataset]
+    samples = 200
+    sample_bytes = 1000
+    [storage]
+    bandwidth = [1.0e6, 1.5e6]
+    [cache]
+    capacity = 2.0e5
+    [[job]]
+    name = "a"
+    sample_time = 0.0005
+""")
+
+
+def _spec(tmp_path, *, scenario=True, delays="{ b = 2.0 }", b_sample_time=""):
+    (tmp_path / "s.toml").write_text(SCENARIO)
+    return Spec.from_dict({
+        "run": {"name": "p"},
+        "plan": {"mode": "plan", "delays": {"b": 2.0} if delays else {}, **({"scenario": "s.toml"} if scenario else {})},
+        "job": [{"name": "a", "command": "python a.py", "epochs": 2},
+                {"name": "b", "command": "python b.py", **({"sample_time": b_sample_time} if b_sample_time else {})}],
+    }, base_dir=tmp_path)
+
+
+def test_simultaneous_and_fixed_without_a_model(tmp_path):
+    spec = _spec(tmp_path, scenario=False)
+    out = plan_delays(spec, ["a", "b"], {}, "simultaneous")
+    assert out["delays"] == {"a": 0.0, "b": 0.0} and out["mode"] == "simultaneous" and "predicted" not in out
+    assert plan_delays(spec, ["a", "b"], {}, "fixed")["delays"] == {"a": 0.0, "b": 2.0}  # the spec's delays
+    # fixed delays passed in (the launcher's --delays) win over the spec's
+    assert plan_delays(spec, ["a", "b"], {}, "fixed", fixed={"a": 1.5})["delays"] == {"a": 1.5, "b": 0.0}
+    with pytest.raises(ConfigError, match="fixed delays name unknown job"):
+        plan_delays(spec, ["a", "b"], {}, "fixed", fixed={"z": 1.0})
+
+
+def test_modes_that_cannot_run_in_one_world(tmp_path):
+    spec = _spec(tmp_path, scenario=False)
+    with pytest.raises(ConfigError, match="'sequential' runs the jobs one after another"):
+        plan_delays(spec, ["a", "b"], {}, "sequential")
+    with pytest.raises(ConfigError, match="plan mode must be one of " + ", ".join(PLAN_MODES)):
+        plan_delays(spec, ["a", "b"], {}, "staggered")
+    with pytest.raises(ConfigError, match="needs a calibrated scenario"):
+        plan_delays(spec, ["a", "b"], {}, "plan")
+    assert plan_delays(spec.only(["a"]), ["a"], {}, "plan")["delays"] == {"a": 0.0}  # one job: nothing to plan
+
+
+def test_plan_mode_uses_the_calibrations_and_predicts_every_mode(tmp_path):
+    spec = _spec(tmp_path)
+    calib = {"a": {"sample_time": 0.0004}, "b": {"sample_time": 0.0002}}
+    out = plan_delays(spec, ["a", "b"], calib, "plan")
+    assert set(out["predicted"]) == {"plan", "simultaneous", "sequential"}
+    assert out["predicted"]["plan"] <= out["predicted"]["simultaneous"] + 1e-9
+    assert [j["sample_time"] for j in out["scenario"]["job"]] == [0.0004, 0.0002]
+    assert [j["epochs"] for j in out["scenario"]["job"]] == [2, 1]  # epochs come from the spec
+    assert out["calibrations"] == calib
+    # the plan's predicted makespan is the model's for its delays
+    sc = Scenario.from_dict(out["scenario"])
+    assert predict(sc, out["delays"]).makespan == pytest.approx(out["predicted"]["plan"], rel=1e-9)
+    fixed = plan_delays(spec, ["a", "b"], calib, "fixed")
+    assert fixed["delays"] == {"a": 0.0, "b": 2.0} and fixed["predicted"]["fixed"] == pytest.approx(
+        predict(sc, fixed["delays"]).makespan, rel=1e-9)
+
+
+def test_sample_time_comes_from_calibration_then_spec_then_scenario(tmp_path):
+    spec = _spec(tmp_path, b_sample_time=0.003)
+    sc = scenario_for(spec, ["a", "b"], {})
+    assert [j.sample_time for j in sc.jobs] == [0.0005, 0.003]  # a from the scenario, b from the spec
+    sc = scenario_for(spec, ["a", "b"], {"b": {"sample_time": 0.001}})
+    assert sc.jobs[1].sample_time == 0.001
+    with pytest.raises(ConfigError, match="no sample_time for job 'b'"):
+        scenario_for(_spec(tmp_path), ["a", "b"], {})
+
+
+def test_miss_overhead_slows_the_source_the_jobs_see(tmp_path):
+    """Each read of S bytes with k readers takes S*k/bandwidth[k-1] + overhead (the mean of the
+    jobs' reported overheads), so the planned bandwidth is k*S / (k*S/b + overhead)."""
+    spec = _spec(tmp_path)
+    calib = {"a": {"sample_time": 0.0004, "miss_overhead": 0.0008},
+             "b": {"sample_time": 0.0002, "miss_overhead": 0.0012}}
+    sc = scenario_for(spec, ["a", "b"], calib)
+    o, size = 0.001, 1000.0
+    assert sc.storage.bandwidth == pytest.approx((size / (size / 1.0e6 + o), 2 * size / (2 * size / 1.5e6 + o)))
+    # no overhead reported (or zero): the scenario's bandwidth as calibrated
+    plain = scenario_for(spec, ["a", "b"], {"a": {"sample_time": 0.0004, "miss_overhead": 0.0},
+                                            "b": {"sample_time": 0.0002}})
+    assert plain.storage.bandwidth == (1.0e6, 1.5e6)
+    # and the correction changes the plan's prediction: a slower source, a longer makespan
+    slow = plan_delays(spec, ["a", "b"], calib, "simultaneous")["predicted"]["simultaneous"]
+    fast = plan_delays(spec, ["a", "b"], {k: {"sample_time": v["sample_time"]} for k, v in calib.items()},
+                       "simultaneous")["predicted"]["simultaneous"]
+    assert slow > fast
