@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from local_slurm import LocalSlurm, missing_binaries  # noqa: E402
 
-from hpcstagger._shm import remove_stale_mpich_segments, unheld_entries  # noqa: E402,F401
+from hpcstagger.colocated._shm import remove_stale_mpich_segments, unheld_entries  # noqa: E402,F401
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

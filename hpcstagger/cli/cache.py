@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from .._text import human_bytes, table
+from ._text import human_bytes, table
 
 
 def register(sub: Any) -> None:

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from .._text import human_bytes
+from ._text import human_bytes
 
 
 def register(sub: Any) -> None:

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from .._text import human_bytes
+from ._text import human_bytes
 
 
 def register(sub: Any) -> None:
@@ -28,7 +28,7 @@ def _version(entry: dict[str, Any]) -> str:
 
 
 def format_text(info: dict[str, Any]) -> str:
-    """The human-readable report of :func:`hpcstagger.sysinfo.collect`'s dict."""
+    """The human-readable report of :func:`hpcstagger.cli.sysinfo.collect`'s dict."""
     rows: list[tuple[str, str]] = []
     v = info["versions"]
     rows.append(("python", f"{v['python']['version']} ({v['python']['executable']})"))
@@ -85,7 +85,7 @@ def _render(info: dict[str, Any], as_json: bool) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..sysinfo import collect
+    from .sysinfo import collect
 
     info = collect()
     text = _render(info, args.json)

@@ -8,7 +8,7 @@ import shlex
 import sys
 from typing import Any
 
-from .._text import table
+from ._text import table
 from ..colocated.spec import PLAN_MODES
 
 

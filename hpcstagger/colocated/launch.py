@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .._shm import remove_stale_mpich_segments
+from ._shm import remove_stale_mpich_segments
 from . import env as E
 from ..errors import ConfigError, LaunchError
 from .spec import PLAN_MODES, JobSpec, Spec

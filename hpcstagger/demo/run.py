@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from .. import _io
-from .._text import table
+from ..cli._text import table
 from ..errors import ConfigError
 
 __all__ = ["DemoConfig", "run_demo", "format_table"]
