@@ -30,27 +30,21 @@ arena files instead of reusing the old ones, so a view handed out earlier never 
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import mmap
 import os
-import struct
 import threading
-import time
 import weakref
 from typing import Any
 
 from ..errors import CacheError
-from . import _fs
-
-from ._layout import (ALIGN, COUNTERS, ENTRY_HDR, HEADER_BYTES, H_ARENA_BYTES, H_CAPACITY,
-                      H_CREATED, H_DIRTY, H_ENTRIES, H_GEN, H_HOLES, H_INDEX_SLOTS, H_INDEX_USED,
-                      H_MAGIC, H_MAX_ENTRIES, H_NHOLES, H_NSLOTS, H_POLICY, H_RESERVED,
-                      H_RESERVED_ENTRIES, H_TOP, H_USED, H_VERSION, H_WASTED, LEDGER_BYTES,
-                      LEN_MASK, LIVE, MAGIC, MAX_HOLES, NSLOTS, SLOT, SLOT_WORDS, S_PID, S_RES_GEN,
-                      S_RES_OFF, S_RES_PAYLOAD, S_RES_SIZE, S_START, VERSION, sizes_for)
-
-_FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
+from . import _files, _fs
+from ._layout import (ALIGN, COUNTERS, ENTRY_HDR, HEADER_BYTES, H_ARENA_BYTES, H_CAPACITY, H_DIRTY,
+                      H_ENTRIES, H_GEN, H_HOLES, H_INDEX_SLOTS, H_INDEX_USED, H_MAGIC, H_MAX_ENTRIES,
+                      H_NHOLES, H_NSLOTS, H_POLICY, H_RESERVED, H_RESERVED_ENTRIES, H_TOP, H_USED,
+                      H_VERSION, H_WASTED, LEDGER_BYTES, LEN_MASK, LIVE, MAGIC, MAX_HOLES, NSLOTS,
+                      SLOT, SLOT_WORDS, S_PID, S_RES_GEN, S_RES_OFF, S_RES_PAYLOAD, S_RES_SIZE,
+                      S_START, VERSION)
 
 _open_ledgers: "weakref.WeakSet[Ledger]" = weakref.WeakSet()
 
@@ -87,7 +81,7 @@ class Ledger:
                              "the caches live elsewhere)")
         root_fd = _fs.open_secure_dir(root, create=capacity is not None, what="cache root")
         try:
-            if capacity is None and not _exists(name, root_fd):
+            if capacity is None and not _files.exists(name, root_fd):
                 raise CacheError(f"no cache named {name!r} under {root}; 'hpcstagger cache ls "
                                  f"--root {root}' lists the caches there")
             self.dir_fd = _fs.open_secure_subdir(root_fd, name, root, create=capacity is not None,
@@ -108,11 +102,12 @@ class Ledger:
         lock_fd = self._lockfd()
         fcntl.flock(lock_fd, fcntl.LOCK_EX)  # creation and first attach are serialised
         try:
-            if not _exists("ledger", self.dir_fd):
+            if not _files.exists("ledger", self.dir_fd):
                 if capacity is None:
                     raise CacheError(f"cache {self.name!r} under {self.root} is incomplete (no ledger); "
                                      f"remove it with 'hpcstagger cache clear {self.name}'")
-                self._create(capacity, policy_code, max_entries, stores)
+                _files.create_cache(self.dir_fd, self.path, self.root, capacity, policy_code, max_entries,
+                                    stores)
             self.ledger_fd = self._open_file("ledger")
             st = _fs.check_secure_file(self.ledger_fd, os.path.join(self.path, "ledger"), "cache ledger")
             if st.st_size != LEDGER_BYTES:
@@ -150,57 +145,12 @@ class Ledger:
             fcntl.flock(lock_fd, fcntl.LOCK_UN)
 
     def _open_file(self, name: str) -> int:
-        path = os.path.join(self.path, name)
-        try:
-            return os.open(name, os.O_RDWR | _FILE_FLAGS, dir_fd=self.dir_fd)
-        except FileNotFoundError:
-            raise CacheError(f"cache {self.path} lost its {name}; remove the cache with "
-                             f"'hpcstagger cache clear {self.name}'") from None
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise _fs.symlink_error(path, "cache file") from None
-            raise CacheError(f"cannot open cache file {path}: {exc.strerror}") from None
-
-    def _create(self, capacity: int, policy_code: int, max_entries: int, stores: bool) -> None:
-        for leftover in os.listdir(self.dir_fd):  # a creation that died half way
-            os.unlink(leftover, dir_fd=self.dir_fd)
-        slots, arena = sizes_for(capacity, max_entries, stores)
-        if stores:
-            self._create_file("index.1", slots * SLOT.size, allocate=True)
-            self._create_file("arena.1", arena, allocate=False)
-        header = [0] * (HEADER_BYTES // 8)
-        header[H_MAGIC], header[H_VERSION], header[H_CAPACITY] = MAGIC, VERSION, capacity
-        header[H_POLICY], header[H_MAX_ENTRIES], header[H_INDEX_SLOTS] = policy_code, max_entries, slots
-        header[H_ARENA_BYTES], header[H_GEN], header[H_CREATED] = arena, 1, int(time.time())
-        header[H_NSLOTS] = NSLOTS
-        data = struct.pack(f"<{len(header)}Q", *header) + bytes(LEDGER_BYTES - HEADER_BYTES)
-        tmp = "ledger.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _FILE_FLAGS, 0o600, dir_fd=self.dir_fd)
-        try:
-            _write_all(fd, data)
-        except OSError as exc:
-            os.close(fd)
-            os.unlink(tmp, dir_fd=self.dir_fd)
-            raise CacheError(f"cannot create cache {self.path}: {exc.strerror}; free space in "
-                             f"{self.root} (df -h {self.root})") from None
-        os.close(fd)
-        os.rename(tmp, "ledger", src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+        return _files.open_file(self.dir_fd, self.path, self.name, name)
 
     def _create_file(self, name: str, size: int, *, allocate: bool) -> None:
-        """Create ``name`` of ``size`` bytes. Files read through a mapping at arbitrary places (the
-        index) are allocated now: on tmpfs a read fault in a hole allocates a page, and on a full
-        /dev/shm that is a SIGBUS. The arena stays sparse: only regions written by pwrite are read."""
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _FILE_FLAGS, 0o600, dir_fd=self.dir_fd)
-        try:
-            if allocate and size:
-                os.posix_fallocate(fd, 0, size)
-            os.ftruncate(fd, size)
-        except OSError as exc:
-            os.close(fd)
-            os.unlink(name, dir_fd=self.dir_fd)
-            raise CacheError(f"cannot create {self.path}/{name} ({size} bytes): {exc.strerror}; free space "
-                             f"in {self.root} (df -h {self.root}) or use a smaller capacity or max_entries") from None
-        os.close(fd)
+        """Create ``name`` of ``size`` bytes (the index allocated, the arena sparse: see
+        :func:`hpcstagger.cache._files.create_file`)."""
+        _files.create_file(self.dir_fd, self.path, self.root, name, size, allocate=allocate)
 
     def _remove_stale_generations(self) -> None:
         keep = {f"index.{self.w[H_GEN]}", f"arena.{self.w[H_GEN]}", "ledger"}
@@ -495,17 +445,3 @@ class _Locked:
         finally:
             fcntl.flock(led._lock_fd, fcntl.LOCK_UN)
             led.tlock.release()
-
-
-def _exists(name: str, dir_fd: int) -> bool:
-    try:
-        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        return True
-    except FileNotFoundError:
-        return False
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]

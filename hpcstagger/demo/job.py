@@ -210,7 +210,7 @@ def measure_miss_overhead(spec: Any, step: Callable[[list[bytes]], float], *, ba
     return max(0.0, per_sample - (last[2] - first[2]) / count / ds.throttle[0])
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m hpcstagger.demo.job", description=__doc__)
     p.add_argument("--model", required=True, help="convnet or mlp")
     p.add_argument("--batch", type=int, default=32, help="samples per step (default 32)")
@@ -218,9 +218,69 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--prefetch", type=int, default=64,
                    help="samples the loader reads ahead (default 64: two batches; the scenario's [loader] prefetch)")
     p.add_argument("--warmup", type=int, default=3, help="training steps on synthetic data while waiting (default 3)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
+
+def _get_ready(session: Any, spec: Any, model: Any, opt: Any, step: Callable[[list[bytes]], float],
+               shape: tuple[int, int, int], *, batch: int, warmup: int) -> tuple[Any, float]:
+    """Ready what the first step needs: (the checkpointer or None, the seconds it took).
+
+    That is the checkpointer (collective over the job's ranks) with its snapshot buffers allocated
+    and touched, and ``warmup`` training steps on synthetic data. It runs before the job waits for
+    its planned start: a job that starts at once pays for this after the plan; a delayed job has it
+    done when its delay ends.
+    """
     import numpy as np
+
+    t = time.perf_counter()
+    ckpt = None
+    if spec.checkpoint.every > 0:
+        from hpcstagger.checkpoint import AsyncCheckpointer
+
+        directory, staging = session.checkpoint_dir()
+        ckpt = AsyncCheckpointer(directory, comm=session.comm, keep=spec.checkpoint.keep, staging_dir=staging)
+        ckpt.prepare({"model": model, "optimizer": opt})
+    fake = np.random.default_rng(1).integers(0, 255, size=(batch, 1 + int(np.prod(shape))), dtype=np.uint8)
+    fake[:, 0] %= 10
+    for _ in range(warmup):
+        step([row.tobytes() for row in fake])
+    return ckpt, time.perf_counter() - t
+
+
+def _train(session: Any, dataset: Any, epochs: int, model: Any, opt: Any, step: Callable[[list[bytes]], float],
+           ckpt: Any, *, every: int, batch: int,
+           prefetch: int) -> tuple[int, int, int, list[float], list[float]]:
+    """Train ``epochs`` epochs in a random order each, saving a checkpoint every ``every`` steps.
+
+    Returns (samples, steps, checkpoints saved, wall seconds per epoch, CPU seconds per epoch).
+    """
+    import numpy as np
+
+    loader = _Prefetcher(dataset, prefetch)
+    rng = np.random.default_rng(1000 + session.job_index)
+    steps, samples, saves, epoch_times = 0, 0, 0, []
+    cpu = []
+    for epoch in range(epochs):
+        t = time.perf_counter()
+        c0 = time.process_time()
+        for b in loader.epoch(rng.permutation(len(dataset)), batch):
+            step(b)
+            steps += 1
+            samples += len(b)
+            if ckpt is not None and steps % every == 0:
+                ckpt.save(steps, {"model": model, "optimizer": opt, "epoch": epoch, "step": steps})
+                saves += 1
+        epoch_times.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c0)
+        session.say(f"epoch {epoch + 1}/{epochs} took {epoch_times[-1]:.1f} s")
+    loader.close()
+    return samples, steps, saves, epoch_times, cpu
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run this rank's job: join the run, get ready while waiting out the planned delay, train, report."""
+    args = _parse_args(argv)
+
     import torch
 
     torch.set_num_threads(1)
@@ -242,47 +302,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     source = session.source()
     cache = session.cache()
     dataset = CachedDataset(source, cache) if cache is not None else source
-    # While this job waits for its planned start, it readies what the first step needs: the
-    # checkpointer (collective over the job's ranks) with its snapshot buffers allocated and
-    # touched, and a few warm-up steps on synthetic data. A job that starts at once pays for this
-    # after the plan; a delayed job has it done when its delay ends.
-    t = time.perf_counter()
-    ckpt = None
-    every = spec.checkpoint.every
-    if every > 0:
-        from hpcstagger.checkpoint import AsyncCheckpointer
-
-        directory, staging = session.checkpoint_dir()
-        ckpt = AsyncCheckpointer(directory, comm=session.comm, keep=spec.checkpoint.keep, staging_dir=staging)
-        ckpt.prepare({"model": model, "optimizer": opt})
-    fake = np.random.default_rng(1).integers(0, 255, size=(args.batch, 1 + int(np.prod(shape))), dtype=np.uint8)
-    fake[:, 0] %= 10
-    for _ in range(args.warmup):
-        step([row.tobytes() for row in fake])
-    ready_s = time.perf_counter() - t
+    # While this job waits for its planned start, it readies what the first step needs.
+    ckpt, ready_s = _get_ready(session, spec, model, opt, step, shape,  # type: ignore[arg-type]
+                               batch=args.batch, warmup=args.warmup)
     session.wait()
     session.start_backend()
     late = session.elapsed() - session.delay
     session.say(f"training {args.model}: {job.epochs} epoch(s) of {len(dataset)} samples "
                 f"(ready {ready_s:.2f} s after the plan, started {late:.2f} s after its planned start)")
-    loader = _Prefetcher(dataset, args.prefetch)
-    rng = np.random.default_rng(1000 + session.job_index)
-    steps, samples, saves, epoch_times = 0, 0, 0, []
-    cpu = []
-    for epoch in range(job.epochs):
-        t = time.perf_counter()
-        c0 = time.process_time()
-        for batch in loader.epoch(rng.permutation(len(dataset)), args.batch):
-            step(batch)
-            steps += 1
-            samples += len(batch)
-            if ckpt is not None and steps % every == 0:
-                ckpt.save(steps, {"model": model, "optimizer": opt, "epoch": epoch, "step": steps})
-                saves += 1
-        epoch_times.append(time.perf_counter() - t)
-        cpu.append(time.process_time() - c0)
-        session.say(f"epoch {epoch + 1}/{job.epochs} took {epoch_times[-1]:.1f} s")
-    loader.close()
+    samples, steps, saves, epoch_times, cpu = _train(session, dataset, job.epochs, model, opt, step, ckpt,
+                                                     every=spec.checkpoint.every, batch=args.batch,
+                                                     prefetch=args.prefetch)
     if ckpt is not None:
         ckpt.close()
     stats = cache.stats() if cache is not None else {}

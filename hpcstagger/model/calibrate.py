@@ -226,6 +226,176 @@ def _capacity_bytes(capacity: float | str | None, n: int, sample_bytes: float) -
     return float(capacity)
 
 
+def _check_jobs(jobs: Mapping[str, Callable[[list[bytes]], Any]], known: dict[str, float], policy: str,
+                budget: float, batch: int) -> None:
+    """Raise ConfigError for bad jobs, known sample times, policy, budget or batch."""
+    if not jobs and not known:
+        raise ConfigError("calibrate needs at least one job: a mapping name -> step(samples), or known "
+                          "seconds per sample (known={name: seconds})")
+    for name, value in known.items():
+        if name in jobs:
+            raise ConfigError(f"job {name!r} is both measured (jobs) and known (known); give it once")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ConfigError(f"known sample time of job {name!r} must be > 0 seconds, got {value!r}")
+    if policy not in POLICIES:
+        raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    if not budget > 0:
+        raise ConfigError(f"budget must be > 0 seconds, got {budget!r}")
+    if int(batch) < 1:
+        raise ConfigError(f"batch must be >= 1, got {batch!r}")
+    for name, step in jobs.items():
+        if not callable(step):
+            raise ConfigError(f"job {name!r}: expected a callable step(samples), got {type(step).__name__}")
+
+
+def _source_length(source: Any) -> int:
+    """``len(source)``; ConfigError if it has none or is empty."""
+    try:
+        n = len(source)
+    except TypeError:
+        raise ConfigError(f"the source must support len() and indexing, got {type(source).__name__}") from None
+    if n < 1:
+        raise ConfigError("the source is empty")
+    return n
+
+
+def _reader_levels(readers: int | Sequence[int] | None, njobs: int) -> list[int]:
+    """The reader counts to measure, 1, 2, ... k (default: 1 and 2, and up to ``njobs``, at most 4)."""
+    if readers is None:
+        levels = list(range(1, max(2, min(njobs, 4)) + 1))
+    elif isinstance(readers, int):
+        levels = list(range(1, max(1, readers) + 1))
+    else:
+        levels = sorted({int(k) for k in readers})
+    if not levels or levels[0] != 1 or levels != list(range(1, levels[-1] + 1)):
+        raise ConfigError(f"readers must be 1, 2, ... k (consecutive from 1), got {readers!r}")
+    return levels
+
+
+def _preload(source: Any, n: int, batch: int, seconds: float, seed: int) -> list[tuple[str, bytes]]:
+    """Step 1: (key, bytes) of random samples read into memory, for about ``seconds`` (at least a batch)."""
+    rng = random.Random(seed)
+    preload_deadline = time.monotonic() + seconds
+    idx = list(range(n))
+    rng.shuffle(idx)
+    held: list[tuple[str, bytes]] = []
+    for i in idx[:max(batch, 256)]:
+        try:
+            data = source[i]
+        except Exception as exc:
+            raise ModelError(f"reading sample {i} from the source failed: {type(exc).__name__}: {exc}") from exc
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise ConfigError(f"source[{i}] returned {type(data).__name__}; a source returns the sample's bytes")
+        key = source.key(i) if hasattr(source, "key") else str(i)
+        held.append((str(key), bytes(data)))
+        if time.monotonic() > preload_deadline and len(held) >= min(batch, n):
+            break
+    return held
+
+
+def _measure_source(source: Any, levels: list[int], seconds: float, ctx: Any, seed: int,
+                    bar: Any) -> list[dict[str, Any]]:
+    """Step 3: the source's aggregate bandwidth at each reader count, sharing ``seconds`` between them."""
+    per_level = seconds / len(levels)
+    overhead = 0.0
+    out: list[dict[str, Any]] = []
+    for k in levels:
+        bar.set_postfix_str(f"source with {k} reader(s)")
+        window = max(0.2, per_level - overhead)
+        m = _measure_readers(source, k, window, ctx, seed + k)
+        overhead = max(0.0, m["elapsed_s"] - window)  # process start-up, learnt from the last level
+        out.append(m)
+        bar.update(1)
+    return out
+
+
+def _time_jobs(jobs: Mapping[str, Callable[[list[bytes]], Any]], samples: list[bytes], batch: int,
+               seconds: float, bar: Any) -> dict[str, dict[str, Any]]:
+    """Step 4: each job's seconds per sample on in-memory batches, ``seconds`` shared between them."""
+    per_job = max(0.05, seconds / max(1, len(jobs)))
+    out: dict[str, dict[str, Any]] = {}
+    for name, step in jobs.items():
+        bar.set_postfix_str(f"job {name}")
+        try:
+            out[name] = _time_job(step, samples, int(batch), per_job)
+        except Exception as exc:
+            raise ModelError(f"job {name!r}: its step raised {type(exc).__name__}: {exc}") from exc
+        bar.update(1)
+    return out
+
+
+def _measure(source: Any, n: int, jobs: Mapping[str, Callable[[list[bytes]], Any]], levels: list[int], *,
+             budget: float, batch: int, cache: Any, ctx: Any, seed: int, bar: Any,
+             t_start: float) -> dict[str, Any]:
+    """Steps 1-4 (see the module docstring), reporting each on ``bar``: the raw measurements."""
+    meas: dict[str, Any] = {"budget_s": budget, "samples": n}
+    # 1. preload samples into memory (they also give the mean sample size)
+    bar.set_postfix_str("reading samples into memory")
+    held = _preload(source, n, batch, _SHARE_PRELOAD * budget, seed)
+    sample_bytes = sum(len(d) for _, d in held) / len(held)
+    if sample_bytes <= 0:
+        raise ConfigError("the source's samples are empty (0 bytes)")
+    meas["preloaded"] = len(held)
+    meas["sample_bytes"] = sample_bytes
+    bar.update(1)
+
+    # 2. cache hits
+    bar.set_postfix_str("cache hit bandwidth")
+    meas["hits"] = _hit_bandwidth(held[:64], cache, _SHARE_HITS * budget)
+    bar.update(1)
+
+    # 3. the source with 1, 2, ... readers
+    meas["source"] = _measure_source(source, levels, _SHARE_SOURCE * budget, ctx, seed, bar)
+
+    # 4. jobs on in-memory data, in what is left of the budget
+    remaining = budget - (time.monotonic() - t_start)
+    meas["jobs"] = _time_jobs(jobs, [d for _, d in held], batch, remaining, bar)
+    return meas
+
+
+def _build_scenario(meas: dict[str, Any], jobs: Mapping[str, Any], known: dict[str, float],
+                    epoch_map: dict[str, Any], capacity: float | str | None, policy: str,
+                    prefetch: int) -> Scenario:
+    """The scenario of the measurements ``meas``: one job per entry of ``epoch_map`` (name -> epochs),
+    in its order; those in ``known`` take their given sample time."""
+    n, sample_bytes = meas["samples"], meas["sample_bytes"]
+    bandwidth = tuple(m["bandwidth"] for m in meas["source"])
+    hit_bw = meas["hits"]["hit_bandwidth"]
+    return Scenario(
+        dataset=Dataset(samples=n, sample_bytes=sample_bytes),
+        storage=Storage(bandwidth),
+        jobs=tuple(Job(name=name, sample_time=meas["jobs"][name]["sample_time"] if name in jobs else float(known[name]),
+                       epochs=int(epoch_map[name])) for name in epoch_map),
+        cache=Cache(capacity=_capacity_bytes(capacity, n, sample_bytes), policy=policy,
+                    hit_bandwidth=hit_bw if math.isfinite(hit_bw) and hit_bw > 0 else math.inf),
+        loader=Loader(prefetch=int(prefetch)))
+
+
+def _write_scenario(out: str | os.PathLike[str], scenario: Scenario, meas: dict[str, Any],
+                    jobs: Mapping[str, Any], known: dict[str, float]) -> str:
+    """Write ``scenario`` to ``out`` atomically, commented with how each value was measured; the path."""
+    from .._io import atomic_write
+
+    comments = {
+        "dataset.sample_bytes": f"mean of {meas['preloaded']} samples read",
+        "storage.bandwidth": "measured with " + ", ".join(
+            f"{m['readers']} reader(s): {m['bandwidth'] / 1e6:.1f} MB/s over {m['window_s']:.1f} s"
+            for m in meas["source"]),
+        "cache.hit_bandwidth": f"measured per reader with {meas['hits']['how']}",
+    }
+    for name in jobs:
+        j = meas["jobs"][name]
+        comments[f"job.{name}"] = (f"{j['sample_time'] * 1e3:.3f} ms/sample measured over {j['calls']} "
+                                   f"in-memory batches of {j['batch']}")
+    for name in known:
+        comments[f"job.{name}"] = "sample_time given, not measured"
+    text = (f"# hpcstagger calibrate, {time.strftime('%Y-%m-%d %H:%M:%S')}, {meas['elapsed_s']:.0f} s\n"
+            + scenario.to_toml(comments))
+    path = os.fspath(out)
+    atomic_write(path, text.encode())
+    return path
+
+
 def calibrate(source: Any, jobs: Mapping[str, Callable[[list[bytes]], Any]], *,
               epochs: int | Mapping[str, int] = 1, capacity: float | str | None = None, policy: str = "minio",
               readers: int | Sequence[int] | None = None, budget: float | None = None, batch: int = 16,
@@ -244,45 +414,15 @@ def calibrate(source: Any, jobs: Mapping[str, Callable[[list[bytes]], Any]], *,
     measure themselves when they start (``hpcstagger.init(calibration=...)``). Raises ConfigError
     for bad arguments and ModelError when a measurement fails.
     """
-    from .._io import atomic_write
-
     t_start = time.monotonic()
     if budget is None:
         from .. import config
 
         budget = float(config.get("calibrate_budget"))
     known = dict(known or {})
-    if not jobs and not known:
-        raise ConfigError("calibrate needs at least one job: a mapping name -> step(samples), or known "
-                          "seconds per sample (known={name: seconds})")
-    for name, value in known.items():
-        if name in jobs:
-            raise ConfigError(f"job {name!r} is both measured (jobs) and known (known); give it once")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ConfigError(f"known sample time of job {name!r} must be > 0 seconds, got {value!r}")
-    if policy not in POLICIES:
-        raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-    if not budget > 0:
-        raise ConfigError(f"budget must be > 0 seconds, got {budget!r}")
-    if int(batch) < 1:
-        raise ConfigError(f"batch must be >= 1, got {batch!r}")
-    for name, step in jobs.items():
-        if not callable(step):
-            raise ConfigError(f"job {name!r}: expected a callable step(samples), got {type(step).__name__}")
-    try:
-        n = len(source)
-    except TypeError:
-        raise ConfigError(f"the source must support len() and indexing, got {type(source).__name__}") from None
-    if n < 1:
-        raise ConfigError("the source is empty")
-    if readers is None:
-        levels = list(range(1, max(2, min(len(jobs) + len(known), 4)) + 1))
-    elif isinstance(readers, int):
-        levels = list(range(1, max(1, readers) + 1))
-    else:
-        levels = sorted({int(k) for k in readers})
-    if not levels or levels[0] != 1 or levels != list(range(1, levels[-1] + 1)):
-        raise ConfigError(f"readers must be 1, 2, ... k (consecutive from 1), got {readers!r}")
+    _check_jobs(jobs, known, policy, budget, batch)
+    n = _source_length(source)
+    levels = _reader_levels(readers, len(jobs) + len(known))
     names = list(jobs) + list(known)
     epoch_map = {name: (epochs.get(name, 1) if isinstance(epochs, Mapping) else epochs) for name in names}
 
@@ -292,93 +432,13 @@ def calibrate(source: Any, jobs: Mapping[str, Callable[[list[bytes]], Any]], *,
     ctx = multiprocessing.get_context(mp_context)
     bar = tqdm(total=2 + len(levels) + len(jobs), desc="calibrate", unit="step", file=sys.stderr,
                disable=not progress, leave=True)
-    meas: dict[str, Any] = {"budget_s": budget, "samples": n}
     try:
-        # 1. preload samples into memory (they also give the mean sample size)
-        bar.set_postfix_str("reading samples into memory")
-        rng = random.Random(seed)
-        preload_deadline = time.monotonic() + _SHARE_PRELOAD * budget
-        idx = list(range(n))
-        rng.shuffle(idx)
-        held: list[tuple[str, bytes]] = []
-        for i in idx[:max(batch, 256)]:
-            try:
-                data = source[i]
-            except Exception as exc:
-                raise ModelError(f"reading sample {i} from the source failed: {type(exc).__name__}: {exc}") from exc
-            if not isinstance(data, (bytes, bytearray, memoryview)):
-                raise ConfigError(f"source[{i}] returned {type(data).__name__}; a source returns the sample's bytes")
-            key = source.key(i) if hasattr(source, "key") else str(i)
-            held.append((str(key), bytes(data)))
-            if time.monotonic() > preload_deadline and len(held) >= min(batch, n):
-                break
-        sample_bytes = sum(len(d) for _, d in held) / len(held)
-        if sample_bytes <= 0:
-            raise ConfigError("the source's samples are empty (0 bytes)")
-        meas["preloaded"] = len(held)
-        meas["sample_bytes"] = sample_bytes
-        bar.update(1)
-
-        # 2. cache hits
-        bar.set_postfix_str("cache hit bandwidth")
-        meas["hits"] = _hit_bandwidth(held[:64], cache, _SHARE_HITS * budget)
-        bar.update(1)
-
-        # 3. the source with 1, 2, ... readers
-        per_level = _SHARE_SOURCE * budget / len(levels)
-        overhead = 0.0
-        meas["source"] = []
-        for k in levels:
-            bar.set_postfix_str(f"source with {k} reader(s)")
-            window = max(0.2, per_level - overhead)
-            m = _measure_readers(source, k, window, ctx, seed + k)
-            overhead = max(0.0, m["elapsed_s"] - window)  # process start-up, learnt from the last level
-            meas["source"].append(m)
-            bar.update(1)
-
-        # 4. jobs on in-memory data
-        remaining = budget - (time.monotonic() - t_start)
-        per_job = max(0.05, remaining / max(1, len(jobs)))
-        meas["jobs"] = {}
-        samples = [d for _, d in held]
-        for name, step in jobs.items():
-            bar.set_postfix_str(f"job {name}")
-            try:
-                meas["jobs"][name] = _time_job(step, samples, int(batch), per_job)
-            except Exception as exc:
-                raise ModelError(f"job {name!r}: its step raised {type(exc).__name__}: {exc}") from exc
-            bar.update(1)
+        meas = _measure(source, n, jobs, levels, budget=budget, batch=batch, cache=cache, ctx=ctx, seed=seed,
+                        bar=bar, t_start=t_start)
     finally:
         bar.close()
 
-    bandwidth = tuple(m["bandwidth"] for m in meas["source"])
-    hit_bw = meas["hits"]["hit_bandwidth"]
-    scenario = Scenario(
-        dataset=Dataset(samples=n, sample_bytes=sample_bytes),
-        storage=Storage(bandwidth),
-        jobs=tuple(Job(name=name, sample_time=meas["jobs"][name]["sample_time"] if name in jobs else float(known[name]),
-                       epochs=int(epoch_map[name])) for name in names),
-        cache=Cache(capacity=_capacity_bytes(capacity, n, sample_bytes), policy=policy,
-                    hit_bandwidth=hit_bw if math.isfinite(hit_bw) and hit_bw > 0 else math.inf),
-        loader=Loader(prefetch=int(prefetch)))
+    scenario = _build_scenario(meas, jobs, known, epoch_map, capacity, policy, prefetch)
     meas["elapsed_s"] = time.monotonic() - t_start
-    path = None
-    if out is not None:
-        comments = {
-            "dataset.sample_bytes": f"mean of {meas['preloaded']} samples read",
-            "storage.bandwidth": "measured with " + ", ".join(
-                f"{m['readers']} reader(s): {m['bandwidth'] / 1e6:.1f} MB/s over {m['window_s']:.1f} s"
-                for m in meas["source"]),
-            "cache.hit_bandwidth": f"measured per reader with {meas['hits']['how']}",
-        }
-        for name in jobs:
-            j = meas["jobs"][name]
-            comments[f"job.{name}"] = (f"{j['sample_time'] * 1e3:.3f} ms/sample measured over {j['calls']} "
-                                       f"in-memory batches of {j['batch']}")
-        for name in known:
-            comments[f"job.{name}"] = "sample_time given, not measured"
-        text = (f"# hpcstagger calibrate, {time.strftime('%Y-%m-%d %H:%M:%S')}, {meas['elapsed_s']:.0f} s\n"
-                + scenario.to_toml(comments))
-        path = os.fspath(out)
-        atomic_write(path, text.encode())
+    path = _write_scenario(out, scenario, meas, jobs, known) if out is not None else None
     return Calibration(scenario=scenario, measurements=meas, path=path)

@@ -178,6 +178,9 @@ def _sequential(sc: Scenario) -> float:
     return max(finish)
 
 
+_SIMULTANEOUS_ONLY = "simultaneous start only"
+
+
 def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain: float | None = None,
                  grid: int | None = None, budget: float = 0.45) -> Plan:
     """The start delays that minimise the predicted makespan (see the module docstring).
@@ -192,61 +195,95 @@ def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain
     Raises ConfigError for a bad argument and ModelError when the model cannot answer.
     """
     t0 = time.perf_counter()
+    min_gain = _check_args(max_delay, min_gain)
+    sc = scenario
+    J = len(sc.jobs)
+    ev = _Evaluator(sc, _engine.COARSE)
+    simultaneous_coarse = ev([0.0] * J)
+    if J >= 2:
+        best_d, curve, label = _search(sc, ev, simultaneous_coarse, max_delay=max_delay, min_gain=min_gain,
+                                       grid=grid, budget=budget, t0=t0)
+    else:
+        best_d, curve, label = [0.0] * J, [(0.0, simultaneous_coarse)], _SIMULTANEOUS_ONLY
+    return _final_plan(sc, best_d, curve, label, min_gain, evaluations=ev.count, t0=t0)
+
+
+def _check_args(max_delay: float | None, min_gain: float | None) -> float:
+    """``min_gain`` (default: the ``plan_min_gain`` knob); ConfigError for a bad one or a bad ``max_delay``."""
     if min_gain is None:
         from .. import config
 
         min_gain = float(config.get("plan_min_gain"))
-    sc = scenario
-    J = len(sc.jobs)
-    names = sc.job_names
     if max_delay is not None and (not isinstance(max_delay, (int, float)) or not max_delay >= 0
                                   or math.isinf(max_delay)):
         raise ConfigError(f"max_delay must be a finite number of seconds >= 0, got {max_delay!r}")
     if not 0 <= min_gain < 1:
         raise ConfigError(f"min_gain must be in [0, 1), got {min_gain!r}")
-    ev = _Evaluator(sc, _engine.COARSE)
-    zero = [0.0] * J
-    simultaneous_coarse = ev(zero)
-    best_d, best = list(zero), simultaneous_coarse
-    curve: list[tuple[float, float]] = [(0.0, simultaneous_coarse)]
-    label = "simultaneous start only"
-    if J >= 2:
-        solo = _solo_times(sc)
-        bound = [float(max_delay) if max_delay is not None else sum(solo) - solo[j] for j in range(J)]
-        if J == 2:
-            best_d, best, curve = _plan_two(ev, bound, grid or 24)
-            label = f"stagger of {names[1]} after {names[0]} (s; negative: {names[0]} starts later)"
-        else:
-            best_d, best = _plan_many(sc, ev, bound, grid or 6, solo, t0 + 0.25 * budget, t0 + 0.7 * budget)
-            best_d, best = _tie_break(ev, best_d, best, min_gain)
-            top = max(best_d)
-            if top > 0:
-                # the delays scaled together, 0 (simultaneous) to 2: the curve, and a last search
-                # along it (coordinate descent can stop short of a point on this ray)
-                base = list(best_d)
-                scales = [0.0, 0.25, 0.5, 0.75, 0.9, 1.0, 1.25, 1.6]
-                ev.cutoff = math.inf  # the reported curve: every point runs to the end
-                vals = [ev([lam * x for x in base]) for lam in scales]
-                ev.cutoff = _CUTOFF
-                k = min(range(len(scales)), key=lambda i: (vals[i], abs(scales[i] - 1.0)))
-                lam_best, val_best = scales[k], vals[k]
-                if 0 < k < len(scales) - 1 and time.perf_counter() < t0 + budget:
-                    from scipy.optimize import minimize_scalar
+    return min_gain
 
-                    res = minimize_scalar(lambda lam: ev([lam * x for x in base]),
-                                          bounds=(scales[k - 1], scales[k + 1]), method="bounded",
-                                          options={"xatol": 1e-3, "maxiter": 8})
-                    if float(res.fun) < val_best:
-                        lam_best, val_best = float(res.x), float(res.fun)
-                if val_best < best:
-                    best_d, best = [lam_best * x for x in base], val_best
-                curve = sorted(set(zip((lam * top for lam in scales), vals)) | {(lam_best * top, val_best)})
-                label = (f"largest delay, with every delay scaled along the plan (0: simultaneous; "
-                         f"plan at {max(best_d):.3g} s)")
-        if best > simultaneous_coarse * (1.0 - min_gain):
-            best_d, best = list(zero), simultaneous_coarse
-        elif J == 2:
-            best_d, best = _tie_break(ev, best_d, best, min_gain)
+
+def _search(sc: Scenario, ev: _Evaluator, simultaneous: float, *, max_delay: float | None, min_gain: float,
+            grid: int | None, budget: float,
+            t0: float) -> tuple[list[float], list[tuple[float, float]], str]:
+    """2 or more jobs: the searched delays (all 0 unless they gain more than ``min_gain`` over the
+    coarse ``simultaneous`` makespan), the makespan-versus-delay curve and its label."""
+    J = len(sc.jobs)
+    names = sc.job_names
+    solo = _solo_times(sc)
+    bound = [float(max_delay) if max_delay is not None else sum(solo) - solo[j] for j in range(J)]
+    if J == 2:
+        best_d, best, curve = _plan_two(ev, bound, grid or 24)
+        label = f"stagger of {names[1]} after {names[0]} (s; negative: {names[0]} starts later)"
+    else:
+        best_d, best = _plan_many(sc, ev, bound, grid or 6, solo, t0 + 0.25 * budget, t0 + 0.7 * budget)
+        best_d, best = _tie_break(ev, best_d, best, min_gain)
+        curve, label = [(0.0, simultaneous)], _SIMULTANEOUS_ONLY
+        if max(best_d) > 0:
+            best_d, best, curve, label = _plan_scaled(ev, best_d, best, t0 + budget)
+    if best > simultaneous * (1.0 - min_gain):
+        best_d = [0.0] * J
+    elif J == 2:
+        best_d, best = _tie_break(ev, best_d, best, min_gain)
+    return best_d, curve, label
+
+
+def _plan_scaled(ev: _Evaluator, base: list[float], best: float,
+                 deadline: float) -> tuple[list[float], float, list[tuple[float, float]], str]:
+    """The delays ``base`` scaled together, 0 (simultaneous) to 1.6: the curve, and a last search
+    along it (coordinate descent can stop short of a point on this ray), refined by bounded Brent
+    if there is time before ``deadline``. Returns the delays, their makespan, the curve, its label."""
+    base = list(base)
+    top = max(base)
+    scales = [0.0, 0.25, 0.5, 0.75, 0.9, 1.0, 1.25, 1.6]
+    ev.cutoff = math.inf  # the reported curve: every point runs to the end
+    vals = [ev([lam * x for x in base]) for lam in scales]
+    ev.cutoff = _CUTOFF
+    k = min(range(len(scales)), key=lambda i: (vals[i], abs(scales[i] - 1.0)))
+    lam_best, val_best = scales[k], vals[k]
+    if 0 < k < len(scales) - 1 and time.perf_counter() < deadline:
+        from scipy.optimize import minimize_scalar
+
+        res = minimize_scalar(lambda lam: ev([lam * x for x in base]),
+                              bounds=(scales[k - 1], scales[k + 1]), method="bounded",
+                              options={"xatol": 1e-3, "maxiter": 8})
+        if float(res.fun) < val_best:
+            lam_best, val_best = float(res.x), float(res.fun)
+    best_d = list(base)
+    if val_best < best:
+        best_d, best = [lam_best * x for x in base], val_best
+    curve = sorted(set(zip((lam * top for lam in scales), vals)) | {(lam_best * top, val_best)})
+    label = (f"largest delay, with every delay scaled along the plan (0: simultaneous; "
+             f"plan at {max(best_d):.3g} s)")
+    return best_d, best, curve, label
+
+
+def _final_plan(sc: Scenario, best_d: list[float], curve: list[tuple[float, float]], label: str,
+                min_gain: float, *, evaluations: int, t0: float) -> Plan:
+    """The plan of delays ``best_d`` with its makespans recomputed at full accuracy (back to a
+    simultaneous start if the stagger then gains less than ``min_gain``)."""
+    J = len(sc.jobs)
+    names = sc.job_names
+    zero = [0.0] * J
     final_eng = _engine.Engine(sc, _engine.FINE)
     finish = final_eng.run(best_d)
     simultaneous = max(final_eng.run(zero)) if any(best_d) else max(finish)
@@ -259,7 +296,7 @@ def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain
     return Plan(delays=dict(zip(names, best_d)), makespan=max(finish), simultaneous=simultaneous,
                 sequential=sequential, finish=dict(zip(names, finish)), order=order,
                 curve_stagger=tuple(c[0] for c in curve), curve_makespan=tuple(c[1] for c in curve),
-                curve_label=label, evaluations=ev.count, seconds=time.perf_counter() - t0)
+                curve_label=label, evaluations=evaluations, seconds=time.perf_counter() - t0)
 
 
 def _plan_two(ev: _Evaluator, bound: list[float], points: int):
