@@ -14,6 +14,10 @@ communicator is marked broken, since the abandoned barrier can no longer be matc
 rank, raise one :class:`~hpcstagger.errors.CollectiveError` naming every failing rank on every
 rank, so one rank's bad input never leaves the others waiting.
 
+Polled waits (the guarded collectives here, the checkpoint writer's gate and snapshot agreement,
+the launch rendezvous) share :class:`Backoff`, the pauses between polls, and :func:`poll_until`,
+the loop itself.
+
 mpi4py is imported only when MPI is actually used.
 """
 
@@ -27,9 +31,14 @@ import time
 from typing import Any, Callable, Iterator, NoReturn, TypeVar
 
 from . import config
-from .errors import CollectiveError, CollectiveTimeout, DependencyError
+from .errors import (
+    CollectiveError,
+    CollectiveTimeout,
+    DependencyError,
+    describe_exception,
+)
 
-__all__ = ["Comm", "as_comm", "launched_by_mpi", "mpi_module"]
+__all__ = ["Backoff", "Comm", "as_comm", "launched_by_mpi", "mpi_module", "poll_until"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -81,14 +90,75 @@ def _timeout_value(timeout: Any) -> float | None:
     return timeout
 
 
-def _describe_exc(exc: BaseException) -> str:
-    tb = exc.__traceback__
-    where = ""
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    if tb is not None:
-        where = f" (at {os.path.basename(tb.tb_frame.f_code.co_filename)}:{tb.tb_lineno})"
-    return f"{type(exc).__name__}: {exc}{where}"
+class Backoff:
+    """The pauses of one polled wait: short at first, then growing geometrically to a cap.
+
+    The first ``spins`` pauses are 0 s (``time.sleep(0)`` only yields the CPU and the GIL; for
+    waits whose latency matters, which usually end within microseconds). Then the pauses are
+    ``first`` seconds, multiplied by ``factor`` after each, up to ``cap``: the defaults give
+    0.2, 0.4, ... 6.4 ms, then 10 ms for good, so a short wait ends promptly and a long one wakes
+    at most 100 times a second. ``factor=1`` and ``cap=first`` give a constant pause.
+
+    One instance serves one wait (it is not thread-safe); :meth:`reset` starts it over.
+    Raises ValueError for a negative ``first`` or ``spins``, ``cap < first`` or ``factor < 1``.
+    """
+
+    def __init__(self, first: float = 0.0002, cap: float = 0.01, *, factor: float = 2.0, spins: int = 0):
+        if first < 0 or cap < first or factor < 1 or spins < 0:
+            raise ValueError(f"Backoff needs 0 <= first <= cap, factor >= 1 and spins >= 0, not "
+                             f"first={first}, cap={cap}, factor={factor}, spins={spins}")
+        self.first, self.cap, self.factor, self.spins = float(first), float(cap), float(factor), int(spins)
+        self.reset()
+
+    def __repr__(self) -> str:
+        return f"Backoff(first={self.first:g}, cap={self.cap:g}, factor={self.factor:g}, spins={self.spins})"
+
+    def reset(self) -> None:
+        """Start the schedule over: the next pause is the first again."""
+        self._spun = 0
+        self._pause = self.first
+
+    def next_pause(self) -> float:
+        """The next pause in seconds (0 while spinning), advancing the schedule."""
+        if self._spun < self.spins:
+            self._spun += 1
+            return 0.0
+        pause = self._pause
+        self._pause = min(pause * self.factor, self.cap)
+        return pause
+
+    def sleep(self, limit: float | None = None) -> float:
+        """Sleep for the next pause, but at most ``limit`` seconds; return the seconds asked for."""
+        pause = self.next_pause()
+        if limit is not None:
+            pause = max(min(pause, limit), 0.0)
+        time.sleep(pause)
+        return pause
+
+
+def poll_until(deadline: float | None, ready: Callable[[], Any], *, first: float = 0.0002, cap: float = 0.01,
+               factor: float = 2.0, spins: int = 0) -> bool:
+    """Call ``ready()`` until it returns true, pausing in between; False if ``deadline`` came first.
+
+    ``deadline`` is a time of ``time.monotonic()``, or None to wait for ever. ``ready()`` is called
+    at once (no pause when it is already true, and no :class:`Backoff` made), then after each pause of
+    ``Backoff(first, cap, factor=factor, spins=spins)``; no pause runs past the deadline, so the last
+    call of ``ready()`` is at the deadline and False comes back then. Returns True as soon as a call
+    returns true, even when that call ends after the deadline.
+    """
+    if ready():
+        return True
+    backoff = Backoff(first, cap, factor=factor, spins=spins)
+    while True:
+        if deadline is None:
+            backoff.sleep()
+        else:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            backoff.sleep(left)
+        if ready():
+            return True
 
 
 class Comm:
@@ -152,7 +222,29 @@ class Comm:
         kind = "mpi" if self.is_mpi else "single"
         return f"<Comm {kind} rank={self.rank} size={self.size}{' BROKEN' if self._broken else ''}>"
 
+    @property
+    def broken(self) -> str | None:
+        """Why this communicator is unusable (see :meth:`mark_broken`), or None while it is usable."""
+        return self._broken
+
+    @property
+    def abandoned(self) -> Any:
+        """The request a timed-out wait left unfinished (see :meth:`mark_broken`), or None."""
+        return self._pending
+
     # ------------------------------------------------------------------ guarding
+    def mark_broken(self, reason: str, pending: Any = None) -> None:
+        """Mark this communicator unusable after a failed collective: from now on every guarded
+        collective (and :meth:`guard`, :meth:`run_all`) raises CollectiveError citing ``reason``.
+
+        ``pending`` is the request of a non-blocking collective that the caller abandoned (one
+        that timed out); it is kept alive here, because freeing an active MPI request is erroneous,
+        and is available as :attr:`abandoned`. The usual next step is :meth:`abort`.
+        """
+        if pending is not None:
+            self._pending = pending
+        self._broken = reason
+
     def _check_usable(self, what: str) -> None:
         if self._broken:
             raise CollectiveError(
@@ -174,21 +266,15 @@ class Comm:
             return False
         req = self._c.Ibarrier()
         start = time.monotonic()
-        deadline = start + limit
-        pause = 0.0002
-        while not req.Test():
-            now = time.monotonic()
-            if now >= deadline:
-                self._pending = req  # kept alive: freeing an active request is erroneous
-                self._broken = f"{what} timed out after {limit:g} s"
-                raise CollectiveTimeout(
-                    f"{what}: rank {self.rank} of {self.size} waited {now - start:.1f} s and not every "
-                    f"rank arrived; a rank has crashed, hung, or skipped this step. Check the other "
-                    f"ranks' logs; raise HPCSTAGGER_COLLECTIVE_TIMEOUT if the step is legitimately slow",
-                    {},
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, 0.01)
+        if not poll_until(start + limit, req.Test):  # pauses of 0.2 ms doubling to 10 ms
+            waited = time.monotonic() - start
+            self.mark_broken(f"{what} timed out after {limit:g} s", pending=req)
+            raise CollectiveTimeout(
+                f"{what}: rank {self.rank} of {self.size} waited {waited:.1f} s and not every "
+                f"rank arrived; a rank has crashed, hung, or skipped this step. Check the other "
+                f"ranks' logs; raise HPCSTAGGER_COLLECTIVE_TIMEOUT if the step is legitimately slow",
+                {},
+            )
         return True
 
     # ------------------------------------------------------------------ collectives
@@ -257,7 +343,7 @@ class Comm:
         if self._c not in (MPI.COMM_WORLD, MPI.COMM_SELF):
             self._c.Free()
             self._c = None
-            self._broken = "communicator was freed"
+            self.mark_broken("communicator was freed")
 
     def abort(self, code: int = 1) -> NoReturn:
         """End every rank of the job now (MPI_Abort); for a single process, exit with ``code``."""
@@ -286,7 +372,7 @@ class Comm:
             yield
         except Exception as exc:  # noqa: BLE001 - collected and re-raised below
             local = exc
-        status = None if local is None else _describe_exc(local)
+        status = None if local is None else describe_exception(local)
         statuses = self.allgather(status, timeout=timeout)
         failures = {r: s for r, s in enumerate(statuses) if s is not None}
         if failures:

@@ -2,14 +2,17 @@
 
 Every error raised on purpose by the library derives from :class:`HpcstaggerError`, and every
 message says what was wrong and what to do about it. The CLI turns these into one line on stderr
-and a non-zero exit.
+and a non-zero exit. :func:`describe_exception` words any exception as text, for sending a failure
+to the other ranks.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Mapping
 
 __all__ = [
+    "describe_exception",
     "HpcstaggerError",
     "ConfigError",
     "DependencyError",
@@ -20,6 +23,22 @@ __all__ = [
     "LaunchError",
     "ModelError",
 ]
+
+
+def describe_exception(exc: BaseException) -> str:
+    """Describe ``exc`` as text: its type, its message and where it was raised.
+
+    For example ``"KeyError: 'lr' (at config.py:42)"``; the place is the innermost frame of the
+    exception's traceback (file name and line), left out when it has none. Used to send a failure
+    to the other ranks as text.
+    """
+    tb = exc.__traceback__
+    where = ""
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is not None:
+        where = f" (at {os.path.basename(tb.tb_frame.f_code.co_filename)}:{tb.tb_lineno})"
+    return f"{type(exc).__name__}: {exc}{where}"
 
 
 class HpcstaggerError(Exception):

@@ -64,3 +64,22 @@ def plain(state: dict) -> dict:
     for k, v in state.items():
         out[k] = v.state_dict() if hasattr(v, "state_dict") and hasattr(v, "load_state_dict") else v
     return out
+
+
+class FakeClock:
+    """Stands in for the ``time`` module of polled waits (monkeypatch it into hpcstagger.comm and
+    the waiting module): ``sleep`` only records the pause and advances ``monotonic``."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.slept: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds

@@ -11,6 +11,9 @@ import time
 import pytest
 import torch
 
+from ckpt_util import FakeClock
+from hpcstagger import comm as comm_module
+from hpcstagger.checkpoint import gates as gates_module
 from hpcstagger.checkpoint.gates import ActivityGate, AnyGate, Gate, SharedActivityGate, SourceReadHook, StepGate
 from hpcstagger.errors import CheckpointError
 
@@ -56,6 +59,35 @@ def test_any_gate_and_base_gate():
     threading.Timer(0.05, b.exit).start()
     assert g.wait_idle(10)
     assert not Gate().busy()
+
+
+class BusyFor(Gate):
+    """Busy for the first ``n`` looks, then idle; counts the looks."""
+
+    def __init__(self, n):
+        self.n, self.looks = n, 0
+
+    def busy(self):
+        self.looks += 1
+        return self.looks <= self.n
+
+
+def test_polled_wait_idle_backs_off_and_stops_at_the_deadline(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(comm_module, "time", clock)
+    monkeypatch.setattr(gates_module, "time", clock)
+    g = BusyFor(10 ** 6)
+    assert g.wait_idle(0.02) is False
+    # 0.5 ms doubling to 5 ms, the last pause cut short at the deadline
+    assert clock.slept == pytest.approx([0.0005, 0.001, 0.002, 0.004, 0.005, 0.005, 0.0025])
+    assert clock.now == pytest.approx(0.02) and g.looks == 8
+    clock.slept.clear()
+    g = BusyFor(3)
+    assert g.wait_idle(60) is True and g.looks == 4  # idle on the fourth look: back at once
+    assert clock.slept == pytest.approx([0.0005, 0.001, 0.002])
+    clock.slept.clear()
+    assert BusyFor(0).wait_idle(0) is True and BusyFor(1).wait_idle(-1) is False
+    assert clock.slept == []  # no pause when idle at once or out of time
 
 
 class SourceStandIn(torch.utils.data.Dataset):

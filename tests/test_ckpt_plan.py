@@ -12,7 +12,7 @@ from hpcstagger.checkpoint.manifest import (
     build_manifest, decode_manifest, encode_manifest, parse_step_dirname, shard_filename, step_dirname,
     validate_manifest,
 )
-from hpcstagger.checkpoint.plan import TensorSpec, layout_signature, plan_shards
+from hpcstagger.checkpoint.sharding import TensorSpec, layout_signature, plan_shards
 from hpcstagger.errors import CheckpointError
 
 shapes = st.lists(st.integers(0, 40), min_size=0, max_size=3).map(tuple)

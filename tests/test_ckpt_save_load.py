@@ -9,19 +9,27 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
+import time
 
 import h5py
 import numpy as np
 import pytest
 import torch
 
-from ckpt_util import make_model, plain, same, train_step, trained
+from ckpt_util import FakeClock, make_model, plain, same, train_step, trained
 from conftest import in_ci
 from hpcstagger import AsyncCheckpointer, load, restore
+from hpcstagger import comm as comm_module
 from hpcstagger import config
-from hpcstagger.checkpoint import ActivityGate, ShardWriter, capture_rng, read_checkpoint, restore_rng
+from hpcstagger.checkpoint import ActivityGate, SaveHandle, ShardWriter, capture_rng, read_checkpoint, restore_rng
 from hpcstagger.checkpoint.catalog import scan
-from hpcstagger.errors import CheckpointError, ConfigError
+from hpcstagger.checkpoint.protocol import agree
+from hpcstagger.checkpoint.sharding import layout_signature, plan_shards
+from hpcstagger.checkpoint.snapshot import SnapshotBuffers
+from hpcstagger.checkpoint.state import flatten
+from hpcstagger.comm import Comm
+from hpcstagger.errors import CheckpointError, CollectiveError, ConfigError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -226,6 +234,139 @@ def test_handle_wait_raises_the_error_and_close_too(tmp_path):
         ck2.save(1, {"x": torch.ones(2)})
 
 
+class _HurryRecorder:
+    def __init__(self):
+        self.hurried = 0
+
+    def hurry(self):
+        self.hurried += 1
+
+
+def test_save_handle_lifecycle_of_a_committed_save():
+    pacer = _HurryRecorder()
+    h = SaveHandle(4, "/ckpt/step-4", "/shm/step-4", pacer=pacer)
+    assert not h.done() and h.error is None and "in flight" in repr(h)
+    assert h.join(timeout=0.01) is False and pacer.hurried == 1  # a waiter hurries the writer
+    with pytest.raises(CheckpointError, match="not staged after"):
+        h.wait_staged(timeout=0.01)
+    h.mark_staged()
+    assert h.wait_staged(timeout=0) == "/shm/step-4" and not h.done()
+    with pytest.raises(CheckpointError, match="not finished after"):
+        h.wait(timeout=0)
+    h.finish()
+    assert h.done() and h.join() is True and h.wait() == "/ckpt/step-4" and "done" in repr(h)
+    h.raise_unreported()  # nothing to raise
+    hurried = pacer.hurried
+    h.join()
+    assert pacer.hurried == hurried  # finished: nobody to hurry
+
+
+def test_save_handle_failure_is_raised_once_by_raise_unreported():
+    err = CheckpointError("writing shard: disk full")
+    h = SaveHandle(5, "/ckpt/step-5", None)
+    h.fail(err)
+    waiter_saw = []
+    t = threading.Thread(target=lambda: (h.join(), waiter_saw.append(h.error)))
+    t.start()
+    time.sleep(0.02)
+    assert t.is_alive() and not h.done()  # fail() alone releases nobody
+    h.finish()
+    t.join(10)
+    assert waiter_saw == [err] and h.error is err and "failed" in repr(h)
+    with pytest.raises(CheckpointError, match="disk full"):
+        h.raise_unreported()
+    h.raise_unreported()  # once only
+    with pytest.raises(CheckpointError, match="disk full"):
+        h.wait()  # the handle itself always says so
+
+    h = SaveHandle(6, "/ckpt/step-6", "/shm/step-6")
+    h.fail(err)
+    h.finish()  # failed before staging: wait_staged raises, and that counts as reported
+    with pytest.raises(CheckpointError, match="disk full"):
+        h.wait_staged(timeout=0)
+    h.raise_unreported()
+
+
+def test_save_handle_failure_after_staging():
+    h = SaveHandle(7, "/ckpt/step-7", "/shm/step-7")
+    h.mark_staged()
+    h.fail(CheckpointError("flushing: disk full"))
+    h.finish()
+    assert h.wait_staged() == "/shm/step-7"  # the staged checkpoint stands
+    with pytest.raises(CheckpointError, match="flushing"):
+        h.raise_unreported()
+
+
+def test_snapshot_buffers_touch_zeroes_the_whole_buffer():
+    _, leaves = flatten({"x": torch.full((1000,), -1, dtype=torch.int32)})  # every byte 0xff
+    plan = plan_shards([leaf.spec for leaf in leaves], 1)
+    entries = [(p, leaves[0]) for p in plan.for_shard(0)]
+    b = SnapshotBuffers()
+    b.touch()  # nothing allocated yet: nothing to do
+    b.ensure(entries)
+    (view,) = b.copy(entries)
+    assert view.all() and b.nbytes >= 4000
+    b.touch()
+    assert not view.any()
+
+
+class _FakeRequest:
+    def __init__(self, ready_after, on_ready):
+        self.tests, self.ready_after, self.on_ready = 0, ready_after, on_ready
+
+    def Test(self):
+        self.tests += 1
+        if self.ready_after is not None and self.tests >= self.ready_after:
+            self.on_ready()
+            return True
+        return False
+
+
+class _FakeMpiComm:
+    """Rank 0 of two whose non-blocking all-gather completes on the ``ready_after``-th Test (or never);
+    the other rank sends the same record."""
+
+    def __init__(self, ready_after):
+        self.ready_after = ready_after
+        self.request = None
+
+    def Get_rank(self):
+        return 0
+
+    def Get_size(self):
+        return 2
+
+    def Iallgather(self, send, recv):
+        def fill():
+            recv[:] = send
+
+        self.request = _FakeRequest(self.ready_after, fill)
+        return self.request
+
+
+def test_snapshot_agreement_spins_then_sleeps(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(comm_module, "time", clock)  # the pauses of the polled wait
+    sig = layout_signature([leaf.spec for leaf in flatten({"x": torch.ones(3)})[1]])
+    raw = _FakeMpiComm(ready_after=205)
+    assert agree(Comm(raw), None, sig) == [(None, sig), (None, sig)]
+    assert raw.request.tests == 205
+    assert clock.slept == [0.0] * 199 + [0.0002] * 5  # bare yields first: latency matters here
+
+
+def test_snapshot_agreement_timeout_breaks_the_communicator():
+    raw = _FakeMpiComm(ready_after=None)
+    c = Comm(raw)
+    start = time.monotonic()
+    with config.override(collective_timeout=0.05), \
+            pytest.raises(CollectiveError, match=r"not every rank reached save\(\) within 0.05 s"):
+        agree(c, None, "0" * 32)
+    assert 0.05 <= time.monotonic() - start < 5
+    assert c.broken == "checkpoint snapshot agreement timed out" and c.abandoned is raw.request
+    with pytest.raises(CollectiveError, match="unusable after an earlier failure"):
+        c.barrier()
+
+
 def test_bad_state_raises_at_save_without_writing(tmp_path):
     with AsyncCheckpointer(tmp_path) as ck:
         with pytest.raises(CheckpointError, match="'bad' is a object"):
@@ -307,7 +448,7 @@ def test_gate_defers_the_writer_but_never_forever(tmp_path):
             gate.enter()  # training busy for the whole save: each chunk waits its bounded turn
             h = ck.save(0, {"x": torch.zeros(20_000)})
             while not h.done():
-                h._done.wait(0.01)
+                time.sleep(0.01)  # h.wait() would hurry the writer past the gate
             gate.exit()
             h.wait()
             assert h.stats["gate_waits"] >= 20 and h.stats["chunks"] >= 20

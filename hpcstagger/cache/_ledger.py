@@ -240,7 +240,7 @@ class Ledger:
             if b < 0:
                 raise CacheError(f"cache {self.name!r} has {NSLOTS} live processes attached; "
                                  "no slot is left for this one (close unused ShmCache objects)")
-            self._drop_reservation(b, reuse=True)
+            self.drop_reservation(b, reuse=True)
             w[b + S_START] = start
             w[b + S_PID] = pid
             self.base = b
@@ -254,12 +254,13 @@ class Ledger:
 
     def release_slot_locked(self) -> None:
         if self.base >= 0:
-            self._drop_reservation(self.base, reuse=True)
+            self.drop_reservation(self.base, reuse=True)
             self.w[self.base + S_PID] = 0
             self.w[self.base + S_START] = 0
             self.base = -1
 
-    def _drop_reservation(self, b: int, *, reuse: bool, account: bool = True) -> None:
+    def drop_reservation(self, b: int, *, reuse: bool, account: bool = True) -> None:
+        """Release reservation slot ``b`` (with ``reuse``, its arena bytes go back to the free space)."""
         w = self.w
         size = int(w[b + S_RES_SIZE])
         if size:
@@ -279,7 +280,7 @@ class Ledger:
         n = 0
         for b in self.slot_bases():
             if w[b + S_RES_SIZE] and not _fs.alive(int(w[b + S_PID]), int(w[b + S_START])):
-                self._drop_reservation(b, reuse=True)
+                self.drop_reservation(b, reuse=True)
                 n += 1
         return n
 
@@ -356,7 +357,7 @@ class Ledger:
                 continue
             # Died inside the lock, perhaps after publishing: only an unpublished region is free.
             published = bool((live_offsets == np.uint64(w[b + S_RES_OFF])).any())
-            self._drop_reservation(b, reuse=not published, account=False)
+            self.drop_reservation(b, reuse=not published, account=False)
         holes = sum(int(w[H_HOLES + 2 * h + 1]) for h in range(int(w[H_NHOLES])))
         w[H_USED], w[H_ENTRIES], w[H_INDEX_USED] = used, entries, index_used
         w[H_RESERVED], w[H_RESERVED_ENTRIES] = reserved, reserved_entries

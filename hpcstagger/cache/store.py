@@ -304,7 +304,7 @@ class ShmCache:
                 self._write_entry(led.arena_fd, header, view, off)
             except OSError as exc:
                 with led.lock():
-                    led._drop_reservation(b, reuse=True)
+                    led.drop_reservation(b, reuse=True)
                 if exc.errno in _OUT_OF_SPACE:
                     log.info("cache %s: out of space in %s; insert refused", self.name, self.root)
                     self._count(S_REFUSED)
@@ -352,12 +352,12 @@ class ShmCache:
         led = self._led
         w = led.w
         if gen != w[H_GEN]:  # cleared while we wrote: the region belongs to a dead generation
-            led._drop_reservation(b, reuse=False)
+            led.drop_reservation(b, reuse=False)
             return "refused"
         led.map_generation()
         i, state = self._probe(hi, lo)
         if state == LIVE or i < 0:
-            led._drop_reservation(b, reuse=True)
+            led.drop_reservation(b, reuse=True)
             return "duplicate" if state == LIVE else "refused"
         try:
             # offset and meta first, the key last: a lock-free reader that sees the key sees the rest
@@ -365,7 +365,7 @@ class ShmCache:
             if state == 0:
                 os.pwrite(led.index_fd, SLOT.pack(hi, lo, 0, 0)[:16], i << 5)
         except OSError as exc:
-            led._drop_reservation(b, reuse=True)
+            led.drop_reservation(b, reuse=True)
             if exc.errno in _OUT_OF_SPACE:
                 return "refused"
             raise CacheError(f"cannot write to cache {led.path}: {exc.strerror}") from exc

@@ -3,15 +3,17 @@
 Modules, by concept:
 
 - :mod:`.state`: a state dict to a JSON tree plus tensors and back (nothing pickled)
-- :mod:`.plan`: the size-balanced shard plan (pure)
+- :mod:`.sharding`: the size-balanced shard plan: which rank writes which bytes (pure)
 - :mod:`.snapshot`: the copy into reusable (pinned) host buffers
 - :mod:`.writer`: one shard as an HDF5 file, written in gated chunks; copies between levels
 - :mod:`.manifest`: the manifest, names and validation (pure); :mod:`.catalog`: commit, listing, retention
-- :mod:`.checkpointer`: :class:`AsyncCheckpointer` and the ranks' completion protocol
+- :mod:`.checkpointer`: :class:`AsyncCheckpointer`: its API, the snapshot, the hand-over to the writer
+- :mod:`.protocol`: :class:`SaveHandle`, the writer thread and the ranks' protocol (snapshot
+  agreement, gather, commit, broadcast of the outcome)
 - :mod:`.load`: :func:`load`, :func:`restore`, :func:`verify_checkpoint`
 - :mod:`.gates`: what the writer asks before each chunk; :mod:`.rng`: generator states
 
-Names are imported lazily, so ``import hpcstagger.checkpoint.plan`` does not import torch.
+Names are imported lazily, so ``import hpcstagger.checkpoint.sharding`` does not import torch.
 """
 
 from __future__ import annotations

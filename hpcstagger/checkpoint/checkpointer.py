@@ -3,8 +3,10 @@
 ``save(step, state)`` blocks only while it copies this rank's share of the state into reusable host
 buffers (see :mod:`.snapshot`) and checks, in one small collective on ``comm``, that every rank
 copied the same layout. Every rank of ``comm`` then writes its own shard of the replicated state
-(see :mod:`.plan`) on its background writer thread. Rank 0 commits the manifest only after every
-rank reported its shard durably written.
+(see :mod:`.sharding`) on its background writer thread. Rank 0 commits the manifest only after every
+rank reported its shard durably written. This module holds the checkpointer's API and lifetime; the
+protocol the ranks run (the agreement, the writer thread, the commit, :class:`SaveHandle`) is in
+:mod:`.protocol`.
 
 **How the ranks' writers talk.** The writer threads use their own duplicate of ``comm``, made in the
 constructor, never ``comm`` itself, so they cannot interleave with the training's collectives.
@@ -29,13 +31,13 @@ import weakref
 from typing import Any, Mapping
 
 from .. import config
-from ..comm import Comm, _describe_exc, as_comm
-from ..errors import CheckpointError, CollectiveError, ConfigError
+from ..comm import Comm, as_comm
+from ..errors import CheckpointError, CollectiveError, ConfigError, describe_exception
 from . import catalog
 from .gates import Gate, StepGate
-from .job import SaveHandle, _agree, _check_thread_level, _SaveJob, _Worker
 from .manifest import step_dirname
-from .plan import ShardPlan, layout_signature, plan_shards
+from .protocol import SaveHandle, agree, check_thread_level, SaveTask, Worker
+from .sharding import ShardPlan, layout_signature, plan_shards
 from .snapshot import SnapshotBuffers
 from .state import Leaf, flatten
 from .writer import Pacer, ShardItem, ShardWriter
@@ -78,7 +80,7 @@ class AsyncCheckpointer:
             raise ConfigError(f"gate must be 'auto', None or a hpcstagger.checkpoint.gates.Gate, not {gate!r}")
         self.gate = gate
         self._comm = as_comm(comm)
-        _check_thread_level(self._comm)
+        check_thread_level(self._comm)
         # h5py must first be imported on the main thread: imported first on the writer thread, HDF5's
         # own exit handler calls back into an interpreter that is gone and the process segfaults.
         import h5py  # noqa: F401
@@ -98,7 +100,7 @@ class AsyncCheckpointer:
         self._plan: ShardPlan | None = None
         self._current: SaveHandle | None = None
         self._closed = False
-        self._worker = _Worker(int(config.get("ckpt_writer_nice")))
+        self._worker = Worker(int(config.get("ckpt_writer_nice")))
         # An unclosed checkpointer finishes its save in flight at exit. Registered now, after h5py's
         # own exit handler, so that it runs before h5py tears HDF5 down (atexit runs last-in first).
         atexit.register(self._worker.stop)
@@ -124,10 +126,8 @@ class AsyncCheckpointer:
         h = self._current
         if h is None:
             return None
-        h._block(h._done, None)
-        if h._error is not None and not h._reported:
-            h._reported = True
-            raise h._error
+        h.join()
+        h.raise_unreported()
         return h
 
     def _plan_for(self, leaves: list[Leaf]) -> tuple[ShardPlan, str]:
@@ -147,7 +147,7 @@ class AsyncCheckpointer:
         plan, _ = self._plan_for(leaves)
         index = {leaf.spec.key: leaf for leaf in leaves}
         self._buffers.ensure([(p, index[p.key]) for p in plan.for_shard(self._comm.rank)])
-        self._buffers._np[:] = 0  # touch every page now
+        self._buffers.touch()
 
     def save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
         """Snapshot ``state`` as step ``step`` and write it in the background; returns a SaveHandle.
@@ -180,7 +180,7 @@ class AsyncCheckpointer:
             local_err = exc
         if c.size > 1:
             try:
-                statuses = _agree(c, local_err, sig)
+                statuses = agree(c, local_err, sig)
             except CollectiveError as exc:
                 raise CheckpointError(f"checkpoint of step {step}: the ranks could not agree on the snapshot: "
                                       f"{exc}") from exc
@@ -198,17 +198,16 @@ class AsyncCheckpointer:
         elif local_err is not None:
             if isinstance(local_err, CheckpointError):
                 raise local_err
-            raise CheckpointError(f"checkpoint snapshot of step {step} failed: {_describe_exc(local_err)}") \
+            raise CheckpointError(f"checkpoint snapshot of step {step} failed: {describe_exception(local_err)}") \
                 from local_err
-        handle = SaveHandle(step, dirs[-1], dirs[0] if self.staging_dir else None)
         pacer = Pacer(self.gate)
-        handle._pacer = pacer
-        job = _SaveJob(handle=handle, wcomm=self._wcomm, writer=self._writer, plan=plan, leaves=leaves, tree=tree,
-                       items=items, levels=self._levels, keeps=self._keeps, pacer=pacer,
-                       timeout=float(config.get("ckpt_timeout")))
+        handle = SaveHandle(step, dirs[-1], dirs[0] if self.staging_dir else None, pacer=pacer)
+        task = SaveTask(handle=handle, wcomm=self._wcomm, writer=self._writer, plan=plan, leaves=leaves, tree=tree,
+                         items=items, levels=self._levels, keeps=self._keeps, pacer=pacer,
+                         timeout=float(config.get("ckpt_timeout")))
         handle.timings["blocking_s"] = time.perf_counter() - t0
         self._current = handle
-        self._worker.queue.put(job)
+        self._worker.queue.put(task)
         return handle
 
     def wait(self) -> str | None:
@@ -217,7 +216,7 @@ class AsyncCheckpointer:
         Raises CheckpointError, on every rank, if it failed and that was not yet raised.
         """
         h = self._finish_previous()
-        if h is None or h._error is not None:
+        if h is None or h.error is not None:
             return None
         return h.path
 

@@ -14,8 +14,8 @@ import os
 from typing import Any, Callable, Sequence
 
 from .._io import checksum
-from ..comm import _describe_exc, as_comm
-from ..errors import CheckpointError
+from ..comm import as_comm
+from ..errors import CheckpointError, describe_exception
 from .catalog import Entry, as_dirs, candidates, scan
 from .manifest import FORMAT
 from .state import unflatten
@@ -225,7 +225,7 @@ def load(directory: "str | os.PathLike[str] | Sequence[str | os.PathLike[str]]",
         except CheckpointError as exc:
             err = str(exc)
         except Exception as exc:  # noqa: BLE001 - a damaged file can raise anything; skip it
-            err = _describe_exc(exc)
+            err = describe_exception(exc)
         errs = c.allgather(err) if c.size > 1 else [err]
         bad = {r: e for r, e in enumerate(errs) if e is not None}
         if not bad:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .plan import Piece
+from .sharding import Piece
 from .state import Leaf
 
 __all__ = ["SnapshotBuffers"]
@@ -37,6 +37,12 @@ class SnapshotBuffers:
     def nbytes(self) -> int:
         """Size of the current buffer in bytes."""
         return 0 if self._buf is None else int(self._buf.numel())
+
+    def touch(self) -> None:
+        """Write zeros over the whole buffer, so that its pages are mapped now rather than during
+        the first copy into it (call it after :meth:`ensure`; a no-op without a buffer)."""
+        if self._np is not None:
+            self._np[:] = 0
 
     def release(self) -> None:
         """Free the buffer."""

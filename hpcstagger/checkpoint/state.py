@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import CheckpointError
-from .plan import TensorSpec
+from .sharding import TensorSpec
 
 __all__ = ["Leaf", "flatten", "unflatten", "storage_dtype", "torch_dtype", "TAG"]
 

@@ -34,7 +34,7 @@ from .._io import fsync_dir, temp_path
 from ..errors import CheckpointError
 from .gates import Gate
 from .manifest import FORMAT, FORMAT_VERSION, dataset_name
-from .plan import Piece, TensorSpec
+from .sharding import Piece, TensorSpec
 
 __all__ = ["Pacer", "ShardItem", "ShardWriter"]
 

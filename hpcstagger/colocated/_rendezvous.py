@@ -11,23 +11,13 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Mapping
 
-from ..comm import Comm, mpi_module
+from ..comm import Comm, mpi_module, poll_until
 from ..errors import CollectiveError, CollectiveTimeout
 
 __all__ = ["rendezvous"]
 
 _TAG_HELLO = 0x6870   # 'hp'
 _TAG_REPLY = 0x6871
-
-
-def _poll(deadline: float, ready: Callable[[], bool]) -> bool:
-    pause = 0.0002
-    while not ready():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(pause)
-        pause = min(pause * 2, 0.01)
-    return True
 
 
 def rendezvous(world: Comm, hello: Any, decide: Callable[[list[Any]], Mapping[int, Any]], *,
@@ -56,7 +46,7 @@ def rendezvous(world: Comm, hello: Any, decide: Callable[[list[Any]], Mapping[in
             box.append(msg.recv())
             return True
 
-        if not _poll(deadline, arrived):
+        if not poll_until(deadline, arrived):
             raise CollectiveTimeout(f"{what}: rank {world.rank} heard nothing from the coordinator (world rank 0) "
                                     f"within {timeout:g} s; check rank 0's log, or raise "
                                     "HPCSTAGGER_COLLECTIVE_TIMEOUT if start-up is legitimately slow")
@@ -79,7 +69,7 @@ def rendezvous(world: Comm, hello: Any, decide: Callable[[list[Any]], Mapping[in
             hellos[src] = msg.recv()
             pending.discard(src)
 
-    if not _poll(deadline, all_arrived):
+    if not poll_until(deadline, all_arrived):
         missing = sorted(pending)
         detail = describe_missing(missing) if describe_missing else f"world rank(s) {missing}"
         message = (f"{what}: {detail} did not reach the coordinator within {timeout:g} s; they crashed "

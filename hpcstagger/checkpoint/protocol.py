@@ -1,10 +1,12 @@
-"""The background writer of a checkpointer and the ranks' completion protocol.
+"""The ranks' checkpoint protocol: the snapshot agreement, the background writer, the commit.
 
-One writer thread per :class:`~hpcstagger.checkpoint.AsyncCheckpointer` runs one :class:`_SaveJob`
-per save. The writers of the ranks talk over their own duplicate of the checkpointer's
-communicator (never the training's): per save, gather every rank's result to rank 0; rank 0 commits
-(or not) and broadcasts the outcome; with a staging level, the same again for the flush. Every rank
-so learns the same outcome. Retention runs after the save's handle is released.
+:class:`SaveHandle` is what ``AsyncCheckpointer.save()`` returns. In ``save()``, :func:`agree`
+checks, in one small non-blocking all-gather, that every rank took its snapshot of the same layout.
+One writer thread (:class:`Worker`) per :class:`~hpcstagger.checkpoint.AsyncCheckpointer` then runs
+one :class:`SaveTask` per save. The writers of the ranks talk over their own duplicate of the
+checkpointer's communicator (never the training's): per save, gather every rank's result to rank 0;
+rank 0 commits (or not) and broadcasts the outcome; with a staging level, the same again for the
+flush. Every rank so learns the same outcome. Retention runs after the save's handle is released.
 """
 
 from __future__ import annotations
@@ -17,15 +19,15 @@ import time
 from typing import Any
 
 from .. import config
-from ..comm import Comm, _describe_exc
-from ..errors import CheckpointError, CollectiveError
+from ..comm import Comm, poll_until
+from ..errors import CheckpointError, CollectiveError, describe_exception
 from . import catalog
 from .manifest import build_manifest, shard_filename, step_dirname, versions
-from .plan import ShardPlan
+from .sharding import ShardPlan
 from .state import Leaf
 from .writer import Pacer, ShardItem, ShardWriter
 
-__all__ = ["SaveHandle"]
+__all__ = ["SaveHandle", "SaveTask", "Worker", "agree", "check_thread_level"]
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +35,7 @@ log = logging.getLogger(__name__)
 class SaveHandle:
     """One save: :meth:`wait` until it is durable on every level (returns the checkpoint's path)."""
 
-    def __init__(self, step: int, path: str, staging_path: str | None):
+    def __init__(self, step: int, path: str, staging_path: str | None, *, pacer: Pacer | None = None):
         self.step = step
         self.path = path
         self.staging_path = staging_path
@@ -44,7 +46,7 @@ class SaveHandle:
         self._error: CheckpointError | None = None
         self._reported = False
         self._staged_ok = False
-        self._pacer: Pacer | None = None
+        self._pacer = pacer  # hurried when someone waits on this save
 
     def __repr__(self) -> str:
         state = "failed" if self._error else "done" if self._done.is_set() else "in flight"
@@ -54,10 +56,42 @@ class SaveHandle:
         """True once the save finished, committed or failed."""
         return self._done.is_set()
 
+    @property
+    def error(self) -> CheckpointError | None:
+        """The save's error once it failed, else None (read it after :meth:`done`)."""
+        return self._error
+
     def _block(self, event: threading.Event, timeout: float | None) -> bool:
         if not event.is_set() and self._pacer is not None:
             self._pacer.hurry()  # the caller waits anyway: stop deferring to the gate
         return event.wait(timeout)
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Block until the save finished, committed or failed (the writer stops deferring to its
+        gate meanwhile); True if it has. Raises nothing: see :meth:`raise_unreported`."""
+        return self._block(self._done, timeout)
+
+    def raise_unreported(self) -> None:
+        """Raise the save's error if it failed and the error was not raised yet (by :meth:`wait`,
+        :meth:`wait_staged` or this), so that each failure is raised once."""
+        if self._error is not None and not self._reported:
+            self._reported = True
+            raise self._error
+
+    # The writer thread's side, per save: mark_staged() and fail() at most once each, finish() once, last.
+    def mark_staged(self) -> None:
+        """The fastest level is committed: :meth:`wait_staged` returns from now on."""
+        self._staged_ok = True
+        self._staged.set()
+
+    def fail(self, error: CheckpointError) -> None:
+        """Record why the save failed; :meth:`finish` then releases the waiters, who raise it."""
+        self._error = error
+
+    def finish(self) -> None:
+        """The save ended, committed or failed: release every waiter (staged first, then done)."""
+        self._staged.set()
+        self._done.set()
 
     def wait(self, timeout: float | None = None) -> str:
         """Block until the checkpoint is committed on every level; return its directory.
@@ -82,7 +116,7 @@ class SaveHandle:
         return self.staging_path or self.path
 
 
-class _Worker:
+class Worker:
     """The one background writer thread of a checkpointer."""
 
     def __init__(self, nice: int):
@@ -99,22 +133,22 @@ class _Worker:
             except OSError as exc:
                 log.debug("could not renice the checkpoint writer: %s", exc)
         while True:
-            job = self.queue.get()
+            task = self.queue.get()
             try:
-                if job is None:
+                if task is None:
                     return
-                job.run()
+                task.run()
             finally:
                 self.queue.task_done()
 
     def stop(self) -> None:
-        """Finish the job in flight, then end the thread (also run at interpreter exit)."""
+        """Finish the save in flight, then end the thread (also run at interpreter exit)."""
         if self.thread.is_alive():
             self.queue.put(None)
             self.thread.join()
 
 
-class _SaveJob:
+class SaveTask:
     """Everything the writer thread needs for one save; runs the completion protocol."""
 
     def __init__(self, *, handle: SaveHandle, wcomm: Comm, writer: ShardWriter, plan: ShardPlan,
@@ -137,22 +171,21 @@ class _SaveJob:
                 committed.append(i)
                 if i == 0:
                     h.timings["staged_s"] = time.perf_counter() - t0
-                    h._staged_ok = True
-                    h._staged.set()
+                    h.mark_staged()
             h.timings["durable_s"] = time.perf_counter() - t0
         except CheckpointError as exc:
-            h._error = exc
+            h.fail(exc)
         except Exception as exc:  # noqa: BLE001 - a bug or a broken communicator; never lost
-            h._error = CheckpointError(f"rank {self.wcomm.rank}: checkpoint of step {h.step} failed: "
-                                       f"{_describe_exc(exc)}")
-            h._error.__cause__ = exc
+            err = CheckpointError(f"rank {self.wcomm.rank}: checkpoint of step {h.step} failed: "
+                                  f"{describe_exception(exc)}")
+            err.__cause__ = exc
+            h.fail(err)
         finally:
-            if h._error is not None:  # also raised by the next save()/wait(); logged in case none comes
-                log.error("%s", h._error)
+            if h.error is not None:  # also raised by the next save()/wait(); logged in case none comes
+                log.error("%s", h.error)
             h.stats = self.pacer.stats()
             self.items = []  # drop references to the snapshot buffer
-            h._staged.set()
-            h._done.set()
+            h.finish()
         # Retention runs after the handle is released: deleting a large old checkpoint takes a while
         # (hundreds of ms for 200 MB here) and delays neither the time until durable nor the next
         # save's snapshot, only the next save's write (this thread is the only writer).
@@ -178,7 +211,7 @@ class _SaveJob:
                                        pacer=self.pacer)
         except Exception as exc:  # noqa: BLE001 - every rank learns it below
             verb = "writing" if i == 0 else "flushing to"
-            err = str(exc) if isinstance(exc, CheckpointError) else f"{verb} {path}: {_describe_exc(exc)}"
+            err = str(exc) if isinstance(exc, CheckpointError) else f"{verb} {path}: {describe_exception(exc)}"
         results = c.gather((self.record if i == 0 else None, err), timeout=self.timeout)
         outcome = None
         if c.rank == 0:
@@ -189,7 +222,7 @@ class _SaveJob:
                         self.manifest = self._build([rec for rec, _ in results])
                     catalog.commit(step_dir, self.manifest)
                 except Exception as exc:  # noqa: BLE001
-                    failures[0] = f"committing {os.path.join(step_dir, 'manifest.json')}: {_describe_exc(exc)}"
+                    failures[0] = f"committing {os.path.join(step_dir, 'manifest.json')}: {describe_exception(exc)}"
             outcome = failures or None
         outcome = c.bcast(outcome, timeout=self.timeout)
         if outcome:
@@ -215,12 +248,13 @@ class _SaveJob:
                               shards=shards, versions=versions())
 
 
-def _agree(c: Comm, local_err: BaseException | None, sig: str | None) -> list[tuple[str | None, str | None]]:
+def agree(c: Comm, local_err: BaseException | None, sig: str | None) -> list[tuple[str | None, str | None]]:
     """Every rank's (error or None, layout signature), in rank order, at the end of save().
 
     This sits in the blocking part of every save, so the common case is one small non-blocking
-    all-gather of fixed-size records, polled finely (the guarded collectives of Comm back off to
-    10 ms sleeps, which would add milliseconds to every save); error texts travel only on failure.
+    all-gather of fixed-size records, polled finely: 199 bare yields, then 0.2 ms sleeps (the
+    guarded collectives of Comm back off to 10 ms sleeps, which would add milliseconds to every
+    save); error texts travel only on failure.
     """
     import numpy as np
 
@@ -232,23 +266,20 @@ def _agree(c: Comm, local_err: BaseException | None, sig: str | None) -> list[tu
     req = c.mpi.Iallgather(mine, every)
     limit = config.get("collective_timeout")
     limit = float(limit) if limit is not None and 0 < float(limit) < float("inf") else None
-    start = time.monotonic()
-    spins = 0
-    while not req.Test():
-        if limit is not None and time.monotonic() - start > limit:
-            c._pending, c._broken = req, "checkpoint snapshot agreement timed out"
-            raise CollectiveError(f"rank {c.rank}: not every rank reached save() within {limit:g} s; a rank has "
-                                  "crashed, hung or skipped the save (every rank must call save for each step)")
-        spins += 1
-        time.sleep(0 if spins < 200 else 0.0002)
+    deadline = None if limit is None else time.monotonic() + limit
+    if not poll_until(deadline, req.Test, first=0.0002, cap=0.0002, spins=199):
+        c.mark_broken("checkpoint snapshot agreement timed out", pending=req)
+        raise CollectiveError(f"rank {c.rank}: not every rank reached save() within {limit:g} s; a rank has "
+                              "crashed, hung or skipped the save (every rank must call save for each step)")
     sigs = [f"{int(a):016x}{int(b):016x}" for _, a, b in every]
     if not every[:, 0].any():
         return [(None, s_) for s_ in sigs]
-    errs = c.allgather(None if local_err is None else _describe_exc(local_err))
+    errs = c.allgather(None if local_err is None else describe_exception(local_err))
     return list(zip(errs, sigs))
 
 
-def _check_thread_level(comm: Comm) -> None:
+def check_thread_level(comm: Comm) -> None:
+    """Raise CheckpointError unless MPI allows the writer thread's collectives (MPI_THREAD_MULTIPLE)."""
     if comm.size <= 1:
         return
     from ..comm import mpi_module
