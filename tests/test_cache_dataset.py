@@ -6,9 +6,8 @@ import os
 
 import pytest
 
-import cache_util
-from cache_util import shm_root  # noqa: F401 - fixture
 from hpcstagger.cache import CachedDataset, DirectorySource, ShmCache
+from support import cache_util
 
 N = 24
 

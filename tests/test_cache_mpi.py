@@ -7,8 +7,8 @@ import tempfile
 
 import pytest
 
-from cache_util import sample
 from hpcstagger.comm import Comm
+from support.cache_util import sample
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-import cache_util
-from cache_util import check_consistent, sample, shm_root  # noqa: F401 - fixture
 from hpcstagger.cache import ShmCache
+from support import cache_util
+from support.cache_util import check_consistent, sample
 
 FORK = mp.get_context("fork")
 SPAWN = mp.get_context("spawn")
@@ -150,20 +150,20 @@ def test_stress_while_a_writer_is_killed_again_and_again(shm_root):
     reused under contention, and still no wrong byte is ever returned."""
     nkeys = 300
     total = sum(len(sample(k)) for k in range(nkeys))
-    cache = ShmCache("chaos", int(total * 0.6))
     rng = random.Random(11)
-    with FORK.Pool(3) as pool:
-        result = pool.starmap_async(cache_util.stress_worker,
-                                    [(shm_root, "chaos", seed, 10_000, nkeys, 300) for seed in range(3)])
-        kills = during = 0
-        while not result.ready() or kills < 3:
-            _kill_a_writer_after(shm_root, "chaos", rng.uniform(0.005, 0.1))
-            kills += 1
-            during += not result.ready()
-        outs = result.get(120)
-    assert sum(o["wrong"] for o in outs) == 0 and sum(o["returned"] for o in outs) > 1000
-    # how many kills land while the stress runs depends on the machine's speed; a few suffice
-    assert during >= 3, (during, kills)
-    again = ShmCache("chaos", None)  # reclaims the last victim's reservation
-    check_consistent(again, {k: sample(k) for k in range(nkeys)}
-                     | {k: sample(k, 20_000, 200_000) for k in range(1000, 1300)})
+    with ShmCache("chaos", int(total * 0.6)):  # creates it with its capacity; attached to the end
+        with FORK.Pool(3) as pool:
+            result = pool.starmap_async(cache_util.stress_worker,
+                                        [(shm_root, "chaos", seed, 10_000, nkeys, 300) for seed in range(3)])
+            kills = during = 0
+            while not result.ready() or kills < 3:
+                _kill_a_writer_after(shm_root, "chaos", rng.uniform(0.005, 0.1))
+                kills += 1
+                during += not result.ready()
+            outs = result.get(120)
+        assert sum(o["wrong"] for o in outs) == 0 and sum(o["returned"] for o in outs) > 1000
+        # how many kills land while the stress runs depends on the machine's speed; a few suffice
+        assert during >= 3, (during, kills)
+        again = ShmCache("chaos", None)  # reclaims the last victim's reservation
+        check_consistent(again, {k: sample(k) for k in range(nkeys)}
+                         | {k: sample(k, 20_000, 200_000) for k in range(1000, 1300)})

@@ -7,7 +7,6 @@ import stat
 
 import pytest
 
-from cache_util import shm_root  # noqa: F401 - fixture
 from hpcstagger import config
 from hpcstagger.cache import ShmCache, list_caches
 from hpcstagger.errors import CacheError

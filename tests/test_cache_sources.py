@@ -10,10 +10,9 @@ import time
 
 import pytest
 
-import cache_util
-from cache_util import shm_root  # noqa: F401 - fixture
 from hpcstagger.cache import DirectorySource, HDF5Source, Source, ThrottledSource
 from hpcstagger.errors import CacheError, ConfigError
+from support import cache_util
 
 FORK = mp.get_context("fork")
 SPAWN = mp.get_context("spawn")
@@ -52,7 +51,7 @@ def _h5_rows(path: str) -> list[bytes]:
     return [src[i] for i in range(len(src))]
 
 
-def _h5_child(src: HDF5Source, q) -> None:  # noqa: ANN001
+def _h5_child(src: HDF5Source, q) -> None:
     q.put([src[i] for i in range(len(src))])
 
 
@@ -108,7 +107,7 @@ def slow_files(tmp_path):
     return DirectorySource(root)
 
 
-def _epoch_to_queue(src: ThrottledSource, barrier, seed: int, q) -> None:  # noqa: ANN001
+def _epoch_to_queue(src: ThrottledSource, barrier, seed: int, q) -> None:
     q.put(cache_util.read_epoch(src, barrier, seed))
 
 
@@ -171,7 +170,7 @@ def test_throttle_degradation_list(shm_root, slow_files):
         ThrottledSource(slow_files, 1, shared_name="../x")
 
 
-def _read_one_big(src: ThrottledSource, started) -> None:  # noqa: ANN001
+def _read_one_big(src: ThrottledSource, started) -> None:
     started.set()
     src[0]
 

@@ -7,10 +7,10 @@ import pickle
 
 import pytest
 
-from cache_util import check_consistent, sample, shm_root  # noqa: F401 - fixture
 from hpcstagger.cache import ShmCache
 from hpcstagger.cache import store
 from hpcstagger.errors import CacheError
+from support.cache_util import check_consistent, sample
 
 
 def test_put_get_contains_get_or_load(shm_root):
@@ -69,7 +69,7 @@ def test_stats_add_up(shm_root):
     cache = ShmCache("s", 50_000)
     data = {k: sample(k, 1000, 3000) for k in range(60)}
     gets = puts = 0
-    for rnd in range(3):
+    for _round in range(3):
         for k in range(60):
             v = cache.get(k)
             gets += 1
@@ -204,7 +204,7 @@ def test_full_shm_is_a_refused_insert(tmp_path):
                 cache = ShmCache("full", 64 << 20)  # far more than the file system holds
             else:
                 class NoSpace(ShmCache):
-                    def _write_entry(self, fd, header, view, off):  # noqa: ANN001
+                    def _write_entry(self, fd, header, view, off):
                         if self.stats()["entries"] >= 5:
                             raise OSError(errno.ENOSPC, "No space left on device")
                         super()._write_entry(fd, header, view, off)

@@ -14,10 +14,10 @@ import time
 import numpy as np
 import pytest
 
-from calib_sources import DictCache, ThrottledH5Source, sleepy_step
-from conftest import cli_env, run_cli
 from hpcstagger.errors import ConfigError, ModelError
 from hpcstagger.model import Scenario, calibrate
+from support.calib_sources import DictCache, ThrottledH5Source, sleepy_step
+from support.cli import cli_env, run_cli
 
 ROW = 262144
 BW = [4.0e7, 2.4e7]
@@ -72,7 +72,8 @@ def test_calibrate_cli_with_dev_shm_hits_and_progress(h5file, tmp_path):
     env = cli_env(HPCSTAGGER_TEST_H5=h5file, PYTHONPATH=os.pathsep.join(
         [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
     shm_before = set(os.listdir("/dev/shm"))
-    res = run_cli("calibrate", "--source", "calib_sources:make_source", "--job", "one=calib_sources:make_step",
+    res = run_cli("calibrate", "--source", "support.calib_sources:make_source",
+                  "--job", "one=support.calib_sources:make_step",
                   "--epochs", "2", "--capacity", "1e6", "--budget", "6", "-o", str(out), "--json",
                   env=env, timeout=150)
     assert res.returncode == 0, res.stderr
@@ -125,7 +126,7 @@ class BrokenSource:
 
 @pytest.mark.timeout(60)
 def test_a_source_that_fails_to_read_is_reported():
-    from calib_sources import FailsInReaders
+    from support.calib_sources import FailsInReaders
 
     with pytest.raises(ModelError, match="sample .* failed: OSError: disk on fire"):
         calibrate(BrokenSource(), {"a": sleepy_step(0.0001)}, budget=2.0, progress=False, readers=1)
@@ -135,10 +136,10 @@ def test_a_source_that_fails_to_read_is_reported():
 
 def test_cli_bad_specs_are_one_line(tmp_path):
     env = cli_env(PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
-    res = run_cli("calibrate", "--source", "nosuchmodule:make", "--job", "a=calib_sources:make_step",
+    res = run_cli("calibrate", "--source", "nosuchmodule:make", "--job", "a=support.calib_sources:make_step",
                   "-o", str(tmp_path / "x.toml"), env=env)
     assert res.returncode == 1 and "cannot load source" in res.stderr and "nosuchmodule" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
-    res = run_cli("calibrate", "--source", "calib_sources:make_source", "--job", "noequals",
+    res = run_cli("calibrate", "--source", "support.calib_sources:make_source", "--job", "noequals",
                   "-o", str(tmp_path / "x.toml"), env=env)
     assert res.returncode == 1 and "--job takes NAME=MODULE:FUNCTION" in res.stderr

@@ -9,9 +9,9 @@ import h5py
 import pytest
 import torch
 
-from ckpt_util import plain, same, trained
-from conftest import run_cli
 from hpcstagger import AsyncCheckpointer
+from support.ckpt_util import plain, same, trained
+from support.cli import run_cli
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -43,9 +43,10 @@ def shm_path():
 @pytest.fixture(scope="module")
 def ctx():
     c = mp.get_context("forkserver")
-    c.set_forkserver_preload(["ckpt_crash_child"])
+    c.set_forkserver_preload(["support.ckpt_crash_child"])
     # The forkserver finds modules through PYTHONPATH only (Python 3.11 ignores the parent's sys.path
-    # there, and a failed preload is silent), so put this directory on it while the server starts.
+    # there, and a failed preload is silent), so put this directory (the one that holds support/) on
+    # it while the server starts.
     here = os.path.dirname(os.path.abspath(__file__))
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join([here, os.path.dirname(here)] + ([saved] if saved else []))
@@ -58,18 +59,18 @@ def ctx():
             del os.environ["PYTHONPATH"]
         else:
             os.environ["PYTHONPATH"] = saved
-    assert p.exitcode == 0, "the forkserver did not preload ckpt_crash_child"
+    assert p.exitcode == 0, "the forkserver did not preload support.ckpt_crash_child"
     return c
 
 
 def _preloaded():
     import sys
 
-    sys.exit(0 if "ckpt_crash_child" in sys.modules else 1)
+    sys.exit(0 if "support.ckpt_crash_child" in sys.modules else 1)
 
 
 def _start(ctx, directory, out, progress=None, **kw):
-    import ckpt_crash_child
+    from support import ckpt_crash_child
 
     p = ctx.Process(target=ckpt_crash_child.run, args=(str(directory), str(out)),
                     kwargs=dict(steps=STEPS, save_every=SAVE_EVERY, progress=progress, **kw))
@@ -123,7 +124,7 @@ def test_sigkill_at_random_moments_never_breaks_a_checkpoint(ctx, shm_path):
         for k in killers:
             k.join()
         resumed = []
-        for d, at, delay, p, progress in trials:
+        for d, at, delay, p, _progress in trials:
             # -9: killed; 0: the run had ended (a kill chosen in the last step can come too late).
             assert p.exitcode in (-9, 0), f"trial {d.name} exited with {p.exitcode}"
             entries = scan([str(d)])

@@ -11,11 +11,11 @@ import time
 import pytest
 import torch
 
-from ckpt_util import FakeClock
 from hpcstagger import comm as comm_module
 from hpcstagger.checkpoint import gates as gates_module
 from hpcstagger.checkpoint.gates import ActivityGate, AnyGate, Gate, SharedActivityGate, SourceReadHook, StepGate
 from hpcstagger.errors import CheckpointError
+from support.ckpt_util import FakeClock
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,18 +10,19 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, cli_env, in_ci
+from support.cli import REPO, cli_env, in_ci
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
-JOB = Path(__file__).with_name("ckpt_hvd_job.py")
+JOB = Path(__file__).parent / "support" / "ckpt_hvd_job.py"
 
 
 def _need_horovod():
     out = subprocess.run([sys.executable, "-c", "import horovod.torch as h; assert h.mpi_built()"],
                          capture_output=True, text=True, timeout=120)
     if out.returncode != 0:
-        reason = f"Horovod with MPI is not installed ({out.stderr.strip().splitlines()[-1:]}); run scripts/install-horovod"
+        reason = (f"Horovod with MPI is not installed ({out.stderr.strip().splitlines()[-1:]}); "
+                  "run scripts/install-horovod")
         if in_ci():
             pytest.fail(reason)
         pytest.skip(reason)

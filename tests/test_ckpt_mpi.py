@@ -13,11 +13,11 @@ import tempfile
 import pytest
 import torch
 
-from ckpt_util import plain, same
 from hpcstagger import AsyncCheckpointer, config, load
 from hpcstagger.checkpoint import ShardWriter, verify_checkpoint
 from hpcstagger.comm import Comm
 from hpcstagger.errors import CheckpointError
+from support.ckpt_util import plain, same
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(180)]
 

@@ -17,8 +17,6 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt_util import FakeClock, make_model, plain, same, train_step, trained
-from conftest import in_ci
 from hpcstagger import AsyncCheckpointer, load, restore
 from hpcstagger import comm as comm_module
 from hpcstagger import config
@@ -30,6 +28,8 @@ from hpcstagger.checkpoint.snapshot import SnapshotBuffers
 from hpcstagger.checkpoint.state import flatten
 from hpcstagger.comm import Comm
 from hpcstagger.errors import CheckpointError, CollectiveError, ConfigError
+from support.ckpt_util import FakeClock, make_model, plain, same, train_step, trained
+from support.cli import in_ci
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -469,7 +469,7 @@ ck.save(9, {{"x": torch.arange(1_000_000)}})
 """
     import sys
 
-    from conftest import REPO, cli_env
+    from support.cli import REPO, cli_env
 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=cli_env(),
                          cwd=str(REPO))  # this checkout's hpcstagger

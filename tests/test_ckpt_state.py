@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt_util import same
 from hpcstagger.checkpoint.state import flatten, storage_dtype, unflatten
 from hpcstagger.errors import CheckpointError
+from support.ckpt_util import same
 
 
 def _round_trip(state):

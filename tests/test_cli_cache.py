@@ -8,9 +8,8 @@ import os
 
 import pytest
 
-from cache_util import shm_root  # noqa: F401 - fixture
-from conftest import run_cli
 from hpcstagger.cache import ShmCache
+from support.cli import run_cli
 
 
 def _fill(name: str, n: int = 3) -> ShmCache:
@@ -44,7 +43,7 @@ def test_ls_and_stats(shm_root):
 
 def test_shm_root_from_the_environment(shm_root):
     _fill("envcache").close()
-    from conftest import cli_env
+    from support.cli import cli_env
 
     out = run_cli("cache", "ls", env=cli_env(HPCSTAGGER_SHM_ROOT=shm_root))
     assert out.returncode == 0 and "envcache" in out.stdout
@@ -66,7 +65,7 @@ def test_unsafe_root_is_one_line_and_exit_1(shm_root):
     assert len(out.stderr.strip().splitlines()) == 1
 
 
-def _hold(name: str, root: str, ready, release) -> None:  # noqa: ANN001
+def _hold(name: str, root: str, ready, release) -> None:
     cache = ShmCache(name, None, root=root)
     cache.get(0)
     ready.set()

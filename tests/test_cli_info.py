@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from conftest import BIN, cli_env, run_cli
+from support.cli import BIN, cli_env, run_cli
 
 
 def _clean_env(**extra: str) -> dict[str, str]:

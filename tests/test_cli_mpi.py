@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from conftest import BIN, cli_env, remove_stale_mpich_segments
+from support.cli import BIN, cli_env
+from support.shm import remove_stale_mpich_segments
 
 SCRIPT = textwrap.dedent("""
     import sys

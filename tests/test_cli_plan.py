@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import run_cli
+from support.cli import run_cli
 
 SCENARIO = """
 [dataset]

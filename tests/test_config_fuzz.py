@@ -19,7 +19,7 @@ from hpcstagger.model import Scenario
 from hpcstagger.model import scenario as scenario_module
 from hpcstagger.colocated.spec import Spec
 
-from conftest import run_cli
+from support.cli import run_cli
 
 # Every kind of value a TOML document can hold: 64-bit integers, floats with inf and nan, strings,
 # booleans, the four date and time kinds, arrays and tables.

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, cli_env, remove_stale_mpich_segments
 from hpcstagger.colocated.coordinator import resolve_job
 from hpcstagger.errors import ConfigError
+from support.cli import BIN, cli_env
+from support.shm import remove_stale_mpich_segments
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -85,7 +86,8 @@ def test_mpmd_jobs_split_wait_and_report(tmp_path):
     out, _ = _mpmd(tmp_path, spec, [(1, {}), (2, {})])
     assert out.returncode == 0, out.stderr
     rows = out.rows
-    assert [(r["job"], r["rank"], r["size"], r["total"]) for r in rows] == [("a", 0, 1, 1), ("b", 0, 2, 2), ("b", 1, 2, 2)]
+    assert [(r["job"], r["rank"], r["size"], r["total"]) for r in rows] == [("a", 0, 1, 1), ("b", 0, 2, 2),
+                                                                               ("b", 1, 2, 2)]
     assert all(r["jobs"] == {"a": [0], "b": [1, 2]} for r in rows)
     assert all(r["delays"] == {"a": 0.0, "b": 1.5} and r["mode"] == "fixed" for r in rows)
     # a starts at once, b after its 1.5 s delay (upper bounds leave room for a loaded machine)

@@ -8,7 +8,7 @@ import tempfile
 
 import pytest
 
-from conftest import cli_env, run_cli
+from support.cli import cli_env, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 

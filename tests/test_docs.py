@@ -101,8 +101,8 @@ def links(path: Path) -> list[tuple[int, str]]:
 
 # --------------------------------------------------------------------------------- the CLI's view
 def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    for action in parser._actions:  # noqa: SLF001 - argparse has no public accessor
-        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+    for action in parser._actions:  # private, but argparse has no public accessor
+        if isinstance(action, argparse._SubParsersAction):
             return dict(action.choices)
     return {}
 
@@ -110,7 +110,7 @@ def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentPa
 def options(parser: argparse.ArgumentParser) -> set[str]:
     """The long options a parser takes, as its --help shows them."""
     shown = parser.format_help()
-    opts = {o for a in parser._actions for o in a.option_strings if o.startswith("--")}  # noqa: SLF001
+    opts = {o for a in parser._actions for o in a.option_strings if o.startswith("--")}  # private, likewise
     assert all(o in shown for o in opts), parser.prog
     return opts
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import tempfile
 
 import pytest
 
-from conftest import BIN, REPO, cli_env, in_ci, run_cli
+from support.cli import BIN, REPO, cli_env, in_ci, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 EXAMPLES = REPO / "examples"

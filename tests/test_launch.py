@@ -7,10 +7,10 @@ import textwrap
 
 import pytest
 
-from conftest import run_cli
 from hpcstagger.errors import ConfigError
 from hpcstagger.colocated.launch import mpmd_command, parse_delays
 from hpcstagger.colocated.spec import Spec
+from support.cli import run_cli
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -116,8 +116,10 @@ def test_mpmd_command_is_pure(tmp_path):
 
 
 @pytest.mark.parametrize("env, job", [
-    ({"HPCSTAGGER_JOB": "b"}, "b"), ({"SLURM_PROCID": "0"}, "a"), ({"SLURM_PROCID": "2"}, "b"), ({"PMI_RANK": "1"}, "b"),
-    ({"SLURM_PROCID": "1", "SLURM_HET_SIZE": "2", "SLURM_NTASKS_HET_GROUP_0": "1", "SLURM_NTASKS_HET_GROUP_1": "2"}, "b"),
+    ({"HPCSTAGGER_JOB": "b"}, "b"), ({"SLURM_PROCID": "0"}, "a"), ({"SLURM_PROCID": "2"}, "b"),
+    ({"PMI_RANK": "1"}, "b"),
+    ({"SLURM_PROCID": "1", "SLURM_HET_SIZE": "2", "SLURM_NTASKS_HET_GROUP_0": "1",
+      "SLURM_NTASKS_HET_GROUP_1": "2"}, "b"),
 ])
 def test_exec_job_picks_the_rank_s_job(tmp_path, env, job):
     from hpcstagger.colocated.launch import exec_job

@@ -12,7 +12,7 @@ from hpcstagger.errors import ModelError
 from hpcstagger.model import predict, simulate
 from hpcstagger.model import _engine, _pipeline
 
-from model_scenarios import B, S, scenario
+from support.model_scenarios import B, S, scenario
 
 
 @pytest.mark.parametrize("policy, capacity, t, epochs, prefetch, delay", [
@@ -60,7 +60,8 @@ def test_pipeline_table_agrees_with_the_recursion_off_grid():
     pts = [(2, 0.33, 0.013, 0.71), (4, 0.58, 0.0, 0.93), (3, 0.12, 0.05, 0.4), (6, 0.77, 0.02, 1.1),
            (10, 0.45, 0.0, 0.8), (24, 0.2, 0.0, 0.3)]
     for P, m, lo, t in pts:
-        excess = float(_pipeline.simulate_pipeline(P, np.array([m]), lo, 1.0, np.array([t]), samples=120_000, seed=7)[0])
+        excess = float(_pipeline.simulate_pipeline(P, np.array([m]), lo, 1.0, np.array([t]), samples=120_000,
+                                                   seed=7)[0])
         tau = m + (1 - m) * lo
         measured = max(tau, t) * (1 + excess)
         assert _pipeline.sample_time(P, 1 - m, lo, 1.0, t) == pytest.approx(measured, rel=0.03), (P, m, lo, t)

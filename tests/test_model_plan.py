@@ -18,8 +18,7 @@ import pytest
 from hpcstagger.errors import ConfigError
 from hpcstagger.model import optimal_plan, predict, simulate
 
-from model_scenarios import B, S
-from model_scenarios import scenario as _scenario
+from support.model_scenarios import B, S, scenario as _scenario
 
 
 def scenario(n=1000, jobs=((0.002, 1),), bandwidth=(B,), capacity=0.0, policy="minio", hit_bw=20 * B):
@@ -84,7 +83,7 @@ def test_plan_structure_and_dict():
     check = predict(sc, plan.delays, series=False).makespan
     assert check == pytest.approx(plan.makespan, rel=1e-9)
     # every point of the curve is a full prediction (none is cut short by the search)
-    for x, y in list(zip(xs, ys))[::6]:
+    for x, y in list(zip(xs, ys, strict=True))[::6]:
         d = {"j0": 0.0, "j1": x} if x >= 0 else {"j0": -x, "j1": 0.0}
         assert y == pytest.approx(predict(sc, d, series=False).makespan, rel=0.01), x
     assert max(ys) > 1.1 * plan.makespan  # the far ends are much worse, and shown as such

@@ -7,7 +7,7 @@ import pytest
 
 from hpcstagger.model import simulate
 
-from model_scenarios import B, S, scenario
+from support.model_scenarios import B, S, scenario
 
 
 def test_single_job_io_bound_and_compute_bound_exact():

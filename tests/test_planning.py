@@ -30,7 +30,8 @@ def _spec(tmp_path, *, scenario=True, delays="{ b = 2.0 }", b_sample_time=""):
     (tmp_path / "s.toml").write_text(SCENARIO)
     return Spec.from_dict({
         "run": {"name": "p"},
-        "plan": {"mode": "plan", "delays": {"b": 2.0} if delays else {}, **({"scenario": "s.toml"} if scenario else {})},
+        "plan": {"mode": "plan", "delays": {"b": 2.0} if delays else {},
+                 **({"scenario": "s.toml"} if scenario else {})},
         "job": [{"name": "a", "command": "python a.py", "epochs": 2},
                 {"name": "b", "command": "python b.py", **({"sample_time": b_sample_time} if b_sample_time else {})}],
     }, base_dir=tmp_path)

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from conftest import run_cli
 from hpcstagger.errors import ConfigError
 from hpcstagger.profile import StallProfiler
+from support.cli import run_cli
 
 SCENARIO = """
 [dataset]

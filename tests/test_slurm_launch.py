@@ -8,7 +8,9 @@ import textwrap
 
 import pytest
 
-from conftest import MULTI_NODE_MPI_ENV, RANK_PROBE, rank_reports, run_cli
+from support.cli import run_cli
+from support.local_slurm import MULTI_NODE_MPI_ENV
+from support.ranks import RANK_PROBE, rank_reports
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(240)]
 

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MULTI_NODE_MPI_ENV, RANK_PROBE, REPO, rank_reports
+from support.cli import REPO
+from support.local_slurm import MULTI_NODE_MPI_ENV
+from support.ranks import RANK_PROBE, rank_reports
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
 TEMPLATES = REPO / "slurm"
@@ -87,9 +89,11 @@ def test_sweep_array_template(slurm_cluster, batch_job, tmp_path):
     job_id, record, _ = batch_job(body, "--array=0-1", "--output",
                                   str(tmp_path / "task-%a.out"), name="sweep", script_args=(str(template),))
     assert record["JobState"] == "COMPLETED"
-    assert rank_reports(tmp_path, "0") == {"a.0": "a rank 0/1 argv=['--lr', '1']", "b.0": "b rank 0/2 argv=['--lr', '2']",
+    assert rank_reports(tmp_path, "0") == {"a.0": "a rank 0/1 argv=['--lr', '1']",
+                                           "b.0": "b rank 0/2 argv=['--lr', '2']",
                                            "b.1": "b rank 1/2 argv=['--lr', '2']"}
-    assert rank_reports(tmp_path, "1") == {"a.0": "a rank 0/1 argv=['--lr', '3']", "b.0": "b rank 0/2 argv=['--lr', '4']",
+    assert rank_reports(tmp_path, "1") == {"a.0": "a rank 0/1 argv=['--lr', '3']",
+                                           "b.0": "b rank 0/2 argv=['--lr', '4']",
                                            "b.1": "b rank 1/2 argv=['--lr', '4']"}
     assert (tmp_path / "hpcstagger-runs" / "sweep-0").is_dir() and (tmp_path / "hpcstagger-runs" / "sweep-1").is_dir()
 
@@ -114,7 +118,7 @@ def examples_dir(tmp_path):
 def test_colocated_template_trains_the_examples(slurm_cluster, batch_job, examples_dir):
     """The full path a user takes: the examples' spec through colocated.sbatch on Slurm, DDP and
     Horovod jobs in one allocation, the planned delays in the log, and checkpoints that verify."""
-    from conftest import cli_env, run_cli
+    from support.cli import cli_env, run_cli
     import subprocess
     import sys
 
@@ -171,7 +175,7 @@ def test_calibrate_template_writes_a_scenario_and_prints_the_plan(slurm_cluster,
 
 def test_slurm_run_dir_command(tmp_path):
     """No cluster needed: the command only names (and creates) a directory."""
-    from conftest import cli_env, run_cli
+    from support.cli import cli_env, run_cli
 
     spec = _spec(tmp_path)
     out = run_cli("slurm", "run-dir", str(spec), "--job-id", "42")

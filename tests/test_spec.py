@@ -77,7 +77,8 @@ def test_minimal_spec_defaults(tmp_path):
 
 @pytest.mark.parametrize("data, message", [
     ({"job": [{"name": "a", "command": "x", "rank": 2}]},
-     r"unknown key job\[0\]\.rank; valid keys of \[job\]: name \(required\), command \(required\), ranks \(default 1\)"),
+     r"unknown key job\[0\]\.rank; valid keys of \[job\]: name \(required\), command \(required\), "
+     r"ranks \(default 1\)"),
     ({"job": [{"name": "a", "command": "x"}, {"name": "b", "command": "y", "ranks": 0}]},
      r"job\[1\]\.ranks must be an integer >= 1, got 0"),
     ({"job": [{"name": "a"}]}, r"missing job\[0\]\.command \(required\)"),
@@ -89,11 +90,14 @@ def test_minimal_spec_defaults(tmp_path):
     ({"job": [{"name": "a", "command": "x"}], "plan": {"mode": "fixed"}}, "needs plan.delays"),
     ({"job": [{"name": "a", "command": "x"}], "plan": {"delays": {"z": 1}}}, "plan.delays.z: no job named 'z'"),
     ({"job": [{"name": "a", "command": "x"}], "plan": {"mode": "later"}}, "plan.mode must be one of 'plan'"),
-    ({"job": [{"name": "a", "command": "x"}], "cache": {"capacity": "12 parsecs"}}, "cache.capacity = '12 parsecs' is not a size"),
+    ({"job": [{"name": "a", "command": "x"}], "cache": {"capacity": "12 parsecs"}},
+     "cache.capacity = '12 parsecs' is not a size"),
     ({"job": [{"name": "a", "command": "x"}], "dataset": {"path": "d.h5"}}, "missing dataset.name"),
-    ({"job": [{"name": "a", "command": "x", "backend": "mpi"}]}, r"job\[0\]\.backend must be one of 'ddp', 'horovod', 'none'"),
+    ({"job": [{"name": "a", "command": "x", "backend": "mpi"}]},
+     r"job\[0\]\.backend must be one of 'ddp', 'horovod', 'none'"),
     ({"job": [{"name": "a", "command": ""}]}, r"job\[0\]\.command must not be empty"),
-    ({"job": [{"name": "a", "command": "x"}], "slurm": {"time": "soon"}}, r"slurm\.time = 'soon' is not valid: use \[D-\]HH:MM:SS"),
+    ({"job": [{"name": "a", "command": "x"}], "slurm": {"time": "soon"}},
+     r"slurm\.time = 'soon' is not valid: use \[D-\]HH:MM:SS"),
 ])
 def test_bad_specs_name_the_field(tmp_path, data, message):
     with pytest.raises(ConfigError, match=message):

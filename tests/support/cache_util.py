@@ -1,30 +1,14 @@
-"""Helpers for the cache tests: a private shm root, sample data, invariant checks, and worker
-functions that child processes (fork or spawn) import by name."""
+"""Helpers for the cache tests: sample data, invariant checks, and worker functions that child
+processes (fork or spawn) import by name. The private shm root is the ``shm_root`` fixture
+(fixtures.py)."""
 
 from __future__ import annotations
 
 import os
 import random
-import shutil
 import signal
-import tempfile
 import time
 from typing import Any
-
-import pytest
-
-from hpcstagger import config
-
-
-@pytest.fixture
-def shm_root():
-    """A fresh 0700 directory in /dev/shm, set as the shm root; removed afterwards."""
-    root = tempfile.mkdtemp(prefix="hpcs-test-", dir="/dev/shm")
-    try:
-        with config.override(shm_root=root, throttle_dir=""):
-            yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def sample(key: int, lo: int = 100, hi: int = 8000) -> bytes:
@@ -64,7 +48,7 @@ def stress_worker(root: str, name: str, seed: int, nops: int, nkeys: int, clear_
             out["gets"] += 1
             loaded = []
 
-            def loader(k=k):
+            def loader(k=k, loaded=loaded):
                 loaded.append(1)
                 return data[k]
 
@@ -106,7 +90,7 @@ def slow_put_then_hang(root: str, name: str, key: int, started: Any) -> None:
     from hpcstagger.cache.store import ShmCache
 
     class HalfWriter(ShmCache):
-        def _write_entry(self, fd, header, view, off):  # noqa: ANN001 - test override
+        def _write_entry(self, fd, header, view, off):  # a test override
             os.pwrite(fd, header, off)
             os.pwrite(fd, view[: len(view) // 2], off + len(header))
             started.set()
@@ -121,7 +105,7 @@ def die_inside_publish(root: str, name: str, key: int) -> None:
     from hpcstagger.cache import store
 
     class DieInPublish(store.ShmCache):
-        def _publish(self, b, hi, lo, n, off, gen):  # noqa: ANN001 - test override
+        def _publish(self, b, hi, lo, n, off, gen):  # a test override
             led = self._led
             i, _ = self._probe(hi, lo)
             os.pwrite(led.index_fd, store.SLOT.pack(hi, lo, off, (store.LIVE << 56) | n), i << 5)

@@ -1,6 +1,6 @@
 """Real Horovod training with gated asynchronous checkpoints; run by test_ckpt_horovod.py as
 
-    mpiexec -n N python tests/ckpt_hvd_job.py DIR NJOBS
+    mpiexec -n N python tests/support/ckpt_hvd_job.py DIR NJOBS
 
 The world is split into NJOBS co-located jobs, each with its own Horovod (``hvd.init(comm=...)``) and
 its own checkpoint directory DIR/jobJ. Each job trains a small MLP on rank-dependent data (so the
@@ -59,7 +59,7 @@ def main(directory: str, njobs: int) -> None:
     ck.wait()
     assert gate.entered >= 12 and gate.count == 0, (gate.entered, gate.count)
     weights = job.allgather([p.detach().clone() for p in model.parameters()])
-    assert all(torch.equal(a, b) for w in weights for a, b in zip(w, weights[0])), "replicas differ"
+    assert all(torch.equal(a, b) for w in weights for a, b in zip(w, weights[0], strict=True)), "replicas differ"
 
     state = load(d, comm=job)
     assert state["step"] == 11
@@ -70,16 +70,17 @@ def main(directory: str, njobs: int) -> None:
     for step in range(12, 15):
         _train(model, opt, step, job.rank)
         _train(model2, opt2, step, job.rank)
-    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters(), strict=True))
     ck.close()
     hvd.shutdown()
     if job.rank == 0:  # a file per job: two jobs' rank 0 printing could interleave on the launcher's stdout
         report = json.dumps({"job": job_id, "size": job.size, "resumed_equal": same, "gate_entered": gate.entered,
                              "chunks": sum(h.stats.get("chunks", 0) for h in handles),
                              "steps": sorted(os.listdir(d))})
-        with open(os.path.join(directory, f"report-job{job_id}.json.tmp"), "w") as f:
+        path = os.path.join(directory, f"report-job{job_id}.json")
+        with open(path + ".tmp", "w") as f:
             f.write(report)
-        os.replace(os.path.join(directory, f"report-job{job_id}.json.tmp"), os.path.join(directory, f"report-job{job_id}.json"))
+        os.replace(path + ".tmp", path)
     job.free()
 
 

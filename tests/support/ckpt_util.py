@@ -50,7 +50,7 @@ def same(a: Any, b: Any, path: str = "") -> None:
             same(a[k], b[k], f"{path}/{k}")
     elif isinstance(a, (list, tuple)):
         assert type(a) is type(b) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             same(x, y, f"{path}/{i}")
     elif isinstance(a, float) and a != a:
         assert isinstance(b, float) and b != b, path

@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import os
 
-import h5py  # noqa: F401 - imported once in the forkserver, not in every child
+import h5py  # noqa: F401  (imported once in the forkserver, not in every child)
 import torch
-import torch._dynamo  # noqa: F401 - what Adam's first step would import (1-2 s)
+import torch._dynamo  # what Adam's first step would import (1-2 s)
 import xxhash
 
-import hpcstagger.checkpoint.checkpointer  # noqa: F401 - likewise
-import hpcstagger.checkpoint.load  # noqa: F401
+import hpcstagger.checkpoint.checkpointer  # likewise
+import hpcstagger.checkpoint.load  # noqa: F401  (likewise: preloaded in the forkserver)
 from hpcstagger import AsyncCheckpointer, load, restore
 from hpcstagger.errors import CheckpointError
 
