@@ -39,8 +39,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from hpcstagger.cache import CachedDataset, DirectorySource, ShmCache, ThrottledSource  # noqa: E402
-from hpcstagger.cache.sources import read_file  # noqa: E402
+from hpcstagger.cache import CachedDataset, DirectorySource, ShmCache, ThrottledSource  # noqa: E402  (after the sys.path insert)
+from hpcstagger.cache.sources import read_file  # noqa: E402  (after the sys.path insert)
 
 FORK = mp.get_context("fork")
 SPAWN = mp.get_context("spawn")
@@ -130,7 +130,8 @@ def hit_path(label: str, n: int, lo: int, hi: int, reps: int, shm: str, file_dir
     ratios = {"hit / files open().read()": res["files open().read()"]["median_s"] / hit,
               "hit / files os.read": res["files os.read"]["median_s"] / hit,
               "hit / memory copy": res["memory copy"]["median_s"] / hit,
-              "hit+copy / files os.read": res["files os.read"]["median_s"] / res["cache get + bytes() copy"]["median_s"],
+              "hit+copy / files os.read": (res["files os.read"]["median_s"]
+                                           / res["cache get + bytes() copy"]["median_s"]),
               "cold hit / files os.read": res["files os.read"]["median_s"] / cold}
     s = cache.stats()
     assert s["hits"] >= n * (2 * reps + 2), s  # every get was a hit
@@ -160,7 +161,7 @@ class _CountMisses:
         pass
 
 
-def _epoch(dataset_args, seed: int, wait_for, halfway, done, q) -> None:  # noqa: ANN001
+def _epoch(dataset_args, seed: int, wait_for, halfway, done, q) -> None:
     source, cache_name, root = dataset_args
     hook = _CountMisses()
     ds = CachedDataset(source, ShmCache(cache_name, None, root=root), source_read_hook=hook)
@@ -257,7 +258,7 @@ def _stress(root: str, name: str, seed: int, nops: int, nkeys: int, clear_every:
         if bytes(v) != data[k]:
             out["wrong_samples"] += 1
             b = bytes(v)
-            out["wrong_bytes"] += sum(x != y for x, y in zip(b, data[k])) + abs(len(b) - len(data[k]))
+            out["wrong_bytes"] += sum(x != y for x, y in zip(b, data[k], strict=False)) + abs(len(b) - len(data[k]))
 
     t = time.perf_counter()
     for _ in range(nops):
@@ -266,7 +267,7 @@ def _stress(root: str, name: str, seed: int, nops: int, nkeys: int, clear_every:
         out["ops"] += 1
         if op < 0.5:
             loaded = []
-            v = cache.get_or_load(k, lambda k=k: loaded.append(1) or data[k])
+            v = cache.get_or_load(k, lambda k=k, loaded=loaded: loaded.append(1) or data[k])
             out["gets"] += 1
             out["puts"] += len(loaded)
             compare(v, k)

@@ -144,10 +144,10 @@ def worker(args: argparse.Namespace) -> None:
         sync()
         t = time.perf_counter()
         if how == "numpy":
-            for s_, b_ in zip(srcs, bufs):
+            for s_, b_ in zip(srcs, bufs, strict=True):
                 np.copyto(b_.numpy(), s_.numpy())
         else:
-            for s_, b_ in zip(srcs, bufs):
+            for s_, b_ in zip(srcs, bufs, strict=True):
                 b_.copy_(s_)
         return slowest(time.perf_counter() - t)
 
@@ -217,17 +217,19 @@ def worker(args: argparse.Namespace) -> None:
     ck.close()
     med = {k: (comm.bcast(statistics.median(v) if rank == 0 else None) if k.startswith("ts_")
                else statistics.median(v)) for k, v in m.items()}
-    del bufs, srcs
+    bufs.clear()  # free the copies (floor_copy above still refers to the lists)
+    srcs.clear()
     res["floor_copy_by_method_s"] = {"numpy": med["floor_numpy"], "torch": med["floor_torch"]}
     res["floor_copy_s"] = min(med["floor_numpy"], med["floor_torch"])
-    per_round = [o / min(a, b_) for o, a, b_ in zip(m["ours_block"], m["floor_numpy"], m["floor_torch"])]
+    per_round = [o / min(a, b_) for o, a, b_ in zip(m["ours_block"], m["floor_numpy"], m["floor_torch"], strict=True)]
     res["ours_over_floor_per_round"] = per_round
     res["ours_over_floor_median"] = statistics.median(per_round)
     res.update(torch_save_blocking_s=med["ts_block"], torch_save_durable_s=med["ts_durable"],
                dcp_blocking_s=med["dcp_block"], dcp_durable_s=med["dcp_durable"],
                ours_first_blocking_s=first, ours_blocking_s=med["ours_block"], ours_durable_s=med["ours_durable"],
                samples={k: v for k, v in m.items() if rank == 0 or not k.startswith("ts_")})
-    log(f"floor copy {res['floor_copy_s'] * 1e3:.1f} ms; torch.save {med['ts_block']:.3f} s (+fsync {med['ts_durable']:.3f}); DCP async_save blocking "
+    log(f"floor copy {res['floor_copy_s'] * 1e3:.1f} ms; torch.save {med['ts_block']:.3f} s "
+        f"(+fsync {med['ts_durable']:.3f}); DCP async_save blocking "
         f"{med['dcp_block']:.3f} s, durable {med['dcp_durable']:.3f} s; ours blocking {med['ours_block'] * 1e3:.1f} ms "
         f"(first {first * 1e3:.1f}), durable {med['ours_durable']:.3f} s")
 
@@ -362,7 +364,7 @@ def table(results: list[dict]) -> str:
                      *(_fmt_pct(s.get(v, {}).get("slowdown"))
                        for v in ("ungated", "allreduce-gated", "step-gated", "nice19", "dcp"))))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows)
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
 
 
 def main() -> int:
@@ -403,9 +405,11 @@ def main() -> int:
         # OpenMP waits: other jobs share this machine, and a spinning thread that loses its core
         # stretches a step several-fold at random.
         repo = os.path.dirname(HERE)  # this checkout's hpcstagger for the workers
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n))),
+        env = dict(os.environ,
+                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n))),
                    OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
-                   PYTHONPATH=os.pathsep.join([repo] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+                   PYTHONPATH=os.pathsep.join(
+                       [repo] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
         print(f"running: {' '.join(cmd)}", file=sys.stderr, flush=True)
         try:
             subprocess.run(cmd, check=True, env=env, timeout=1800)
@@ -415,7 +419,8 @@ def main() -> int:
             os.unlink(wout)
             shutil.rmtree(root, ignore_errors=True)
     shutil.rmtree(args.dir, ignore_errors=True)
-    doc = {"benchmark": "bench_checkpoint", "command": " ".join([os.path.relpath(__file__, os.getcwd())] + sys.argv[1:]),
+    doc = {"benchmark": "bench_checkpoint",
+           "command": " ".join([os.path.relpath(__file__, os.getcwd())] + sys.argv[1:]),
            "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "host": platform.node(), "cpus": os.cpu_count(),
            "load_avg_at_end": os.getloadavg(), "wall_s": time.time() - started, "quick": args.quick, "results": results}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -73,7 +73,8 @@ def main() -> int:
         summary.append({
             "repetition": i + 1, "planned_delay": plan["delays"][later], "later_job": later,
             "plan": plan["measured"], "simultaneous": by["simultaneous"]["measured"],
-            "sequential": by["sequential"]["measured"], "best_sweep": best["measured"], "best_sweep_label": best["label"],
+            "sequential": by["sequential"]["measured"], "best_sweep": best["measured"],
+            "best_sweep_label": best["label"],
             "plan_vs_best": plan["measured"] / best["measured"] - 1,
             "prediction_error_median": statistics.median(errors), "prediction_error_max": max(errors),
             "coordinator_overhead_max": max(overheads) if overheads else None,

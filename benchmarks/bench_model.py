@@ -40,8 +40,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hpcstagger.model import Scenario, optimal_plan, predict, simulate  # noqa: E402
-from hpcstagger.model import _engine  # noqa: E402
+from hpcstagger.model import Scenario, optimal_plan, predict, simulate
+from hpcstagger.model import _engine
 
 SEED_BASE = 20260521
 SIM_SEEDS = (0, 1)
@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                        "max": 1e3 * max(all_pred),
                        "by_policy": {k: {"median": 1e3 * statistics.median(v), "max": 1e3 * max(v), "count": len(v)}
                                      for k, v in pred_times.items()}},
-        "optimal_plan_4_jobs_s": {"count": len(plan_times4), "median": statistics.median(plan_times4) if plan_times4 else None,
+        "optimal_plan_4_jobs_s": {"count": len(plan_times4),
+                                  "median": statistics.median(plan_times4) if plan_times4 else None,
                                   "max": max(plan_times4) if plan_times4 else None},
         # CPU time of this process: what the wall time would be on an idle machine
         "predict_cpu_ms": {"median": 1e3 * statistics.median(pred_cpu), "p90": 1e3 * _pct(pred_cpu, 0.9),
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                      "sim_simultaneous": s_zero, "pred_simultaneous": p_zero, "err_simultaneous": e0,
                      "plan_delays": d_plan, "sim_plan": s_plan, "pred_plan": p_plan, "err_plan": e1})
     grid_sims: dict[int, list[tuple[list[float], float]]] = {}
-    for (i, k), task in zip(grid_index, tasks[2 * N:]):
+    for (i, _k), task in zip(grid_index, tasks[2 * N:], strict=True):
         grid_sims.setdefault(i, []).append((task[2], sims[pos]))
         pos += 1
     ratios, ratios2, ratiosN = [], [], []
@@ -289,17 +290,21 @@ def _print(out: dict[str, Any]) -> None:
     a = acc["all"]
     print(f"| accuracy: median abs makespan error | {pc(a['median_abs'])} ({a['count']} points) | <= 3% | "
           f"{'yes' if a['median_abs'] <= 0.03 else 'NO'} |")
-    print(f"| accuracy: max abs makespan error | {pc(a['max_abs'])} | <= 8% | {'yes' if a['max_abs'] <= 0.08 else 'NO'} |")
+    print(f"| accuracy: max abs makespan error | {pc(a['max_abs'])} | <= 8% | "
+          f"{'yes' if a['max_abs'] <= 0.08 else 'NO'} |")
     pq = out["plan_quality"]["all"]
     print(f"| plan quality: plan in simulator vs simulator's grid best | median {pc(pq['median'])}, max "
           f"{pc(pq['max'])} ({pq['within_3pct']}/{pq['count']} within 3%) | <= 3% | "
           f"{'yes' if pq['max'] <= 0.03 else 'NO'} |")
     sp = out["speed"]
-    print(f"| speed: predict | median {sp['predict_ms']['median']:.1f} ms, p90 {sp['predict_ms']['p90']:.1f} ms, "
-          f"max {sp['predict_ms']['max']:.1f} ms | <= 20 ms | {'yes' if sp['predict_ms']['max'] <= 20 else 'median yes, max NO' if sp['predict_ms']['median'] <= 20 else 'NO'} |")
+    pm = sp["predict_ms"]
+    print(f"| speed: predict | median {pm['median']:.1f} ms, p90 {pm['p90']:.1f} ms, "
+          f"max {pm['max']:.1f} ms | <= 20 ms | "
+          f"{'yes' if pm['max'] <= 20 else 'median yes, max NO' if pm['median'] <= 20 else 'NO'} |")
     p4 = sp["optimal_plan_4_jobs_s"]
     if p4["count"]:
-        print(f"| speed: optimal_plan, 4 jobs | median {p4['median']:.2f} s, max {p4['max']:.2f} s ({p4['count']} scenarios) "
+        print(f"| speed: optimal_plan, 4 jobs | median {p4['median']:.2f} s, max {p4['max']:.2f} s "
+              f"({p4['count']} scenarios) "
               f"| <= 1 s | {'yes' if p4['max'] <= 1 else 'median yes, max NO' if p4['median'] <= 1 else 'NO'} |")
     pc_, p4c = sp["predict_cpu_ms"], sp["optimal_plan_4_jobs_cpu_s"]
     print(f"\nCPU time of the process (wall time on an idle machine): predict median {pc_['median']:.1f} ms, "
@@ -308,10 +313,12 @@ def _print(out: dict[str, Any]) -> None:
     print("\naccuracy detail (abs error): median / p90 / max, mean signed")
     for k, v in [("simultaneous", acc["simultaneous"]), ("plan delays", acc["plan"])] + \
             [(f"policy {p}", s) for p, s in acc["by_policy"].items()]:
-        print(f"  {k:<28} {pc(v['median_abs'])} / {pc(v['p90_abs'])} / {pc(v['max_abs'])}, {pc(v['mean_signed'])} (n={v['count']})")
+        print(f"  {k:<28} {pc(v['median_abs'])} / {pc(v['p90_abs'])} / {pc(v['max_abs'])}, "
+              f"{pc(v['mean_signed'])} (n={v['count']})")
     print("  predict by policy (ms): " + ", ".join(f"{k} median {v['median']:.1f} max {v['max']:.1f}"
                                                   for k, v in sp["predict_ms"]["by_policy"].items()))
-    for key, title in (("ablations", "ablations (simultaneous start)"), ("prefetch_depths", "prefetch depth (simultaneous start)")):
+    for key, title in (("ablations", "ablations (simultaneous start)"),
+                       ("prefetch_depths", "prefetch depth (simultaneous start)")):
         if key in out:
             print(f"\n{title}: median / p90 / max abs error")
             for k, v in out[key].items():

@@ -20,7 +20,6 @@ options below.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import numpy as np

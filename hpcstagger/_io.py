@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import os
 import secrets
-from typing import Any, Callable, BinaryIO
+from typing import Any, BinaryIO
+from collections.abc import Callable
 
 __all__ = ["CHECKSUM_ALGORITHM", "checksum", "fsync_dir", "atomic_write", "atomic_write_json", "read_json",
            "json_safe"]

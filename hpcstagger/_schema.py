@@ -13,7 +13,8 @@ import re
 import shlex
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 from .errors import ConfigError
 

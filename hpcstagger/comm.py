@@ -28,7 +28,8 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Callable, Iterator, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
+from collections.abc import Callable, Iterator
 
 from . import config
 from .errors import (
@@ -178,12 +179,12 @@ class Comm:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def single(cls) -> "Comm":
+    def single(cls) -> Comm:
         """A communicator of one process (rank 0 of 1); every collective is local."""
         return cls(None)
 
     @classmethod
-    def world(cls) -> "Comm":
+    def world(cls) -> Comm:
         """``MPI.COMM_WORLD`` when MPI is in use, else a single process.
 
         The ``mpi`` knob (``HPCSTAGGER_MPI``) decides: ``auto`` uses MPI when an MPI launcher
@@ -306,13 +307,13 @@ class Comm:
 
     def allreduce(self, value: Any, op: str = "sum", *, timeout: float | None = UNSET) -> Any:
         """Reduce a Python number over all ranks with ``op`` in sum, max, min; result on every rank."""
-        ops = {"sum": sum, "max": max, "min": min}
+        ops: dict[str, Callable[[list[Any]], Any]] = {"sum": sum, "max": max, "min": min}
         if op not in ops:
             raise ValueError(f"allreduce op must be one of {sorted(ops)}, not {op!r}")
         return ops[op](self.allgather(value, timeout=timeout))
 
     def split(self, color: int | None, key: int | None = None, *,
-              timeout: float | None = UNSET) -> "Comm | None":
+              timeout: float | None = UNSET) -> Comm | None:
         """Split into sub-communicators by ``color`` (ordered by ``key``, default this rank).
 
         Ranks passing ``color=None`` get None back. Collective over this communicator.
@@ -327,7 +328,7 @@ class Comm:
                             self.rank if key is None else key)
         return None if sub == MPI.COMM_NULL else Comm(sub)
 
-    def dup(self, *, timeout: float | None = UNSET) -> "Comm":
+    def dup(self, *, timeout: float | None = UNSET) -> Comm:
         """A new communicator with the same ranks and its own message space (collective)."""
         self._arrive("dup", timeout)
         if self._c is None:
@@ -370,7 +371,7 @@ class Comm:
         local: BaseException | None = None
         try:
             yield
-        except Exception as exc:  # noqa: BLE001 - collected and re-raised below
+        except Exception as exc:  # collected and re-raised below
             local = exc
         status = None if local is None else describe_exception(local)
         statuses = self.allgather(status, timeout=timeout)
@@ -382,12 +383,13 @@ class Comm:
                 timeout: float | None = UNSET, **kwargs: Any) -> T:
         """Call ``fn(*args, **kwargs)`` on every rank and return its result; see :meth:`guard`."""
         result: Any = None
-        with self.guard(what or getattr(fn, "__name__", "step"), timeout=timeout):
+        name: str = getattr(fn, "__name__", "step")
+        with self.guard(what or name, timeout=timeout):
             result = fn(*args, **kwargs)
         return result
 
 
-def as_comm(comm: "Comm | Any | None") -> Comm:
+def as_comm(comm: Comm | Any | None) -> Comm:
     """Turn None (a single process), a :class:`Comm`, or an mpi4py communicator into a Comm."""
     if comm is None:
         return Comm.single()

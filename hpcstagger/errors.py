@@ -9,7 +9,7 @@ to the other ranks.
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 __all__ = [
     "describe_exception",
@@ -65,7 +65,7 @@ class CollectiveError(HpcstaggerError):
         self.failures: dict[int, str] = dict(failures or {})
 
     @classmethod
-    def from_failures(cls, what: str, failures: Mapping[int, str], size: int) -> "CollectiveError":
+    def from_failures(cls, what: str, failures: Mapping[int, str], size: int) -> CollectiveError:
         """Build the error for ``what`` from a rank -> message map, listing every failing rank."""
         ranks = sorted(failures)
         lines = [f"{what} failed on {len(ranks)} of {size} rank(s): {', '.join(map(str, ranks))}"]

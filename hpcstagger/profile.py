@@ -28,7 +28,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterable, Iterator
 
 from ._io import atomic_write_json, read_json
 from .errors import ConfigError
@@ -161,7 +162,7 @@ class StallProfiler:
         atomic_write_json(path, self.to_dict())
 
     @classmethod
-    def from_dict(cls, data: Any) -> "StallProfiler":
+    def from_dict(cls, data: Any) -> StallProfiler:
         """Rebuild a profile from :meth:`to_dict`'s output; raises ConfigError naming what is wrong."""
         if not isinstance(data, dict) or data.get("format") != _FORMAT:
             raise ConfigError(f"not a stall profile (expected \"format\": \"{_FORMAT}\"); write one with "
@@ -173,14 +174,15 @@ class StallProfiler:
         if not isinstance(it, dict):
             raise ConfigError("stall profile: missing \"iterations\"")
         cols = [it.get(k) for k in ("wait", "prep", "compute", "samples")]
-        if not all(isinstance(c, list) for c in cols) or len({len(c) for c in cols}) != 1:
+        lists = [c for c in cols if isinstance(c, list)]
+        if len(lists) != len(cols) or len({len(c) for c in lists}) != 1:
             raise ConfigError("stall profile: \"iterations\" needs lists wait, prep, compute and samples of one length")
-        for w, p, c, s in zip(*cols):
+        for w, p, c, s in zip(*lists, strict=True):
             prof.record(w, c, p, s)
         return prof
 
     @classmethod
-    def load(cls, path: str) -> "StallProfiler":
+    def load(cls, path: str) -> StallProfiler:
         """Read a profile written by :meth:`save`. Raises ConfigError for a missing or bad file."""
         try:
             data = read_json(path)

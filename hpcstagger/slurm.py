@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import time
 from itertools import product
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from .errors import ConfigError, LaunchError
 
@@ -47,7 +47,9 @@ TERMINAL_STATES = frozenset({
 
 def _split_top(text: str) -> list[str]:
     """Split on commas that are not inside brackets."""
-    parts, depth, cur = [], 0, []
+    parts: list[str] = []
+    cur: list[str] = []
+    depth = 0
     for ch in text:
         if ch == "[":
             depth += 1
@@ -256,10 +258,10 @@ def wait_for_job(job_id: int | str, timeout: float, *, poll: float = 0.2,
                               "out of the controller (MinJobAge)")
         states = [r.get("JobState", "UNKNOWN").split()[0] for r in records]
         if all(s in TERMINAL_STATES for s in states):
-            bad = [r for r, s in zip(records, states) if s != "COMPLETED"]
+            bad = [r for r, s in zip(records, states, strict=True) if s != "COMPLETED"]
             return bad[0] if bad else records[0]
         if time.monotonic() >= deadline:
-            waiting = next(r for r, s in zip(records, states) if s not in TERMINAL_STATES)
+            waiting = next(r for r, s in zip(records, states, strict=True) if s not in TERMINAL_STATES)
             raise LaunchError(f"job {job_id} is still {waiting.get('JobState', '?')} after {timeout:g} s "
                               f"(reason: {waiting.get('Reason', '?')}); cancel it with 'scancel {job_id}'")
         time.sleep(poll)

@@ -46,7 +46,7 @@ from ._layout import (ALIGN, COUNTERS, ENTRY_HDR, HEADER_BYTES, H_ARENA_BYTES, H
                       SLOT, SLOT_WORDS, S_PID, S_RES_GEN, S_RES_OFF, S_RES_PAYLOAD, S_RES_SIZE,
                       S_START, VERSION)
 
-_open_ledgers: "weakref.WeakSet[Ledger]" = weakref.WeakSet()
+_open_ledgers: weakref.WeakSet[Ledger] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
@@ -59,6 +59,8 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 class Ledger:
     """One process's handle on one cache's shared files. Private to :mod:`hpcstagger.cache`."""
+
+    lmap: mmap.mmap | None  # the ledger's mapping: set once the ledger file is open, None after close()
 
     def __init__(self, root: str, name: str, *, capacity: int | None, policy_code: int,
                  max_entries: int, check_max_entries: bool, stores: bool):
@@ -178,7 +180,7 @@ class Ledger:
                     raise CacheError(f"cache file {self.path}/{name} has size {st.st_size}, expected {size}; "
                                      f"remove the cache with 'hpcstagger cache clear {self.name}'")
             maps = [mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-                    for fd, size in zip(fds, (self.index_slots * SLOT.size, self.arena_bytes))]
+                    for fd, size in zip(fds, (self.index_slots * SLOT.size, self.arena_bytes), strict=True)]
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -207,7 +209,7 @@ class Ledger:
             self._lock_pid = pid
         return self._lock_fd
 
-    def lock(self) -> "_Locked":
+    def lock(self) -> _Locked:
         """Context manager: thread lock + flock, with crash recovery via the dirty word."""
         return _Locked(self)
 
@@ -408,9 +410,10 @@ class Ledger:
                     pass
             setattr(self, attr, -1)
         self.imv = self.amv = None  # dropped, not closed: views handed out keep their mapping alive
-        if getattr(self, "lmap", None) is not None:
+        lmap = getattr(self, "lmap", None)
+        if lmap is not None:
             self.w.release()
-            self.lmap.close()
+            lmap.close()
             self.lmap = None
         _open_ledgers.discard(self)
 

@@ -5,7 +5,8 @@ This module imports torch; :mod:`hpcstagger.cache` loads it only when ``CachedDa
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
+from collections.abc import Callable
 
 import torch.utils.data
 

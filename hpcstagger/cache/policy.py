@@ -2,8 +2,9 @@
 
 The interface is deliberately small. A policy says whether the cache stores anything at all
 (``stores``) and, under the cache's lock, whether one insert of ``nbytes`` is admitted given the
-current :class:`Space` (``refuse_fast`` lets a full MinIO cache refuse without taking the lock). ``"minio"`` admits while the sample fits and then never changes the
-contents (CoorDL's MinIO: with random-order epochs every epoch hits exactly C/D of the data).
+current :class:`Space` (``refuse_fast`` lets a full MinIO cache refuse without taking the lock).
+``"minio"`` admits while the sample fits and then never changes the contents (CoorDL's MinIO: with
+random-order epochs every epoch hits exactly C/D of the data).
 ``"none"`` stores nothing, for baselines.
 
 Adding ``"lru"`` later would mean: ``admit`` may name victims to evict, and the store must then

@@ -14,7 +14,8 @@ import operator
 import os
 import struct
 import weakref
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import xxhash
 
@@ -216,7 +217,8 @@ class ShmCache:
                 data = b""
             if len(data) == ENTRY_HDR + n:
                 magic, ehi, elo, elen, ck, _ = ENTRY.unpack_from(data)
-                if (magic, ehi, elo, elen) == (ENTRY_MAGIC, hi, lo, n) and _checksum(memoryview(data)[ENTRY_HDR:]) == ck:
+                if ((magic, ehi, elo, elen) == (ENTRY_MAGIC, hi, lo, n)
+                        and _checksum(memoryview(data)[ENTRY_HDR:]) == ck):
                     return False  # a torn read of a slot being published, not corruption
             os.pwrite(led.index_fd, ((TOMB << 56) | n).to_bytes(8, "little"), (i << 5) + 24)
             # The region is abandoned (someone may still hold a view of it). The index's own length
@@ -231,7 +233,7 @@ class ShmCache:
         if not self._stores:
             return False
         try:
-            hi, lo = key_hash(key)  # type: ignore[arg-type]
+            hi, lo = key_hash(key)  # type: ignore[arg-type]  # any object may be tested; TypeError if not a key
         except TypeError:
             return False
         led = self._led
@@ -396,8 +398,8 @@ class ShmCache:
     def stats(self) -> dict[str, Any]:
         """Node-wide statistics: counters summed over every process, occupancy, configuration.
 
-        Keys: lookups (= hits + misses: every get() is exactly one of them), hits, misses, inserts, refused, duplicates (puts
-        of keys already cached), corrupt, insert_bytes, hit_rate, bytes_used, entries,
+        Keys: lookups (= hits + misses: every get() is exactly one of them), hits, misses, inserts,
+        refused, duplicates (puts of keys already cached), corrupt, insert_bytes, hit_rate, bytes_used, entries,
         reserved_bytes, wasted_bytes, capacity_bytes, max_entries, processes (live attached),
         generation, name, policy, path.
         """
@@ -441,7 +443,7 @@ class ShmCache:
                 os.close(root_fd)
         self.close()
 
-    def __enter__(self) -> "ShmCache":
+    def __enter__(self) -> ShmCache:
         return self
 
     def __exit__(self, *exc: Any) -> None:

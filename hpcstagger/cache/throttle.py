@@ -32,7 +32,8 @@ import os
 import struct
 import time
 import weakref
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from .. import config
 from ..errors import CacheError, ConfigError

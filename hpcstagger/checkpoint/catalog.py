@@ -7,7 +7,8 @@ import os
 import secrets
 import shutil
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
+from collections.abc import Iterable, Sequence
 
 from .._io import atomic_write, fsync_dir
 from ..errors import CheckpointError
@@ -46,7 +47,7 @@ class Entry:
         return self.manifest
 
 
-def as_dirs(directory: "str | os.PathLike[str] | Sequence[str | os.PathLike[str]]") -> list[str]:
+def as_dirs(directory: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[str]:
     """One directory or a sequence of them (fastest level first) as a list of paths."""
     if isinstance(directory, (str, os.PathLike)):
         return [os.fspath(directory)]

@@ -28,7 +28,8 @@ import logging
 import os
 import time
 import weakref
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from .. import config
 from ..comm import Comm, as_comm
@@ -65,7 +66,7 @@ class AsyncCheckpointer:
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, comm: Any = None, keep: int = 3,
-                 staging_dir: str | os.PathLike[str] | None = None, gate: "Gate | str | None" = "auto",
+                 staging_dir: str | os.PathLike[str] | None = None, gate: Gate | str | None = "auto",
                  writer: ShardWriter | None = None):
         if not isinstance(keep, int) or keep < 1:
             raise ConfigError(f"keep must be an int >= 1 (committed checkpoints to keep), not {keep!r}")
@@ -83,8 +84,8 @@ class AsyncCheckpointer:
         check_thread_level(self._comm)
         # h5py must first be imported on the main thread: imported first on the writer thread, HDF5's
         # own exit handler calls back into an interpreter that is gone and the process segfaults.
-        import h5py  # noqa: F401
-        import xxhash  # noqa: F401
+        import h5py  # noqa: F401  (imported for its side effect: the first import, on the main thread)
+        import xxhash  # noqa: F401  (likewise imported now, not first on the writer thread)
         self._levels = [d for d in (self.staging_dir, self.directory) if d is not None]
         self._keeps = [max(1, int(config.get("ckpt_staging_keep"))), keep] if self.staging_dir else [keep]
 
@@ -172,11 +173,12 @@ class AsyncCheckpointer:
             mine = [(p, index[p.key]) for p in plan.for_shard(c.rank)]
             self._buffers.ensure(mine)
             views = self._buffers.copy(mine)
-            items = [ShardItem(p, leaf.spec, leaf.kind, leaf.storage, v) for (p, leaf), v in zip(mine, views)]
+            items = [ShardItem(p, leaf.spec, leaf.kind, leaf.storage, v)
+                     for (p, leaf), v in zip(mine, views, strict=True)]
             if c.rank == 0:
                 for d in self._levels:
                     catalog.clear_step(d, step)
-        except Exception as exc:  # noqa: BLE001 - shared with every rank below
+        except Exception as exc:  # shared with every rank below
             local_err = exc
         if c.size > 1:
             try:
@@ -189,7 +191,7 @@ class AsyncCheckpointer:
                 err = CollectiveError.from_failures(f"checkpoint snapshot of step {step}", failures, c.size)
                 raise CheckpointError(str(err)) from local_err
             if len({s for _, s in statuses}) > 1:
-                groups: dict[str, list[int]] = {}
+                groups: dict[str | None, list[int]] = {}
                 for r, (_, s) in enumerate(statuses):
                     groups.setdefault(s, []).append(r)
                 raise CheckpointError(
@@ -262,7 +264,7 @@ class AsyncCheckpointer:
             if self._wcomm.is_mpi:
                 self._wcomm.free()
 
-    def __enter__(self) -> "AsyncCheckpointer":
+    def __enter__(self) -> AsyncCheckpointer:
         return self
 
     def __exit__(self, exc_type: Any, *rest: Any) -> None:

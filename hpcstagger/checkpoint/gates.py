@@ -30,7 +30,8 @@ import struct
 import threading
 import time
 import weakref
-from typing import Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from ..comm import poll_until
 from ..errors import CheckpointError
@@ -54,6 +55,11 @@ class Gate:
 
 class _Marks:
     """``active()`` for a class with ``enter()`` and ``exit()``: the ``with`` body is an activity."""
+
+    if TYPE_CHECKING:  # provided by every class that mixes this in
+        def enter(self) -> None: ...
+
+        def exit(self) -> None: ...
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -116,7 +122,7 @@ class StepGate(ActivityGate):
         self._in_step = False
         self._step_lock = threading.Lock()
         self._hooks: list = []
-        self._watched: "weakref.WeakSet[object]" = weakref.WeakSet()
+        self._watched: weakref.WeakSet[object] = weakref.WeakSet()
 
     def _begin(self, *_: object) -> None:
         with self._step_lock:
@@ -304,7 +310,7 @@ class SharedActivityGate(_Marks, Gate):
             self._mm = mmap.mmap(fd, _SIZE, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
-        self._words = memoryview(self._mm).cast("q")
+        self._words: memoryview | None = memoryview(self._mm).cast("q")
         self._hook = SourceReadHook(self.path)
         self._finalizer = weakref.finalize(self, _unlink, self.path, os.getpid())
 
@@ -345,7 +351,7 @@ class SharedActivityGate(_Marks, Gate):
             self._mm.close()
         self._finalizer()
 
-    def __enter__(self) -> "SharedActivityGate":
+    def __enter__(self) -> SharedActivityGate:
         return self
 
     def __exit__(self, *exc: object) -> None:

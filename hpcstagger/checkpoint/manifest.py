@@ -17,7 +17,8 @@ import json
 import math
 import re
 import time
-from typing import Any, Iterable, Mapping
+from typing import Any
+from collections.abc import Iterable, Mapping
 
 from ..errors import CheckpointError
 

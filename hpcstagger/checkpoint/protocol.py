@@ -120,7 +120,7 @@ class Worker:
     """The one background writer thread of a checkpointer."""
 
     def __init__(self, nice: int):
-        self.queue: "queue.Queue[Any]" = queue.Queue()
+        self.queue: queue.Queue[Any] = queue.Queue()
         self.nice = nice
         self.thread = threading.Thread(target=self._loop, name="hpcstagger-ckpt-writer", daemon=True)
         self.thread.start()
@@ -175,7 +175,7 @@ class SaveTask:
             h.timings["durable_s"] = time.perf_counter() - t0
         except CheckpointError as exc:
             h.fail(exc)
-        except Exception as exc:  # noqa: BLE001 - a bug or a broken communicator; never lost
+        except Exception as exc:  # a bug or a broken communicator; never lost
             err = CheckpointError(f"rank {self.wcomm.rank}: checkpoint of step {h.step} failed: "
                                   f"{describe_exception(exc)}")
             err.__cause__ = exc
@@ -193,7 +193,7 @@ class SaveTask:
             for i in committed:
                 try:
                     catalog.prune(self.levels[i], self.keeps[i], protect=h.step)
-                except Exception as exc:  # noqa: BLE001 - retention must not fail a good checkpoint
+                except Exception as exc:  # retention must not fail a good checkpoint
                     log.warning("checkpoint retention in %s failed: %s", self.levels[i], exc)
 
     def _level(self, i: int, root: str) -> None:
@@ -207,21 +207,27 @@ class SaveTask:
                                                       path=path, items=self.items, pacer=self.pacer)
             else:
                 src = os.path.join(self.levels[0], step_dirname(h.step), shard_filename(c.rank, self.plan.nshards))
+                assert self.record is not None, "level 0 committed, so it left its shard's record"
                 self.writer.copy_shard(step=h.step, rank=c.rank, src=src, dst=path, expect=self.record,
                                        pacer=self.pacer)
-        except Exception as exc:  # noqa: BLE001 - every rank learns it below
+        except Exception as exc:  # every rank learns it below
             verb = "writing" if i == 0 else "flushing to"
             err = str(exc) if isinstance(exc, CheckpointError) else f"{verb} {path}: {describe_exception(exc)}"
         results = c.gather((self.record if i == 0 else None, err), timeout=self.timeout)
         outcome = None
         if c.rank == 0:
+            assert results is not None, "rank 0 is the gather's root"
             failures = {r: e for r, (_, e) in enumerate(results) if e is not None}
             if not failures:
                 try:
-                    if self.manifest is None:
-                        self.manifest = self._build([rec for rec, _ in results])
+                    if self.manifest is None:  # level 0, where every rank without an error sent its record
+                        records = []
+                        for rec, _ in results:
+                            assert rec is not None, "a rank without an error sends its shard's record"
+                            records.append(rec)
+                        self.manifest = self._build(records)
                     catalog.commit(step_dir, self.manifest)
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     failures[0] = f"committing {os.path.join(step_dir, 'manifest.json')}: {describe_exception(exc)}"
             outcome = failures or None
         outcome = c.bcast(outcome, timeout=self.timeout)
@@ -275,7 +281,7 @@ def agree(c: Comm, local_err: BaseException | None, sig: str | None) -> list[tup
     if not every[:, 0].any():
         return [(None, s_) for s_ in sigs]
     errs = c.allgather(None if local_err is None else describe_exception(local_err))
-    return list(zip(errs, sigs))
+    return list(zip(errs, sigs, strict=True))
 
 
 def check_thread_level(comm: Comm) -> None:

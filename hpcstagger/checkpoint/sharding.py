@@ -14,7 +14,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 __all__ = ["TensorSpec", "Piece", "ShardPlan", "plan_shards", "layout_signature"]
 

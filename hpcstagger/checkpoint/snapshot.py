@@ -12,7 +12,8 @@ are copied with numpy (a single memcpy per piece).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from .sharding import Piece
 from .state import Leaf
@@ -79,7 +80,7 @@ class SnapshotBuffers:
 
         devices = set()
         views = []
-        for (p, leaf), off in zip(entries, self._offsets):
+        for (p, leaf), off in zip(entries, self._offsets, strict=True):
             a, b = p.byte_range(leaf.spec.itemsize)
             if b > a:
                 dst = self._buf[off:off + (b - a)]

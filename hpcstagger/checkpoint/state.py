@@ -15,7 +15,8 @@ from __future__ import annotations
 import base64
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from ..errors import CheckpointError
 from .sharding import TensorSpec

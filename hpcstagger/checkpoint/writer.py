@@ -27,7 +27,8 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
+from collections.abc import Iterator, Sequence
 
 from .. import config
 from .._io import fsync_dir, temp_path
@@ -121,7 +122,7 @@ def _create_structure(tmp: str, *, step: int, rank: int, nshards: int, items: Se
         lcpl = h5py.h5p.create(h5py.h5p.LINK_CREATE)
         lcpl.set_create_intermediate_group(True)
         lcpl.set_char_encoding(h5py.h5t.CSET_UTF8)
-        for item, digest in zip(items, checksums):
+        for item, digest in zip(items, checksums, strict=True):
             p, spec = item.piece, item.spec
             shape = spec.shape if p.whole else (p.count,)
             space = h5py.h5s.create_simple(shape) if shape else h5py.h5s.create(h5py.h5s.SCALAR)
@@ -154,7 +155,7 @@ def _published(path: str, failure: str) -> Iterator[str]:
         fsync_dir(os.path.dirname(path))
     except CheckpointError:
         raise
-    except Exception as exc:  # noqa: BLE001 - reported with the path, cause kept
+    except Exception as exc:  # reported with the path, cause kept
         raise CheckpointError(f"{failure}: {type(exc).__name__}: {exc}") from exc
     finally:
         if tmp is not None:
@@ -176,7 +177,7 @@ class ShardWriter:
                                         checksums=checksums, pacer=pacer)
             size, digest = self._fill(tmp, items, offsets, pacer)
         pieces = [{"key": it.spec.key, "dataset": dataset_name(it.spec.key), "start": it.piece.start,
-                   "count": it.piece.count, "checksum": c} for it, c in zip(items, checksums)]
+                   "count": it.piece.count, "checksum": c} for it, c in zip(items, checksums, strict=True)]
         return {"rank": rank, "file": os.path.basename(path), "size": size, "checksum": digest, "pieces": pieces}
 
     def _fill(self, tmp: str, items: Sequence[ShardItem], offsets: Sequence[int | None],
@@ -184,7 +185,7 @@ class ShardWriter:
         """pwrite every item's bytes at its offset, hashing the whole file in order; fsync."""
         import xxhash
 
-        regions = sorted((off, it.data) for off, it in zip(offsets, items) if off is not None)
+        regions = sorted((off, it.data) for off, it in zip(offsets, items, strict=True) if off is not None)
         h = xxhash.xxh3_64()
         fd = os.open(tmp, os.O_RDWR)
         try:

@@ -12,7 +12,8 @@ import argparse
 import importlib
 import logging
 import sys
-from typing import Callable, NoReturn, Sequence
+from typing import NoReturn
+from collections.abc import Callable, Sequence
 
 from .._version import __version__
 
@@ -55,7 +56,7 @@ def _world_size_if_mpi() -> int:
         return 1
     try:
         return mpi.COMM_WORLD.Get_size() if mpi.Is_initialized() and not mpi.Is_finalized() else 1
-    except Exception:  # noqa: BLE001 - best effort while already failing
+    except Exception:  # best effort while already failing
         return 1
 
 

@@ -19,8 +19,8 @@ def register(sub: Any) -> None:
 
     ls = cmds.add_parser("ls", help="list the checkpoints in a directory",
                          description="List every step directory in DIR, newest first: committed (with world size, "
-                                     "tensors and bytes) or incomplete. Reads manifests only; use verify to check data. "
-                                     "DIR may also be one step-N directory.")
+                                     "tensors and bytes) or incomplete. Reads manifests only; use verify to check "
+                                     "data. DIR may also be one step-N directory.")
     ls.add_argument("directory", metavar="DIR")
     ls.add_argument("--json", action="store_true", help="print exactly one JSON object")
     ls.set_defaults(func=run_ls)

@@ -15,7 +15,8 @@ def register(sub: Any) -> None:
                                    "(two small models, one MPI rank each) at the planned stagger, "
                                    "simultaneously and sequentially, checkpointing asynchronously. Prints "
                                    "predicted and measured makespans and writes demo.json and demo.png.")
-    p.add_argument("--workdir", default="hpcstagger-demo", help="where data, runs and plots go (default ./hpcstagger-demo)")
+    p.add_argument("--workdir", default="hpcstagger-demo",
+                   help="where data, runs and plots go (default ./hpcstagger-demo)")
     p.add_argument("--samples", type=int, default=6000, help="dataset size in samples (default 6000, 12 KB each)")
     p.add_argument("--epochs", type=int, default=3, help="epochs of each job (default 3)")
     p.add_argument("--calibrate-budget", type=float, default=20.0, metavar="S",

@@ -43,7 +43,8 @@ def format_plan(path: str, sc: Any, plan: Any) -> str:
     """The human-readable plan table."""
     bw = "/".join(f"{b / 1e6:.0f}" for b in sc.storage.bandwidth)
     cache = ("no cache" if sc.cache_samples == 0 else
-             f"cache {human_bytes(sc.cache.capacity)} {sc.cache.policy} ({sc.cache_samples / sc.dataset.samples:.0%} of the data)")
+             f"cache {human_bytes(sc.cache.capacity)} {sc.cache.policy} "
+             f"({sc.cache_samples / sc.dataset.samples:.0%} of the data)")
     lines = [f"{path}: {len(sc.jobs)} job(s), {sc.dataset.samples} samples of {human_bytes(sc.dataset.sample_bytes)}, "
              f"source {bw} MB/s with 1, 2, ... readers, {cache}", ""]
     width = max(len("job"), *(len(n) for n in sc.job_names))

@@ -27,7 +27,7 @@ _LAUNCHERS = ("mpiexec", "mpirun", "srun", "sbatch", "scontrol")
 def _module_version(name: str) -> dict[str, Any]:
     try:
         mod = importlib.import_module(name)
-    except Exception as exc:  # noqa: BLE001 - reported, not raised
+    except Exception as exc:  # reported, not raised
         return {"installed": False, "error": f"{type(exc).__name__}: {exc}"}
     return {"installed": True, "version": getattr(mod, "__version__", None)}
 
@@ -70,7 +70,8 @@ def _mpi_info() -> dict[str, Any]:
 
         info["library"] = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
         info["library_version_string"] = MPI.Get_library_version().strip()
-        info["standard"] = "%d.%d" % MPI.Get_version()
+        major, minor = MPI.Get_version()
+        info["standard"] = f"{major}.{minor}"
         info["initialized"] = bool(MPI.Is_initialized())
         if MPI.Is_initialized():
             info["world_size"] = MPI.COMM_WORLD.Get_size()
@@ -79,7 +80,7 @@ def _mpi_info() -> dict[str, Any]:
                 MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
                 MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple",
             }.get(MPI.Query_thread(), "unknown")
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         info["error"] = f"{type(exc).__name__}: {exc}"
     return info
 
@@ -95,7 +96,7 @@ def _horovod_info() -> dict[str, Any]:
         info["mpi_built"] = bool(hvd.mpi_built())
         info["gloo_built"] = bool(hvd.gloo_built())
         info["nccl_built"] = bool(hvd.nccl_built())
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         info["torch"] = False
         info["error"] = f"horovod.torch: {type(exc).__name__}: {exc}"
     return info
@@ -147,7 +148,7 @@ def _gpus() -> dict[str, Any]:
             for i in range(torch.cuda.device_count()):
                 p = torch.cuda.get_device_properties(i)
                 devices.append({"index": i, "name": p.name, "memory_bytes": int(p.total_memory)})
-    except Exception:  # noqa: BLE001
+    except Exception:
         pass
     if not devices and shutil.which("nvidia-smi"):
         line = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
@@ -168,6 +169,7 @@ def _memory_bytes() -> int | None:
 
 def collect() -> dict[str, Any]:
     """Everything ``hpcstagger info`` reports, as one JSON-able dict."""
+    usable: int | None
     try:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:

@@ -9,7 +9,8 @@ ranks that did arrive. Every rank leaves with the same outcome: its reply, or a 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Mapping
+from typing import Any
+from collections.abc import Callable, Mapping
 
 from ..comm import Comm, mpi_module, poll_until
 from ..errors import CollectiveError, CollectiveTimeout
@@ -80,7 +81,7 @@ def rendezvous(world: Comm, hello: Any, decide: Callable[[list[Any]], Mapping[in
         raise CollectiveTimeout(message, {r: "did not arrive" for r in missing})
     try:
         replies = decide(hellos)
-    except Exception as exc:  # noqa: BLE001 - sent to every rank, then raised here
+    except Exception as exc:  # sent to every rank, then raised here
         message = f"{what} failed on the coordinator (world rank 0): {type(exc).__name__}: {exc}"
         for r in range(1, world.size):
             c.send(("error", message), dest=r, tag=_TAG_REPLY)

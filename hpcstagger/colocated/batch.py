@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import shlex
-from typing import Callable
+from collections.abc import Callable
 
 from . import env as E
 from .spec import JobSpec, Spec
@@ -48,7 +48,8 @@ def render_batch(spec: Spec, *, python_bin: str | None = None, version: str = ""
     """
     sl = spec.slurm
     lines = ["#!/bin/bash",
-             f"# hpcstagger batch script for run '{spec.run.name}'{', rendered by hpcstagger ' + version if version else ''}.",
+             f"# hpcstagger batch script for run '{spec.run.name}'"
+             f"{', rendered by hpcstagger ' + version if version else ''}.",
              f"# Re-render after editing the spec: hpcstagger slurm render {spec.path or 'SPEC'}",
              f"#SBATCH --job-name={spec.run.name}",
              "#SBATCH --nodes=1",

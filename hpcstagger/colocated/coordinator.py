@@ -31,7 +31,8 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 from .. import _io, config
 from ..comm import Comm, as_comm

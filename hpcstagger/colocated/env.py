@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import json
-from typing import Mapping
+from collections.abc import Mapping
 
 from ..errors import ConfigError
 

@@ -20,7 +20,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from ._shm import remove_stale_mpich_segments
 from . import env as E
@@ -343,6 +344,7 @@ def launch(spec: Spec, *, mode: str | None = None, delays: Mapping[str, float] |
     def command(jobs: Sequence[str] | None, where: Path) -> list[str]:
         if launcher == "srun":
             return _srun_commands(spec, where, jobs)
+        assert exe, "launch() raised LaunchError above when there is no mpiexec"
         return mpmd_command(spec, mpiexec=exe, jobs=jobs)
 
     if mode != "sequential":

@@ -7,7 +7,8 @@ plain function.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from ..errors import ConfigError
 from .spec import PLAN_MODES, PLAN_MODES_IN_WORLD, Spec

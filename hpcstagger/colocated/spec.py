@@ -52,7 +52,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from .. import _schema as S
 from ..errors import ConfigError
@@ -224,7 +225,7 @@ class Spec:
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
-    def from_toml(cls, path: str | os.PathLike[str]) -> "Spec":
+    def from_toml(cls, path: str | os.PathLike[str]) -> Spec:
         """Read and validate a spec file. Raises ConfigError naming the file and the bad field."""
         p = Path(path)
         data = S.load_toml(p, "spec file")
@@ -235,7 +236,7 @@ class Spec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, base_dir: str | os.PathLike[str] = ".",
-                  path: str = "") -> "Spec":
+                  path: str = "") -> Spec:
         """Validate a dict shaped like the TOML format; relative paths resolve against ``base_dir``."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"a spec must be a table, got {type(data).__name__}")
@@ -309,7 +310,7 @@ class Spec:
                 return j
         raise ConfigError(f"no job named {name!r} in the spec; jobs: {', '.join(self.job_names)}")
 
-    def only(self, names: "Sequence[str]") -> "Spec":
+    def only(self, names: Sequence[str]) -> Spec:
         """This spec restricted to the jobs ``names`` (in spec order); raises ConfigError for unknown names."""
         for n in names:
             self.job(n)

@@ -8,7 +8,7 @@ chunks, so generating a few hundred MB needs little memory.
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -65,7 +65,7 @@ def make_dataset(path: str, samples: int, shape: tuple[int, int, int] = (3, 64, 
     return row
 
 
-def decode(data: bytes | memoryview, shape: tuple[int, int, int]) -> tuple["np.ndarray", int]:
+def decode(data: bytes | memoryview, shape: tuple[int, int, int]) -> tuple[np.ndarray, int]:
     """A sample's bytes as (float32 image scaled to [0, 1], label)."""
     arr = np.frombuffer(data, dtype=np.uint8)
     image = arr[1:].reshape(shape).astype(np.float32) / 255.0

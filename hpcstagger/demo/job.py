@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Collection, Sequence
 
 __all__ = ["make_step", "main"]
 
@@ -69,8 +70,8 @@ class _Prefetcher:
         import threading
 
         self.dataset, self.depth = dataset, depth
-        self._q: "queue.Queue[Any]" = queue.Queue(maxsize=depth)
-        self._order: "queue.Queue[Any]" = queue.Queue()
+        self._q: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self._order: queue.Queue[Any] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="hpcstagger-demo-loader", daemon=True)
         self._thread.start()
 
@@ -82,10 +83,10 @@ class _Prefetcher:
             try:
                 for i in order:
                     self._q.put(bytes(self.dataset[int(i)]))
-            except Exception as exc:  # noqa: BLE001 - handed to the training thread
+            except Exception as exc:  # handed to the training thread
                 self._q.put(exc)
 
-    def epoch(self, order: Sequence[int], batch: int) -> Any:
+    def epoch(self, order: Collection[Any], batch: int) -> Any:
         """Yield lists of ``batch`` sample bytes, in ``order``."""
         self._order.put(order)
         out: list[bytes] = []
@@ -290,8 +291,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # Everything local to this job is built before joining the run: the plan's clock starts after.
     spec = Spec.from_toml(os.environ["HPCSTAGGER_SPEC"])
-    shape = tuple(int(v) for v in os.environ.get("HPCSTAGGER_DEMO_SHAPE", "3,64,64").split(","))
-    model, opt, step = make_step(args.model, shape, lr=args.lr)  # type: ignore[arg-type]
+    c, h, w = (int(v) for v in os.environ.get("HPCSTAGGER_DEMO_SHAPE", "3,64,64").split(","))
+    shape = (c, h, w)
+    model, opt, step = make_step(args.model, shape, lr=args.lr)
 
     def calibration() -> dict[str, float]:
         return {"sample_time": measure_sample_time(step, shape, batch=args.batch, prefetch=args.prefetch),
@@ -303,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cache = session.cache()
     dataset = CachedDataset(source, cache) if cache is not None else source
     # While this job waits for its planned start, it readies what the first step needs.
-    ckpt, ready_s = _get_ready(session, spec, model, opt, step, shape,  # type: ignore[arg-type]
+    ckpt, ready_s = _get_ready(session, spec, model, opt, step, shape,
                                batch=args.batch, warmup=args.warmup)
     session.wait()
     session.start_backend()

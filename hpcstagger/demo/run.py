@@ -13,15 +13,14 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import sys
 import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping
 
 from .. import _io
 from ..cli._text import table

@@ -100,7 +100,7 @@ def gate_optimizer(optimizer: Any, gate: Any) -> Any:
     return optimizer
 
 
-def DistributedOptimizer(optimizer: Any, *args: Any, gate: Any = None, **kwargs: Any) -> Any:  # noqa: N802
+def DistributedOptimizer(optimizer: Any, *args: Any, gate: Any = None, **kwargs: Any) -> Any:
     """``hvd.DistributedOptimizer(optimizer, *args, **kwargs)``, gated on ``gate`` when given."""
     hvd = hvd_module()
     opt = hvd.DistributedOptimizer(optimizer, *args, **kwargs)

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import datetime
 import socket
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from .. import config
 from ..comm import as_comm

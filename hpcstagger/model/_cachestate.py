@@ -9,11 +9,34 @@ job; index 1 on job j's axis means "job j has yet to read these samples this epo
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._engine import Quality
 
 
 class CacheState:
     """Class-state operations: counts, one step of reads, lru eviction, derivatives, epoch bits."""
+
+    # The engine's attributes these methods use (set by Engine.__init__ and Engine.reset).
+    np: Any  # the numpy module, imported when the engine is built
+    J: int
+    q: Quality
+    n: float
+    cap: float
+    lru: bool
+    full: bool
+    shape: tuple[int, ...]
+    status: list[int]
+    Nu: Any  # ndarray, one axis of length 2 per job
+    Nb: Any  # ndarray, blocks first
+    maskmat: Any
+    bit1: list[Any]
+    empty_block: Any
+    sl1: list[tuple[slice, ...]]
+    sl0: list[tuple[slice, ...]]
+    bsl1: list[tuple[slice, ...]]
+    bsl0: list[tuple[slice, ...]]
 
     def counts(self, Nu: Any, Nb: Any) -> tuple[list[float], list[float]]:
         """Per job: samples yet to read this epoch (U) and how many of those are not cached (v)."""

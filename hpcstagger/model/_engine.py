@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
+from collections.abc import Callable
 
 from ..errors import ModelError
 from . import _pipeline
@@ -216,17 +217,17 @@ class Engine(CacheState):
                 Z.append(z if z > 0.0 else 0.0)
             nb = share(readers, Z)
             if variance:
-                for j, m2j in zip(readers, self.last_m2):
+                for j, m2j in zip(readers, self.last_m2, strict=True):
                     m2[j] = m2j
             change = 0.0
-            for j, nbj in zip(readers, nb):
+            for j, nbj in zip(readers, nb, strict=True):
                 c = abs(nbj - b[j]) / b[j]
                 if c > change:
                     change = c
             if change > 0.7 * last:  # slow or oscillating: damp
                 damp = max(0.25, damp * 0.5)
             last = change
-            for j, nbj in zip(readers, nb):
+            for j, nbj in zip(readers, nb, strict=True):
                 b[j] += damp * (nbj - b[j])
             if change < tol:
                 break

@@ -34,7 +34,8 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 from ..errors import ConfigError, ModelError
 from .scenario import POLICIES, Cache, Dataset, Job, Loader, Scenario, Storage
@@ -73,10 +74,10 @@ def _reader(source: Any, seed: int, barrier: Any, duration: float, queue: Any) -
             data = source[rng.randrange(n)]
             records.append((t0, time.monotonic(), len(data)))
         queue.put(("ok", start, records))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+    except BaseException as exc:  # reported to the parent
         try:
             barrier.abort()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
         queue.put(("error", f"{type(exc).__name__}: {exc}", []))
 
@@ -222,7 +223,8 @@ def _capacity_bytes(capacity: float | str | None, n: int, sample_bytes: float) -
                 return float(text[:-1]) / 100.0 * n * sample_bytes
             return float(text)
         except ValueError:
-            raise ConfigError(f"capacity must be bytes or a percentage of the dataset like '60%', got {capacity!r}") from None
+            raise ConfigError(f"capacity must be bytes or a percentage of the dataset like '60%', "
+                              f"got {capacity!r}") from None
     return float(capacity)
 
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from ..errors import ModelError
 from . import _engine
@@ -79,7 +79,7 @@ class Prediction:
                 "bandwidth": list(self.bandwidth), "cached": list(self.cached)}
 
 
-def predict(scenario: Scenario, delays: "Mapping[str, float] | Sequence[float] | None" = None, *,
+def predict(scenario: Scenario, delays: Mapping[str, float] | Sequence[float] | None = None, *,
             series: bool = True) -> Prediction:
     """Predict every job's finish time and the makespan when job j starts ``delays[j]`` seconds late.
 
@@ -94,7 +94,8 @@ def predict(scenario: Scenario, delays: "Mapping[str, float] | Sequence[float] |
     if not all(math.isfinite(t) for t in finish):
         raise ModelError("the fluid model did not finish every job; please report this scenario")
     names = scenario.job_names
-    out = Prediction(makespan=max(finish), finish=dict(zip(names, finish)), start=dict(zip(names, d)))
+    out = Prediction(makespan=max(finish), finish=dict(zip(names, finish, strict=True)),
+                     start=dict(zip(names, d, strict=True)))
     if series and eng.series:
         rows = eng.series
         out = Prediction(

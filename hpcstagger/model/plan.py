@@ -33,7 +33,8 @@ import bisect
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from ..errors import ConfigError
 from . import _engine
@@ -100,7 +101,7 @@ class _Evaluator:
         best: _engine.Snapshot | None = None
         best_prefix: list[_engine.Snapshot] = []
         for delays, snaps in self.runs:
-            diff = [min(a, b) for a, b in zip(d, delays) if a != b]
+            diff = [min(a, b) for a, b in zip(d, delays, strict=True) if a != b]
             bound = min(diff) if diff else math.inf
             # the last snapshot strictly before the first start time that differs
             k = bisect.bisect_left([s.t for s in snaps], bound) - 1
@@ -157,7 +158,7 @@ def _line_search(f: Callable[[float], float], lo: float, hi: float, current: flo
                               options={"xatol": 1e-4 * (hi - lo) + 1e-9, "maxiter": refine_iter})
         if float(res.fun) < best_v:
             best_x, best_v = float(res.x), float(res.fun)
-    return best_x, best_v, list(zip(xs, vals))
+    return best_x, best_v, list(zip(xs, vals, strict=True))
 
 
 def _solo_times(sc: Scenario) -> list[float]:
@@ -271,7 +272,7 @@ def _plan_scaled(ev: _Evaluator, base: list[float], best: float,
     best_d = list(base)
     if val_best < best:
         best_d, best = [lam_best * x for x in base], val_best
-    curve = sorted(set(zip((lam * top for lam in scales), vals)) | {(lam_best * top, val_best)})
+    curve = sorted(set(zip((lam * top for lam in scales), vals, strict=True)) | {(lam_best * top, val_best)})
     label = (f"largest delay, with every delay scaled along the plan (0: simultaneous; "
              f"plan at {max(best_d):.3g} s)")
     return best_d, best, curve, label
@@ -293,8 +294,8 @@ def _final_plan(sc: Scenario, best_d: list[float], curve: list[tuple[float, floa
         finish = final_eng.run(best_d)
     sequential = _sequential(sc) if J > 1 else max(finish)
     order = tuple(names[j] for j in sorted(range(J), key=lambda j: (best_d[j], j)))
-    return Plan(delays=dict(zip(names, best_d)), makespan=max(finish), simultaneous=simultaneous,
-                sequential=sequential, finish=dict(zip(names, finish)), order=order,
+    return Plan(delays=dict(zip(names, best_d, strict=True)), makespan=max(finish), simultaneous=simultaneous,
+                sequential=sequential, finish=dict(zip(names, finish, strict=True)), order=order,
                 curve_stagger=tuple(c[0] for c in curve), curve_makespan=tuple(c[1] for c in curve),
                 curve_label=label, evaluations=evaluations, seconds=time.perf_counter() - t0)
 
@@ -322,7 +323,7 @@ def _plan_two(ev: _Evaluator, bound: list[float], points: int):
                               options={"xatol": 1e-5 * (bound[0] + bound[1]) + 1e-9, "maxiter": 30})
         if float(res.fun) < best:
             best_s, best = float(res.x), float(res.fun)
-    curve = sorted(set(zip(xs, vals)) | {(best_s, best)})
+    curve = sorted(set(zip(xs, vals, strict=True)) | {(best_s, best)})
     return delays(best_s), best, curve
 
 
@@ -365,8 +366,8 @@ def _plan_many(sc: Scenario, ev: _Evaluator, bound: list[float], points: int,
             if time.perf_counter() > deadline:
                 break
 
-            def f(x: float, j: int = j) -> float:
-                d = list(best_d)
+            def f(x: float, j: int = j, base: list[float] = best_d) -> float:
+                d = list(base)
                 d[j] = x
                 return ev(d)
 

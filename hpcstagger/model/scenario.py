@@ -28,7 +28,8 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from .. import _schema as S
 from ..errors import ConfigError
@@ -162,7 +163,7 @@ class Scenario:
                 return i
         raise ConfigError(f"unknown job {name!r}; jobs in this scenario: {', '.join(self.job_names)}")
 
-    def delay_vector(self, delays: "Mapping[str, float] | Sequence[float] | None") -> list[float]:
+    def delay_vector(self, delays: Mapping[str, float] | Sequence[float] | None) -> list[float]:
         """Delays as a list in job order, from a dict name -> seconds or a sequence in job order.
 
         Missing names in a dict mean 0. Raises ConfigError for unknown names, a wrong length or a
@@ -184,7 +185,7 @@ class Scenario:
 
     # ---- conversion ---------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Scenario":
+    def from_dict(cls, data: Mapping[str, Any]) -> Scenario:
         """Build and validate a scenario from a dict shaped like the TOML format.
 
         Raises ConfigError naming the first bad, missing or unknown field.
@@ -212,7 +213,7 @@ class Scenario:
         return cls(dataset=dataset, storage=storage, jobs=tuple(jobs), cache=cache, loader=loader)
 
     @classmethod
-    def from_toml(cls, path: str | os.PathLike[str]) -> "Scenario":
+    def from_toml(cls, path: str | os.PathLike[str]) -> Scenario:
         """Read and validate a scenario file. Raises ConfigError for an unreadable file, bad TOML or a bad field."""
         data = S.load_toml(path, "scenario file")
         try:

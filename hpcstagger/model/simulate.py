@@ -26,7 +26,7 @@ import heapq
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from .scenario import Scenario
 
@@ -48,7 +48,7 @@ class SimResult:
         return max(self.finish.values())
 
 
-def simulate(scenario: Scenario, delays: "Mapping[str, float] | Sequence[float] | None" = None,
+def simulate(scenario: Scenario, delays: Mapping[str, float] | Sequence[float] | None = None,
              seed: int = 0, trace: list | None = None) -> SimResult:
     """Simulate ``scenario`` with job start ``delays`` (dict name -> s, or a sequence in job order).
 
@@ -203,6 +203,6 @@ def simulate(scenario: Scenario, delays: "Mapping[str, float] | Sequence[float] 
             break
 
     names = sc.job_names
-    return SimResult(finish=dict(zip(names, finish)), hits=dict(zip(names, hits)),
-                     misses=dict(zip(names, misses)),
-                     epoch_ends={nm: tuple(e) for nm, e in zip(names, epoch_ends)})
+    return SimResult(finish=dict(zip(names, finish, strict=True)), hits=dict(zip(names, hits, strict=True)),
+                     misses=dict(zip(names, misses, strict=True)),
+                     epoch_ends={nm: tuple(e) for nm, e in zip(names, epoch_ends, strict=True)})
