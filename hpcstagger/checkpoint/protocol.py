@@ -3,10 +3,9 @@
 :class:`SaveHandle` is what ``AsyncCheckpointer.save()`` returns. In ``save()``, :func:`agree`
 checks, in one small non-blocking all-gather, that every rank took its snapshot of the same layout.
 One writer thread (:class:`Worker`) per :class:`~hpcstagger.checkpoint.AsyncCheckpointer` then runs
-one :class:`SaveTask` per save. The writers of the ranks talk over their own duplicate of the
-checkpointer's communicator (never the training's): per save, gather every rank's result to rank 0;
-rank 0 commits (or not) and broadcasts the outcome; with a staging level, the same again for the
-flush. Every rank so learns the same outcome. Retention runs after the save's handle is released.
+one :class:`SaveTask` per save, over the writers' own duplicate of the checkpointer's communicator
+(why a duplicate, and the per-save exchange: see :mod:`.checkpointer`). Retention runs after the
+save's handle is released.
 """
 
 from __future__ import annotations
