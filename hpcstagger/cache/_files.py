@@ -12,6 +12,7 @@ import errno
 import os
 import struct
 import time
+from collections.abc import Callable
 
 from ..errors import CacheError
 from . import _fs
@@ -61,33 +62,36 @@ def create_cache(dir_fd: int, path: str, root: str, capacity: int, policy_code: 
     header[H_ARENA_BYTES], header[H_GEN], header[H_CREATED] = arena, 1, int(time.time())
     header[H_NSLOTS] = NSLOTS
     data = struct.pack(f"<{len(header)}Q", *header) + bytes(LEDGER_BYTES - HEADER_BYTES)
-    tmp = "ledger.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | FILE_FLAGS, 0o600, dir_fd=dir_fd)
-    try:
-        _write_all(fd, data)
-    except OSError as exc:
-        os.close(fd)
-        os.unlink(tmp, dir_fd=dir_fd)
-        raise CacheError(f"cannot create cache {path}: {exc.strerror}; free space in "
-                         f"{root} (df -h {root})") from None
-    os.close(fd)
-    os.rename(tmp, "ledger", src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    _new_file(dir_fd, "ledger.tmp", lambda fd: _write_all(fd, data),
+              lambda why: f"cannot create cache {path}: {why}; free space in {root} (df -h {root})")
+    os.rename("ledger.tmp", "ledger", src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
 
 def create_file(dir_fd: int, path: str, root: str, name: str, size: int, *, allocate: bool) -> None:
     """Create ``name`` of ``size`` bytes. Files read through a mapping at arbitrary places (the
     index) are allocated now: on tmpfs a read fault in a hole allocates a page, and on a full
     /dev/shm that is a SIGBUS. The arena stays sparse: only regions written by pwrite are read."""
-    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | FILE_FLAGS, 0o600, dir_fd=dir_fd)
-    try:
+
+    def fill(fd: int) -> None:
         if allocate and size:
             os.posix_fallocate(fd, 0, size)
         os.ftruncate(fd, size)
+
+    _new_file(dir_fd, name, fill,
+              lambda why: f"cannot create {path}/{name} ({size} bytes): {why}; free space in {root} "
+                          f"(df -h {root}) or use a smaller capacity or max_entries")
+
+
+def _new_file(dir_fd: int, name: str, fill: Callable[[int], None], failure: Callable[[str | None], str]) -> None:
+    """Create ``name`` (mode 0600, no symlink followed) and ``fill`` it; if that fails with an OSError,
+    remove it and raise CacheError(``failure(the OS's reason)``)."""
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | FILE_FLAGS, 0o600, dir_fd=dir_fd)
+    try:
+        fill(fd)
     except OSError as exc:
         os.close(fd)
         os.unlink(name, dir_fd=dir_fd)
-        raise CacheError(f"cannot create {path}/{name} ({size} bytes): {exc.strerror}; free space "
-                         f"in {root} (df -h {root}) or use a smaller capacity or max_entries") from None
+        raise CacheError(failure(exc.strerror)) from None
     os.close(fd)
 
 
