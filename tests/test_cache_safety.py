@@ -123,3 +123,41 @@ def test_default_root_is_per_user_under_dev_shm(monkeypatch):
     assert config.get("shm_root") == f"/dev/shm/hpcstagger-{os.getuid()}"
     monkeypatch.setenv("HPCSTAGGER_SHM_ROOT", "/dev/shm/elsewhere")
     assert config.get("shm_root") == "/dev/shm/elsewhere"
+
+
+@pytest.fixture
+def full_tmpfs(tmp_path):
+    """A real 1 MiB tmpfs (a full /dev/shm in miniature); root only, as in CI."""
+    import subprocess
+
+    from support.cli import in_ci
+
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        if in_ci():
+            pytest.fail("CI runs as root and must mount the small tmpfs")
+        pytest.skip("mounting a tmpfs needs root")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M,mode=1777", "tmpfs", str(mnt)], check=True, timeout=30)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True, timeout=30)
+
+
+@pytest.mark.parametrize("max_entries, what", [
+    (10_000_000, "index.1"),  # the index is allocated at once: fallocate fails
+    (None, "cache"),          # a small index fits; writing the ledger fails
+])
+def test_a_full_device_is_a_clear_error_and_leaves_no_half_written_file(full_tmpfs, max_entries, what):
+    root = full_tmpfs / "r"
+    with pytest.raises(CacheError, match=r"No space left on device; free space in .*df -h") as err:
+        ShmCache("big", 64 << 20, root=root, max_entries=max_entries)
+    assert f"cannot create {'cache ' if what == 'cache' else ''}" in str(err.value) and what in str(err.value)
+    left = os.listdir(root / "big")
+    assert "ledger" not in left and "ledger.tmp" not in left and (what == "cache" or what not in left), left
+    # a later creation that fits cleans up what the failed one left and works
+    cache = ShmCache("big", 1 << 16, root=root, max_entries=16)
+    cache.put("k", b"v")
+    assert bytes(cache.get("k")) == b"v"
+    cache.close()
