@@ -26,7 +26,7 @@ from support.cli import run_cli
 EDGES = [0, 1, -1, 2**63 - 1, -2**63, math.inf, -math.inf, math.nan, 1e308, -1e308, -0.0, 5e-324, 0.5,
          "", " ", "\x00", "a\x00b", "1e400GB", "1e400", "512MB", "-1MB", "inf", "nan", "a\nb", "../x", "/",
          "=", "a=b", "none", "plan", "'", True, False, [], [math.inf], [math.nan, 1], ["a", 1], {}, {"a": math.nan},
-         {"=": "x"}, {"a": "\x00"}, {"": 1}, [[]], datetime.date(2026, 1, 1)]
+         {"=": "x"}, {"a": "\x00"}, {"": 1}, [[]], [1.0, 5e-324], datetime.date(2026, 1, 1)]
 SPECIAL = st.sampled_from(EDGES)
 SCALARS = st.one_of(
     SPECIAL, SPECIAL,  # twice: the edge cases are what the fuzzer is for

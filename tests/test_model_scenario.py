@@ -98,6 +98,8 @@ def test_defaults_no_cache_section_and_unlimited_hits():
     (lambda d: d["job"][0].__setitem__("name", "  "), r"job\[0\]\.name must not be blank"),
     # values fine alone whose products overflow
     (lambda d: d["storage"].__setitem__("bandwidth", [5e-324]), r"storage\.bandwidth\[0\] = 5e-324 is too small"),
+    # ... also when only a reader's share underflows to 0 (5e-324 / 2 rounds to 0.0)
+    (lambda d: d["storage"].__setitem__("bandwidth", [1e6, 5e-324]), r"storage\.bandwidth\[1\] = 5e-324 is too small"),
     (lambda d: d["job"][0].__setitem__("sample_time", 1e308), r"run time overflows"),
 ])
 def test_bad_fields_are_named_by_path(mutate, message):

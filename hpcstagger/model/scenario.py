@@ -294,15 +294,17 @@ def _validate(s: Scenario) -> None:
             raise ConfigError(f"job[{i}].name {j.name!r} is used twice; job names must be unique")
         seen.add(j.name)
     # Each value may be fine alone and their products still overflow (bytes / a tiny bandwidth).
-    readers = max(len(s.storage.bandwidth), len(s.jobs))
-    for k in range(1, readers + 1):
-        read = s.dataset.sample_bytes / (s.storage.aggregate(k) / k)
+    reads = []
+    for k in range(1, max(len(s.storage.bandwidth), len(s.jobs)) + 1):
+        share = s.storage.per_reader(k)  # may underflow to 0 for a tiny bandwidth
+        read = s.dataset.sample_bytes / share if share > 0 else math.inf
         if not math.isfinite(read):
             i = min(k, len(s.storage.bandwidth)) - 1
             raise ConfigError(f"storage.bandwidth[{i}] = {s.storage.bandwidth[i]!r} is too small for "
                               f"dataset.sample_bytes = {s.dataset.sample_bytes!r}: reading one sample takes "
                               "forever; give the bandwidth in bytes/s")
-    slowest = s.dataset.sample_bytes / min(s.storage.aggregate(k) / k for k in range(1, readers + 1))
+        reads.append(read)
+    slowest = max(reads)
     total = sum(float(j.epochs) * s.dataset.samples * (j.sample_time + slowest) for j in s.jobs)
     if not math.isfinite(total):
         raise ConfigError("the scenario's run time overflows (samples x epochs x seconds per sample is "
