@@ -187,5 +187,7 @@ def test_slurm_run_dir_command(tmp_path):
     env.pop("SLURM_JOB_ID", None)
     out = run_cli("slurm", "run-dir", str(spec), env=env)
     assert out.returncode == 1 and "no job id" in out.stderr and "--job-id" in out.stderr, out
-    out = run_cli("slurm", "run-dir", str(spec), "--job-id", "../x")
-    assert out.returncode == 1 and "is not a Slurm job id" in out.stderr, out
+    for bad in ("../x", "abc", "12a"):
+        out = run_cli("slurm", "run-dir", str(spec), "--job-id", bad)
+        assert out.returncode == 1 and "is not a Slurm job id" in out.stderr, out
+    assert run_cli("slurm", "run-dir", str(spec), "--job-id", "42_3").stdout.strip().endswith("slurm-42_3")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from typing import Any
 
@@ -100,7 +101,7 @@ def run_run_dir(args: argparse.Namespace) -> int:
     job_id = args.job_id or os.environ.get("SLURM_JOB_ID", "")
     if not job_id:
         raise ConfigError("no job id: run this inside a Slurm job (SLURM_JOB_ID) or pass --job-id")
-    if not job_id.replace("_", "").isalnum():
+    if not re.fullmatch(r"\d+(?:[_+]\d+)?", job_id):
         raise ConfigError(f"--job-id {job_id!r} is not a Slurm job id (digits, e.g. 1234 or 1234_5)")
     run_dir = slurm_run_dir(Spec.from_toml(args.spec).run.workdir, job_id)
     os.makedirs(run_dir, exist_ok=True)
