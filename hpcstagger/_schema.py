@@ -136,8 +136,8 @@ def number(*, minimum: float | None = None, exclusive: bool = False, allow_inf: 
     return check
 
 
-def integer(*, minimum: int | None = None) -> Checker:
-    """A whole number (an integral float such as 1e4 is accepted), at least ``minimum``."""
+def integer(*, minimum: int | None = None, maximum: int | None = None) -> Checker:
+    """A whole number (an integral float such as 1e4 is accepted), at least ``minimum`` and at most ``maximum``."""
 
     def check(where: str, value: Any) -> int:
         if (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -145,6 +145,8 @@ def integer(*, minimum: int | None = None) -> Checker:
             raise ConfigError(f"{where} must be an integer, got {value!r}")
         if minimum is not None and value < minimum:
             raise ConfigError(f"{where} must be an integer >= {minimum}, got {value!r}")
+        if maximum is not None and value > maximum:
+            raise ConfigError(f"{where} must be an integer <= {maximum}, got {value!r}")
         return int(value)
 
     return check

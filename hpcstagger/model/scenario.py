@@ -13,12 +13,19 @@ valid keys with their defaults. The format::
     capacity = 6.0e8           # bytes; 0 = no cache
     policy = "minio"           # minio | lru | none
     hit_bandwidth = 5.0e9      # bytes/s per reader; optional, default unlimited
+    initial = 0.0              # fraction of the dataset cached when the run starts (default 0: cold)
     [loader]                   # optional
-    prefetch = 2               # samples a job's loader may hold fetched or in flight ahead of compute
+    prefetch = 2               # default prefetch of the jobs' loaders (a job's own value wins)
     [[job]]
     name = "resnet"
-    sample_time = 0.002        # seconds per sample with data in memory (whole job)
+    sample_time = 0.002        # seconds per sample of the training loop with data in memory (whole job)
     epochs = 3
+    ranks = 1                  # data-parallel ranks; each has its own loader (DistributedSampler)
+    workers = 2                # DataLoader worker processes per rank (0: the main process loads)
+    batch = 64                 # samples per batch per rank
+    prefetch = 2               # batches per worker in flight (PyTorch's prefetch_factor)
+    handoff = 0.0005           # seconds per batch the main process spends receiving it
+    prep_time = 0.0001         # seconds per sample a worker spends besides reading (decode, augment)
 
 The semantics every model of a scenario follows are stated in :mod:`hpcstagger.model`.
 """
@@ -65,11 +72,13 @@ class Storage:
 
 @dataclass(frozen=True)
 class Cache:
-    """The node-local cache: ``capacity`` bytes, a policy, and per-reader hit bandwidth."""
+    """The node-local cache: ``capacity`` bytes, a policy, per-reader hit bandwidth, and the
+    fraction of the dataset it holds when the run starts (``initial``; at most what it can hold)."""
 
     capacity: float = 0.0
     policy: str = "minio"
     hit_bandwidth: float = math.inf
+    initial: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -81,11 +90,30 @@ class Loader:
 
 @dataclass(frozen=True)
 class Job:
-    """One training job: per-sample compute time with data in memory, and its number of epochs."""
+    """One training job: its loop's seconds per sample with data in memory, its epochs, and its loader.
+
+    The loader follows PyTorch's DataLoader: each of ``ranks`` ranks has ``workers`` worker
+    processes (0: the main process loads each batch itself, with no overlap), each worker fetches
+    whole batches of ``batch`` samples one sample at a time, and up to ``prefetch`` batches per
+    worker are in flight or ready. Receiving a batch costs the main process ``handoff`` seconds;
+    a worker spends ``prep_time`` seconds per sample besides reading it. ``prefetch`` None takes the
+    scenario's ``[loader] prefetch``. The defaults (one worker, batches of one) are one prefetching
+    reader fetching one sample at a time.
+    """
 
     name: str
     sample_time: float
     epochs: int = 1
+    ranks: int = 1
+    workers: int = 1
+    batch: int = 1
+    prefetch: int | None = None
+    handoff: float = 0.0
+    prep_time: float = 0.0
+
+    def fetchers(self) -> int:
+        """How many reads the job can have in flight: one per worker (or per rank without workers)."""
+        return self.ranks * max(1, self.workers)
 
 
 def _job_name(where: str, value: Any) -> str:
@@ -103,10 +131,16 @@ _CACHE = S.Table("cache", [
     S.Field("capacity", S.number(minimum=0), 0.0, shown="0"),
     S.Field("policy", S.choice(*POLICIES), "minio"),
     S.Field("hit_bandwidth", S.number(minimum=0, exclusive=True, allow_inf=True), math.inf, shown="unlimited"),
+    S.Field("initial", S.number(minimum=0), 0.0, shown="0 (cold)"),
 ])
 _LOADER = S.Table("loader", [S.Field("prefetch", S.integer(minimum=1), 2)])
 _JOB = S.Table("job", [S.Field("name", _job_name), S.Field("sample_time", _POSITIVE),
-                       S.Field("epochs", S.integer(minimum=1), 1)])
+                       S.Field("epochs", S.integer(minimum=1), 1), S.Field("ranks", S.integer(minimum=1, maximum=1024), 1),
+                       S.Field("workers", S.integer(minimum=0, maximum=64), 1),
+                       S.Field("batch", S.integer(minimum=1, maximum=1 << 20), 1),
+                       S.Field("prefetch", S.optional(S.integer(minimum=1, maximum=1024)), None,
+                               shown="[loader] prefetch"),
+                       S.Field("handoff", _DELAY, 0.0), S.Field("prep_time", _DELAY, 0.0)])
 _TOP = {"dataset": "required", "storage": "required", "cache": "optional (no cache)",
         "loader": "optional", "job": "required, one [[job]] table per job"}
 
@@ -155,6 +189,15 @@ class Scenario:
         """Seconds to read one sample from the cache (0 with unlimited hit bandwidth)."""
         h = self.cache.hit_bandwidth
         return 0.0 if math.isinf(h) else self.dataset.sample_bytes / h
+
+    @property
+    def initial_samples(self) -> int:
+        """How many samples the cache holds when the run starts (``cache.initial``, at most ``cache_samples``)."""
+        return min(self.cache_samples, int(round(self.cache.initial * self.dataset.samples)))
+
+    def prefetch_of(self, job: Job) -> int:
+        """Batches per worker ``job``'s loader keeps in flight (its own ``prefetch``, else ``[loader]``'s)."""
+        return job.prefetch if job.prefetch is not None else self.loader.prefetch
 
     def job_index(self, name: str) -> int:
         """Position of job ``name``; raises ConfigError listing the names when it is unknown."""
@@ -226,12 +269,14 @@ class Scenario:
         cache: dict[str, Any] = {"capacity": self.cache.capacity, "policy": self.cache.policy}
         if not math.isinf(self.cache.hit_bandwidth):
             cache["hit_bandwidth"] = self.cache.hit_bandwidth
+        if self.cache.initial:
+            cache["initial"] = self.cache.initial
         return {
             "dataset": {"samples": self.dataset.samples, "sample_bytes": self.dataset.sample_bytes},
             "storage": {"bandwidth": list(self.storage.bandwidth)},
             "cache": cache,
             "loader": {"prefetch": self.loader.prefetch},
-            "job": [{"name": j.name, "sample_time": j.sample_time, "epochs": j.epochs} for j in self.jobs],
+            "job": [_job_dict(j) for j in self.jobs],
         }
 
     def to_toml(self, comments: Mapping[str, str] | None = None) -> str:
@@ -258,6 +303,16 @@ class Scenario:
                 out.append(f"{key} = {_toml_value(value)}")
             out.append("")
         return "\n".join(out)
+
+
+def _job_dict(j: Job) -> dict[str, Any]:
+    """A job as a dict, its loader fields only where they differ from the defaults."""
+    out: dict[str, Any] = {"name": j.name, "sample_time": j.sample_time, "epochs": j.epochs}
+    for key in ("ranks", "workers", "batch", "prefetch", "handoff", "prep_time"):
+        value = getattr(j, key)
+        if value != _JOB.fields[key].default:
+            out[key] = value
+    return out
 
 
 def _toml_value(value: Any) -> str:
@@ -294,8 +349,12 @@ def _validate(s: Scenario) -> None:
             raise ConfigError(f"job[{i}].name {j.name!r} is used twice; job names must be unique")
         seen.add(j.name)
     # Each value may be fine alone and their products still overflow (bytes / a tiny bandwidth).
+    if s.cache.initial > 1:
+        raise ConfigError(f"cache.initial is the fraction of the dataset cached at the start, between 0 and 1; "
+                          f"got {s.cache.initial!r}")
     reads = []
-    for k in range(1, max(len(s.storage.bandwidth), len(s.jobs)) + 1):
+    most = sum(j.fetchers() for j in s.jobs)
+    for k in sorted(set(range(1, len(s.storage.bandwidth) + 1)) | {most}):
         share = s.storage.per_reader(k)  # may underflow to 0 for a tiny bandwidth
         read = s.dataset.sample_bytes / share if share > 0 else math.inf
         if not math.isfinite(read):
@@ -305,7 +364,8 @@ def _validate(s: Scenario) -> None:
                               "forever; give the bandwidth in bytes/s")
         reads.append(read)
     slowest = max(reads)
-    total = sum(float(j.epochs) * s.dataset.samples * (j.sample_time + slowest) for j in s.jobs)
+    total = sum(float(j.epochs) * s.dataset.samples * (j.sample_time + j.prep_time + j.handoff + slowest)
+                for j in s.jobs)
     if not math.isfinite(total):
         raise ConfigError("the scenario's run time overflows (samples x epochs x seconds per sample is "
                           "infinite); check the units: seconds, bytes and bytes/s")
