@@ -12,7 +12,12 @@ averages them. The generator was written before the figures were looked at and i
 - policy minio (50%), lru (35%) or none (15%); capacity uniform in 0 to 150% of the dataset;
   hit bandwidth 10 to 50 times the source's;
 - each job's sample time log-uniform in 1/6 to 6 times the single-reader miss time (compute-bound
-  to I/O-bound), 1 to 4 epochs; prefetch depth 2 (the default).
+  to I/O-bound), 1 to 4 epochs; prefetch depth 2 (the default);
+- each job's loader shape (issue 12), drawn from a second stream (``[SEED_BASE, i, 7]``) so the
+  rest of scenario i does not change with it: workers 0, 1, 2 or 4; batch 1, 8, 16, 32, 64 or
+  128; 1 or 2 ranks; prefetch 1, 2 or 4 batches per worker; a hand-off of 0 to 30% of the step's
+  compute; and for half the jobs a worker-side prep time of up to half a miss. ``--legacy-loaders``
+  gives every job the one-sample prefetching reader of earlier issues instead.
 
 Sections:
 1. accuracy: predict vs simulate at simultaneous start and at the plan's delays;
@@ -47,7 +52,28 @@ SEED_BASE = 20260521
 SIM_SEEDS = (0, 1)
 
 
-def make_scenario(i: int, prefetch: int = 2) -> Scenario:
+LEGACY_LOADERS = False
+
+
+def _loader_fields(i: int, J: int, sample_times: list[float], miss: float) -> list[dict[str, Any]]:
+    """Random loader shapes for the J jobs of scenario i (see the module docstring)."""
+    import numpy as np
+
+    rng = np.random.default_rng([SEED_BASE, i, 7])
+    out = []
+    for j in range(J):
+        workers = int(rng.choice([0, 1, 2, 4]))
+        batch = int(rng.choice([1, 8, 16, 32, 64, 128]))
+        ranks = int(rng.choice([1, 2], p=[0.7, 0.3]))
+        prefetch = int(rng.choice([1, 2, 4]))
+        handoff = float(rng.uniform(0.0, 0.3)) * ranks * batch * sample_times[j]
+        prep = float(rng.uniform(0.0, 0.5)) * miss if rng.random() < 0.5 else 0.0
+        out.append({"workers": workers, "batch": batch, "ranks": ranks, "prefetch": prefetch,
+                    "handoff": handoff, "prep_time": prep})
+    return out
+
+
+def make_scenario(i: int, prefetch: int = 2, legacy: bool | None = None) -> Scenario:
     import numpy as np
 
     rng = np.random.default_rng([SEED_BASE, i])
@@ -62,6 +88,9 @@ def make_scenario(i: int, prefetch: int = 2) -> Scenario:
     miss = s / b0
     jobs = [{"name": f"job{j}", "sample_time": miss * math.exp(float(rng.uniform(math.log(1 / 6), math.log(6)))),
              "epochs": int(rng.integers(1, 5))} for j in range(J)]
+    if not (LEGACY_LOADERS if legacy is None else legacy):
+        for job, extra in zip(jobs, _loader_fields(i, J, [jb["sample_time"] for jb in jobs], miss), strict=True):
+            job.update(extra)
     return Scenario.from_dict({
         "dataset": {"samples": n, "sample_bytes": s}, "storage": {"bandwidth": bw},
         "cache": {"capacity": capacity, "policy": policy, "hit_bandwidth": hit_bw},
@@ -70,7 +99,7 @@ def make_scenario(i: int, prefetch: int = 2) -> Scenario:
 
 def _sim_task(args: tuple) -> float:
     i, prefetch, delays = args
-    sc = make_scenario(i, prefetch)
+    sc = make_scenario(i, prefetch, legacy=True if prefetch != 2 else None)
     return statistics.fmean(simulate(sc, delays, seed=k).makespan for k in SIM_SEEDS)
 
 
@@ -132,14 +161,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="20 scenarios, no ablations (a smoke run)")
     ap.add_argument("--scenarios", type=int, default=None, help="number of scenarios (default 60; quick 20)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="simulator processes")
+    ap.add_argument("--legacy-loaders", action="store_true",
+                    help="every job a one-sample prefetching reader (the scenarios of earlier issues)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out",
                                                   "bench_model.json"))
     args = ap.parse_args(argv)
+    global LEGACY_LOADERS
+    LEGACY_LOADERS = args.legacy_loaders
     N = args.scenarios or (20 if args.quick else 60)
     ids = list(range(N))
     t_start = time.perf_counter()
     ctx = get_context("fork")
     out: dict[str, Any] = {"scenarios": N, "seed_base": SEED_BASE, "sim_seeds": list(SIM_SEEDS),
+                           "loaders": "legacy (one-sample reader)" if LEGACY_LOADERS else "random shapes",
                            "workers": args.workers, "date": time.strftime("%Y-%m-%d %H:%M"),
                            "load_before": os.getloadavg()}
 
@@ -199,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quick:
         for i in ids:
             for P in (1, 4, 8):
-                sc = make_scenario(i, P)
+                sc = make_scenario(i, P, legacy=True)
                 extra.append((i, P, [0.0] * len(sc.jobs)))
     with ctx.Pool(args.workers) as pool:
         sims = pool.map(_sim_task, tasks + extra, chunksize=1)
@@ -265,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         depth_errs: dict[int, list[float]] = {1: [], 4: [], 8: []}
         for i in ids:  # the same order as the tasks
             for P in (1, 4, 8):
-                sc = make_scenario(i, P)
+                sc = make_scenario(i, P, legacy=True)
                 depth_errs[P].append(predict(sc, series=False).makespan / sims[pos] - 1)
                 pos += 1
         depth = {str(P): _summ(e) for P, e in depth_errs.items()}

@@ -29,8 +29,10 @@ def test_single_job_matches_the_closed_form(policy, capacity, t, epochs, prefetc
     sc = scenario(n, jobs=((t, epochs),), capacity=capacity, policy=policy, hit_bw=hit_bw, prefetch=prefetch)
     a, b = S / hit_bw, S / B
     h = sc.cache_samples / n
-    closed = delay + n * _pipeline.sample_time(prefetch, 0.0, a, b, t) \
-        + (epochs - 1) * n * _pipeline.sample_time(prefetch, h, a, b, t)
+    # each epoch: n samples at the pipeline's rate, plus the time its empty pipeline costs at the
+    # start (one fetch, or one compute when that is shorter)
+    closed = delay + n * _pipeline.sample_time(prefetch, 0.0, a, b, t) + min(b, t) \
+        + (epochs - 1) * (n * _pipeline.sample_time(prefetch, h, a, b, t) + min(h * a + (1 - h) * b, t))
     assert predict(sc, {"j0": delay}).makespan == pytest.approx(closed, rel=1e-9)
     # the simulator, an independent implementation of the semantics, agrees
     sim = statistics.fmean(simulate(sc, {"j0": delay}, seed=k).makespan for k in range(2))

@@ -11,13 +11,15 @@ from support.model_scenarios import B, S, scenario
 
 
 def test_single_job_io_bound_and_compute_bound_exact():
+    # the loader's pipeline starts empty at every epoch (a DataLoader iterator per epoch): an
+    # I/O-bound epoch ends with one compute, a compute-bound one starts with one read
     n, miss = 500, S / B
     io = scenario(n, jobs=((0.0004, 2),))
     r = simulate(io, {"j0": 1.5})
-    assert r.finish["j0"] == pytest.approx(1.5 + 2 * n * miss + 0.0004, rel=1e-12)
+    assert r.finish["j0"] == pytest.approx(1.5 + 2 * (n * miss + 0.0004), rel=1e-12)
     assert r.misses["j0"] == 2 * n and r.hits["j0"] == 0
     cpu = scenario(n, jobs=((0.003, 2),))
-    assert simulate(cpu).finish["j0"] == pytest.approx(miss + 2 * n * 0.003, rel=1e-12)
+    assert simulate(cpu).finish["j0"] == pytest.approx(2 * (miss + n * 0.003), rel=1e-12)
 
 
 def test_processor_sharing_two_jobs_in_lockstep():
@@ -47,9 +49,12 @@ def test_minio_hits_are_exact_and_prefetch_one_is_max_of_fetch_and_compute():
     cached = int(c * n)
     assert r.hits["j0"] == 2 * cached and r.misses["j0"] == 3 * n - 2 * cached
     a, b = S / (20 * B), S / B
-    # with a prefetch depth of 1 every sample costs max(fetch, compute), exactly
-    expected = b + (n - 1) * max(b, t) + 2 * (cached * max(a, t) + (n - cached) * max(b, t)) + t
-    assert r.finish["j0"] == pytest.approx(expected, rel=1e-9)
+    # with a prefetch depth of 1 every sample costs max(fetch, compute), exactly, except the first
+    # of each epoch (its fetch) and the last (its compute), the pipeline starting empty each epoch
+    body = n * max(b, t) + 2 * (cached * max(a, t) + (n - cached) * max(b, t)) + 3 * t
+    # epoch 0 starts with a miss; epochs 1 and 2 with a hit or a miss
+    candidates = {round(body + b - max(b, t) + x - max(x, t) + y - max(y, t), 12) for x in (a, b) for y in (a, b)}
+    assert min(abs(r.finish["j0"] - c) for c in candidates) <= 1e-9 * r.finish["j0"]
 
 
 def test_lru_single_job_hits_follow_the_expected_count():

@@ -4,22 +4,25 @@
 :func:`predict` is the fast fluid model, :func:`simulate` the sample-level simulator that checks
 it, :func:`optimal_plan` picks the start delays, and :func:`calibrate` measures a scenario.
 
-Semantics (followed by the model and the simulator alike):
+Semantics (followed by the model and the simulator alike; docs/model.md has them in full):
 
 - Each job runs its epochs; each epoch reads a fresh, independent random permutation of the n
-  samples.
-- A job's loader fetches one sample at a time, at most ``loader.prefetch`` samples (fetched or in
-  flight) ahead of its compute, so I/O and compute overlap: fetch i starts once fetch i-1 is done
-  and compute has taken sample i-P; compute takes ``sample_time`` per sample. The loader runs on
-  across epoch boundaries.
-- A miss reads ``sample_bytes`` from the source. Concurrent misses share the aggregate bandwidth
-  for that many readers equally: each of k concurrent reads gets ``bandwidth[k-1] / k``
-  (the last listed value holds for more readers), recomputed whenever a read starts or ends.
+  samples, ``ranks * batch`` samples per step, split between the job's ranks.
+- Each rank's loader is a DataLoader: ``workers`` worker processes (0: the main process reads
+  each batch itself) fetch whole batches one sample at a time (a lookup, then ``prep_time``), up
+  to ``workers * prefetch`` batches in flight; a step starts when every rank's batch is ready and
+  the previous step is done, and costs ``handoff`` plus ``sample_time`` per sample. Each epoch's
+  pipeline starts empty. A job without loader fields is one reader fetching one sample at a time.
+- A miss reads ``sample_bytes`` from the source. Concurrent misses (all jobs, ranks, workers)
+  share the aggregate bandwidth for that many readers equally: each of k concurrent reads gets
+  ``bandwidth[k-1] / k`` (the last listed value holds for more readers), recomputed whenever a
+  read starts or ends.
 - A hit costs ``sample_bytes / hit_bandwidth`` and is not shared (unlimited by default: free).
 - A miss is inserted when its read completes. minio inserts until the cache is full and never
   changes after; lru inserts and evicts the least recently used sample (a hit makes a sample
-  most recently used); none never caches. Two jobs missing the same sample at once both read it.
-- The cache holds ``floor(capacity / sample_bytes)`` samples; it starts empty.
+  most recently used); none never caches. Two readers missing the same sample at once both read it.
+- The cache holds ``floor(capacity / sample_bytes)`` samples; it starts with ``cache.initial`` of
+  the dataset (a random subset).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 from collections.abc import Callable
 
 from ..errors import ModelError
-from . import _pipeline
+from . import _loader, _pipeline
 from ._cachestate import CacheState
 from .scenario import Scenario
 
@@ -70,22 +70,6 @@ SHARING = "product"
 # Feed the pipeline the variance of miss times that sharing causes (product form only).
 MISS_VARIANCE = True
 
-_SUBSETS: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {}
-
-
-def _subsets(R: int) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
-    """Every non-empty subset of R readers as (size, members, non-members)."""
-    out = _SUBSETS.get(R)
-    if out is None:
-        out = []
-        for A in range(1, 1 << R):
-            members = tuple(i for i in range(R) if (A >> i) & 1)
-            others = tuple(i for i in range(R) if not (A >> i) & 1)
-            out.append((len(members), members, others))
-        _SUBSETS[R] = out
-    return out
-
-
 @dataclass(frozen=True)
 class Snapshot:
     """The engine's state at the top of a step, at time ``t``, with the delays of the jobs started."""
@@ -110,22 +94,20 @@ class Engine(CacheState):
         self.record = record
         self.n = float(sc.dataset.samples)
         self.s = float(sc.dataset.sample_bytes)
-        self.per_reader = [0.0] + [sc.storage.per_reader(k) for k in range(1, J + 1)]
-        self.read_time = [0.0] + [self.s / self.per_reader[k] for k in range(1, J + 1)]
-        self.tau_prod = [1.0]
-        for k in range(1, J + 1):
-            self.tau_prod.append(self.tau_prod[-1] * self.read_time[k])
-        # per number of readers, every subset of them as (tau_prod, per_reader at its size, members,
-        # non-members): share_product's loop, built on first use
-        self.share_subsets: dict[int, list[tuple[float, float, tuple[int, ...], tuple[int, ...]]]] = {}
+        self.loaders = _loader.shapes(sc)
+        self.F = [L.fetchers for L in self.loaders]
+        total = sum(self.F)
+        self.per_reader = [0.0] + [sc.storage.per_reader(k) for k in range(1, total + 1)]
+        self.read_time = [0.0] + [self.s / self.per_reader[k] for k in range(1, total + 1)]
+        self.sharing = _loader.Sharing(self.per_reader, self.s)
         self.hit_time = sc.hit_time
         self.cap = float(sc.cache_samples)
+        self.initial = float(sc.initial_samples)
         self.lru = sc.cache.policy == "lru" and 0 < self.cap < self.n
-        self.t_cpu = [j.sample_time for j in sc.jobs]
         self.epochs = [j.epochs for j in sc.jobs]
-        self.P = sc.loader.prefetch
         # a job's time per sample if it missed everything alone: the scale of step errors
-        self.t_ref = [max(t, self.read_time[1]) for t in self.t_cpu]
+        self.t_ref = [self.job_time(j, 1.0, self.read_time[self.F[j]], self.read_time[self.F[j]] ** 2)
+                      for j in range(J)]
         self.shape = (2,) * J
         # length-1 slices (not integers) so that every index is a view, even with one job
         self.sl1 = [tuple(slice(1, 2) if ax == J - 1 - j else slice(None) for ax in range(J)) for j in range(J)]
@@ -142,11 +124,13 @@ class Engine(CacheState):
     def reset(self) -> None:
         np, J = self.np, self.J
         self.t = 0.0
-        self.status = [0] * J           # 0 waiting, 1 running, 2 done
+        self.status = [0] * J           # 0 waiting, 1 running, 2 done, 3 paused (an epoch starting)
         self.epoch = [0] * J
         self.Nu = np.zeros(self.shape)
-        self.Nu[(0,) * J] = self.n
+        self.Nu[(0,) * J] = self.n - self.initial
         self.Nb = np.zeros((1,) + self.shape)
+        self.Nb[(0,) * (J + 1)] = self.initial
+        self.resume: dict[int, float] = {}  # paused jobs (status 3): when they go on
         self.done = [0.0] * J           # samples read in total
         self.finish = [math.inf] * J
         self.b = [0.0] * J              # warm start of the bandwidth fixed point
@@ -155,7 +139,7 @@ class Engine(CacheState):
         self.step_frac = 1.0 / 32       # current step, as a fraction of an epoch
         self.fresh = True               # solve the rates afresh at the next step (after an event)
         self.hist: tuple | None = None  # (running jobs, 1/x, dt, slope) of the last step, for step control
-        self.full = self.cap <= 0       # the cache is full (it then stays full)
+        self.full = self.cap <= 0 or self.initial >= self.cap - 1e-9 * self.n  # full (it then stays full)
         self.x: list[float] = [0.0] * J  # last midpoint rates: the next predictor
         self.m: list[float] = [0.0] * J
         self.series: list[tuple] = []
@@ -164,13 +148,14 @@ class Engine(CacheState):
         started = tuple((j, delays[j]) for j in range(self.J) if self.status[j] != 0)
         state = (self.t, list(self.status), list(self.epoch), self.Nu.copy(), self.Nb.copy(), list(self.done),
                  list(self.finish), list(self.b), self.step_frac, self.fresh, list(self.x), list(self.m),
-                 self.hist, self.full, dict(self.m2))
+                 self.hist, self.full, dict(self.m2), dict(self.resume))
         return Snapshot(self.t, started, state)
 
     def restore(self, snap: Snapshot) -> None:
         (self.t, status, epoch, Nu, Nb, done, finish, b, self.step_frac, self.fresh, x, m, self.hist, self.full,
-         m2) = snap.state
+         m2, resume) = snap.state
         self.m2 = dict(m2)
+        self.resume = dict(resume)
         self.status, self.epoch, self.done, self.finish = list(status), list(epoch), list(done), list(finish)
         self.Nu, self.Nb, self.b, self.x, self.m = Nu.copy(), Nb.copy(), list(b), list(x), list(m)
         self.series = []
@@ -178,9 +163,7 @@ class Engine(CacheState):
     # ---- rates ----------------------------------------------------------------------------------
     def rates(self, U: list[float], v: list[float]) -> tuple[list[float], list[float]]:
         """Per-job read rate x (samples/s) and miss fraction m at a state (x = 0 when not running)."""
-        J, s, a, P = self.J, self.s, self.hit_time, self.P
-        pipe = PIPE
-        t_cpu = self.t_cpu
+        J, s = self.J, self.s
         x = [0.0] * J
         m = [0.0] * J
         readers = []
@@ -193,7 +176,7 @@ class Engine(CacheState):
             if mj > 0.0:
                 readers.append(j)
             else:
-                x[j] = 1.0 / pipe(P, 1.0, a, 0.0, t_cpu[j])
+                x[j] = 1.0 / self.job_time(j, 0.0, 0.0, 0.0)
         if not readers:
             return x, m
         b = self.b
@@ -202,18 +185,17 @@ class Engine(CacheState):
                 b[j] = self.per_reader[1]
         share = self.share_product if SHARING == "product" else self.share_independent
         variance = SHARING == "product" and MISS_VARIANCE
-        pipe_moments = self._pipe_moments
         tol = self.q.fixed_point_tol
-        jobs = [(j, m[j], t_cpu[j]) for j in readers]
+        F = self.F
         last = math.inf
         damp = 1.0
         m2 = self.m2  # second moment of each reader's miss time (sharing makes it vary)
         for _ in range(60):
             Z = []
-            for j, mj, tj in jobs:
+            for j in readers:
                 miss_t = s / b[j]
-                xj = x[j] = 1.0 / pipe_moments(mj, a, miss_t, m2.get(j, miss_t * miss_t), tj)
-                z = 1.0 / (xj * mj) - miss_t  # think time between two of this job's misses
+                xj = x[j] = 1.0 / self.job_time(j, m[j], miss_t, m2.get(j, miss_t * miss_t))
+                z = F[j] / (xj * m[j]) - miss_t  # a fetcher's think time between two of its misses
                 Z.append(z if z > 0.0 else 0.0)
             nb = share(readers, Z)
             if variance:
@@ -233,53 +215,24 @@ class Engine(CacheState):
                 break
         return x, m
 
-    def _pipe_moments(self, m: float, a: float, miss_t: float, miss_m2: float, t: float) -> float:
-        """Pipeline time per sample when a miss takes a variable time (mean miss_t, second
-        moment miss_m2): the table is fed the two-point fetch time (a, or a + D with
-        probability m') that has the same mean and variance as hits mixed with such misses."""
-        if not MISS_VARIANCE or miss_m2 <= miss_t * miss_t * (1 + 1e-9) or miss_t <= a:
-            return PIPE(self.P, 1.0 - m, a, miss_t, t)
-        e1 = m * (miss_t - a)                              # E[X - a]
-        e2 = m * (miss_m2 - 2.0 * a * miss_t + a * a)      # E[(X - a)^2]
-        D = e2 / e1
-        return PIPE(self.P, 1.0 - e1 / D, a, a + D, t)
+    def job_time(self, j: int, m: float, miss_t: float, miss_m2: float) -> float:
+        """Job j's steady seconds per sample at miss fraction m, a miss taking miss_t on average
+        (second moment miss_m2; sharing makes it vary): see :mod:`._loader`."""
+        return _loader.time_per_sample(self.loaders[j], m, self.hit_time, miss_t, miss_m2, PIPE, MISS_VARIANCE)
 
     def share_product(self, readers: list[int], Z: list[float]) -> list[float]:
-        """Mean bytes/s each reader's miss gets, by processor sharing in product form.
+        """Mean bytes/s each reading job's misses get, by processor sharing in product form.
 
-        Each reader alternates between thinking (``Z`` seconds on average: hits, compute, a full
-        buffer) and reading one sample at the source, which gives each of k concurrent reads
-        ``bandwidth[k-1] / k``. This is a closed network of a processor-sharing station with a
-        state-dependent rate and one private delay station per reader, so the stationary law of
-        the set A of readers reading is product form (BCMP) and insensitive to the distributions:
-        ``pi(A) ~ prod_{l <= |A|} read_time(l) * prod_{i not in A} Z_i``.
+        Each of a job's fetchers alternates between thinking (``Z`` seconds on average: hits,
+        compute, a full buffer) and reading one sample at the source, which gives each of k
+        concurrent reads ``bandwidth[k-1] / k``. This is a closed network of a processor-sharing
+        station with a state-dependent rate and one private delay station per fetcher, so the
+        stationary law is product form (BCMP) and insensitive to the distributions (see
+        :class:`._loader.Sharing`). Also sets ``last_m2``, the second moment of a miss's time.
         """
-        R = len(readers)
-        num = [0.0] * R
-        den = [0.0] * R
-        inv = [0.0] * R
-        subsets = self.share_subsets.get(R)
-        if subsets is None:
-            tau_prod, per_reader = self.tau_prod, self.per_reader
-            subsets = self.share_subsets[R] = [(tau_prod[k], per_reader[k], members, others)
-                                               for k, members, others in _subsets(R)]
-        for w, rate, members, others in subsets:
-            for i in others:
-                w *= Z[i]
-            if w == 0.0:
-                continue
-            wr = w * rate
-            wi = w / rate
-            for i in members:
-                num[i] += wr
-                den[i] += w
-                inv[i] += wi
-        # per read (reads end faster where the rate is higher), a miss takes s / rate: its mean is
-        # s / b with b the time-averaged rate below, its second moment s^2 * E_t[1/rate] / b
-        per_reader = self.per_reader
-        s2 = self.s * self.s
-        self.last_m2 = [s2 * inv[i] / num[i] if num[i] > 0.0 else (self.s / per_reader[R]) ** 2 for i in range(R)]
-        return [num[i] / den[i] if den[i] > 0.0 else per_reader[R] for i in range(R)]
+        bw, self.last_m2 = self.sharing.solve([self.F[j] for j in readers], Z,
+                                              [self.loaders[j].W == 0 for j in readers])
+        return bw
 
     def share_independent(self, readers: list[int], Z: list[float]) -> list[float]:
         """Mean bytes/s per reader if readers read independently (busy fraction read/(read+think))."""
@@ -320,15 +273,18 @@ class Engine(CacheState):
                 keep.append(self.snapshot(delays))
             for j in range(J):
                 if self.status[j] == 0 and delays[j] <= self.t + 1e-12:
-                    self.status[j] = 1
                     self.b[j] = 0.0
                     self.m2.pop(j, None)
                     self._set_bit(j, True)
+                    self._begin_epoch(j)
+                    counted = None
+                elif self.status[j] == 3 and self.resume[j] <= self.t + 1e-12:
+                    del self.resume[j]
+                    self.status[j] = 1
                     self.fresh = True
                     self.hist = None
-                    counted = None
             run = [j for j in range(J) if self.status[j] == 1]
-            pending = [delays[j] for j in range(J) if self.status[j] == 0]
+            pending = [delays[j] for j in range(J) if self.status[j] == 0] + list(self.resume.values())
             if not run and not pending:
                 break
             if self.t > stop:
@@ -405,15 +361,30 @@ class Engine(CacheState):
         return list(self.finish)
 
     def _end_epoch(self, j: int) -> None:
-        self.fresh = True
-        self.hist = None
         self.epoch[j] += 1
         if self.epoch[j] >= self.epochs[j]:
+            self.fresh = True
+            self.hist = None
             self.status[j] = 2
             self.finish[j] = self.t
             self._set_bit(j, False)
         else:
             self._set_bit(j, True)
+            self._begin_epoch(j)
+
+    def _begin_epoch(self, j: int) -> None:
+        """Job j starts an epoch: it pauses while its loader's pipeline fills (:func:`._loader.bubble`)."""
+        self.fresh = True
+        self.hist = None
+        U, v = self.counts(self.Nu, self.Nb)
+        m = min(1.0, v[j] / U[j]) if U[j] > 0 else 0.0
+        bw = self.b[j] if self.b[j] > 0 else self.per_reader[self.F[j]]
+        pause = _loader.bubble(self.loaders[j], m, self.hit_time, self.s / bw)
+        if pause > 1e-12:
+            self.status[j] = 3
+            self.resume[j] = self.t + pause
+        else:
+            self.status[j] = 1
 
     def _record(self, x: list[float] | None, m: list[float] | None) -> None:
         if not self.record:

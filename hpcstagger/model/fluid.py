@@ -10,7 +10,9 @@ the cache and the other jobs change. The rules, all following the semantics stat
   it and stall compute). The loss is tabulated from the exact recursion of the pipeline
   (:mod:`._pipeline`) for two fetch times, a hit or a miss; a miss's time also varies with how
   many other jobs read at once, so the table is given the two-point fetch time with the same mean
-  and variance. With no variation, or a deep buffer, it is the plain ``min``.
+  and variance. With no variation, or a deep buffer, it is the plain ``min``. A job's DataLoader
+  (workers, batches, ranks, hand-off, prep) enters through :mod:`._loader`: the pipeline's unit is
+  then a step, and every epoch pauses the job while its empty pipeline fills.
 - **Hit fraction.** A job's hit fraction is (cached samples it has yet to read this epoch) /
   (samples it has yet to read this epoch). It is the cached fraction when the job starts an
   epoch, grows when another job inserts a sample this job has yet to read, stays put on average
@@ -19,7 +21,8 @@ the cache and the other jobs change. The rules, all following the semantics stat
   read, cached or not (and for lru in blocks ordered by last use), so the correlations between
   jobs are exact in expectation.
 - **Bandwidth.** Misses share the source: each of k concurrent reads gets ``bandwidth[k-1] / k``.
-  Each job alternates between reading a miss and "thinking" (hits, compute, a full buffer); the
+  Each fetcher (a worker, or a rank without workers) alternates between reading a miss and
+  "thinking" (hits, compute, a full buffer); the
   fraction of time each job reads and the bandwidth its reads get come from the product-form law
   of this processor-sharing network. When the aggregate bandwidth does not depend on the number
   of readers this is max-min fair sharing of a work-conserving source; the product form also

@@ -135,7 +135,8 @@ _CACHE = S.Table("cache", [
 ])
 _LOADER = S.Table("loader", [S.Field("prefetch", S.integer(minimum=1), 2)])
 _JOB = S.Table("job", [S.Field("name", _job_name), S.Field("sample_time", _POSITIVE),
-                       S.Field("epochs", S.integer(minimum=1), 1), S.Field("ranks", S.integer(minimum=1, maximum=1024), 1),
+                       S.Field("epochs", S.integer(minimum=1), 1),
+                       S.Field("ranks", S.integer(minimum=1, maximum=1024), 1),
                        S.Field("workers", S.integer(minimum=0, maximum=64), 1),
                        S.Field("batch", S.integer(minimum=1, maximum=1 << 20), 1),
                        S.Field("prefetch", S.optional(S.integer(minimum=1, maximum=1024)), None,
