@@ -1,11 +1,14 @@
 """Co-located launch end to end: the planned stagger against a measured sweep of staggers.
 
-Runs the demo's workflow (``hpcstagger.demo``: dataset, ThrottledSource with bandwidth degrading
-under concurrency, calibration, plan, two co-located jobs under MPMD mpiexec with the shared cache
-and asynchronous checkpoints) and measures, in each repetition:
+A thin user of ``hpcstagger sweep`` (:mod:`hpcstagger.colocated.sweep`) on the demo's jobs. It
+prepares the demo's workflow once (:func:`hpcstagger.demo.run.prepare`: dataset, ThrottledSource
+with bandwidth degrading under concurrency, calibration, the spec of two co-located jobs under
+MPMD mpiexec with the shared cache and asynchronous checkpoints), then runs the sweep, every run
+from a cold cache, and measures in each repetition:
 
 - the makespan at the planned stagger, simultaneously and sequentially;
-- the makespan at a sweep of fixed staggers of the later job (default 0, 1, 2, 3, 4, 5, 6, 8 s);
+- the makespan at fixed staggers (default 0, 1, 2, 3, 4, 5, 6, 8 s), each in both orders (the
+  second job delayed, and the first job delayed; stagger 0 is the simultaneous run);
 - the coordinator's prediction for every run (with the calibration the jobs measured at start);
 - the coordinator's overhead (rendezvous, split, plan exchange, on the last rank to arrive).
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
+import shutil
 import sys
 import tempfile
 import time
@@ -29,77 +32,77 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
+def _summary(result: dict) -> list[dict]:
+    """The figures this benchmark has always recorded, per repetition, from the sweep's summary."""
+    out = []
+    for rep in result["summary"]["per_repetition"]:
+        k = rep["repetition"]
+        delays = rep["planned_delays"] or {}
+        later = max(delays, key=lambda n: delays[n]) if delays else None
+        out.append({
+            "repetition": k, "planned_delay": delays.get(later, 0.0) if later else None, "later_job": later,
+            "plan": rep["plan"], "simultaneous": rep["simultaneous"], "sequential": rep["sequential"],
+            "best_sweep": (rep["best"] or {}).get("measured"), "best_sweep_label": (rep["best"] or {}).get("label"),
+            "plan_vs_best": rep["plan_vs_best"], "prediction_error_median": rep["error_median"],
+            "prediction_error_max": rep["error_max"], "coordinator_overhead_max": rep["overhead_max"],
+        })
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeat", type=int, default=2, help="repetitions (default 2)")
-    p.add_argument("--sweep", default="0,1,2,3,4,5,6,8", help="fixed staggers of the later job, seconds")
+    p.add_argument("--sweep", default="0,1,2,3,4,5,6,8",
+                   help="fixed staggers, seconds, each run in both orders ('auto': the sweep's default from "
+                        "the plan's predicted curve)")
     p.add_argument("--samples", type=int, default=6000, help="dataset size (default 6000, as the demo)")
     p.add_argument("--quick", action="store_true", help="a smaller dataset, 5 staggers, one repetition")
     p.add_argument("--out", default=str(HERE / "out" / "bench_colocated.json"), help="JSON results")
     args = p.parse_args()
     if args.quick:
         args.repeat, args.samples, args.sweep = 1, 2000, "0,1,2,3,4"
-    sweep = tuple(float(v) for v in args.sweep.split(","))
-    if len(sweep) < 5:
+
+    from hpcstagger.cli.sweep import format_sweep, plot_sweep
+    from hpcstagger.colocated.sweep import parse_staggers, run_sweep
+    from hpcstagger.demo.run import DemoConfig, prepare
+
+    staggers = None if args.sweep == "auto" else parse_staggers(args.sweep)
+    if staggers is not None and len(staggers) < 5:
         print("bench_colocated: note: the issue's target asks for a sweep of at least 5 staggers", file=sys.stderr)
-
-    from hpcstagger.demo.run import DemoConfig, run_demo
-
     work = Path(tempfile.mkdtemp(prefix="bench-colocated-"))
     root = tempfile.mkdtemp(prefix="bench-colocated-", dir="/dev/shm")
     os.environ["HPCSTAGGER_SHM_ROOT"] = root
-    reps = []
     started = time.monotonic()
     try:
-        for r in range(args.repeat):
-            print(f"bench_colocated: repetition {r + 1}/{args.repeat}", file=sys.stderr, flush=True)
-            cfg = DemoConfig(workdir=str(work), samples=args.samples, sweep=sweep)
-            reps.append(run_demo(cfg))
+        setup = prepare(DemoConfig(workdir=str(work), samples=args.samples))
+        result = run_sweep(setup.spec, staggers=staggers, repeat=args.repeat, sequential=True,
+                           json_path=work / "sweep.json")
     finally:
-        import shutil
-
         shutil.rmtree(root, ignore_errors=True)
-    rows = []
-    summary = []
-    for i, res in enumerate(reps):
-        runs = res["runs"]
-        by = {r["label"]: r for r in runs}
-        sweep_runs = [r for r in runs if r["mode"] == "fixed"]
-        best = min(sweep_runs, key=lambda r: r["measured"])
-        plan = by["plan"]
-        errors = [abs(r["error"]) for r in runs if r["error"] is not None]
-        overheads = [r["overhead"] for r in runs if r.get("overhead") is not None]
-        later = max(plan["delays"], key=lambda n: plan["delays"][n])
-        summary.append({
-            "repetition": i + 1, "planned_delay": plan["delays"][later], "later_job": later,
-            "plan": plan["measured"], "simultaneous": by["simultaneous"]["measured"],
-            "sequential": by["sequential"]["measured"], "best_sweep": best["measured"],
-            "best_sweep_label": best["label"],
-            "plan_vs_best": plan["measured"] / best["measured"] - 1,
-            "prediction_error_median": statistics.median(errors), "prediction_error_max": max(errors),
-            "coordinator_overhead_max": max(overheads) if overheads else None,
-        })
-        for r in runs:
-            rows.append((i + 1, r["label"], r["predicted"], r["measured"], r["error"]))
-    out = {"summary": summary, "runs": [[{k: v for k, v in r.items() if k != "curve"} for r in res["runs"]]
-                                        for res in reps],
-           "scenario": [res["scenario"] for res in reps], "seconds": time.monotonic() - started,
-           "command": " ".join(sys.argv)}
+    reps = sorted({r["repetition"] for r in result["runs"]})
+    out = {"summary": _summary(result),
+           "runs": [[r for r in result["runs"] if r["repetition"] == k] for k in reps],
+           "scenario": [next((r["scenario"] for r in result["runs"] if r["repetition"] == k and r["mode"] == "plan"),
+                             None) for k in reps],
+           "calibrated_scenario": setup.scenario.to_dict(), "sweep": result["summary"],
+           "staggers": result["staggers"], "curve": result["curve"],
+           "seconds": time.monotonic() - started, "command": " ".join(sys.argv)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1, default=str))
+    plot = str(Path(args.out).with_suffix(".png"))
+    plot_sweep(result, plot)
 
-    print(f"{'rep':>3}  {'run':<16} {'predicted':>9} {'measured':>9} {'error':>7}")
-    for rep, label, pred, meas, err in rows:
-        print(f"{rep:>3}  {label:<16} {pred:>8.2f}s {meas:>8.2f}s {100 * err:>+6.1f}%")
+    print(format_sweep(result))
     print()
-    for s in summary:
-        print(f"repetition {s['repetition']}: plan ({s['later_job']} +{s['planned_delay']:.2f}s) {s['plan']:.2f} s; "
+    for s in out["summary"]:
+        print(f"repetition {s['repetition']}: plan ({s['later_job']} +{s['planned_delay'] or 0:.2f}s) "
+              f"{s['plan']:.2f} s; "
               f"best of the sweep {s['best_sweep']:.2f} s ({s['best_sweep_label']}): plan/best - 1 = "
               f"{100 * s['plan_vs_best']:+.1f}%; simultaneous {s['simultaneous']:.2f} s, sequential "
               f"{s['sequential']:.2f} s; prediction error median {100 * s['prediction_error_median']:.1f}%, "
               f"max {100 * s['prediction_error_max']:.1f}%; coordinator overhead max "
               f"{1000 * (s['coordinator_overhead_max'] or 0):.0f} ms")
-    print(f"\nwrote {args.out} ({out['seconds']:.0f} s)")
+    print(f"\nwrote {args.out} and {plot}; the runs are under {work} ({out['seconds']:.0f} s)")
     return 0
 
 

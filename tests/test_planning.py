@@ -104,3 +104,55 @@ def test_miss_overhead_slows_the_source_the_jobs_see(tmp_path):
     fast = plan_delays(spec, ["a", "b"], {k: {"sample_time": v["sample_time"]} for k, v in calib.items()},
                        "simultaneous")["predicted"]["simultaneous"]
     assert slow > fast
+
+
+def test_the_cache_state_at_the_start_reaches_the_scenario(tmp_path):
+    """The coordinator passes what the shared cache holds at plan time; the scenario starts from it
+    (cache.initial = entries / dataset samples, clipped to [0, 1]) and the decision reports it."""
+    from hpcstagger.colocated.planning import cached_fraction
+
+    spec = _spec(tmp_path)
+    calib = {"a": {"sample_time": 0.0004}, "b": {"sample_time": 0.0002}}
+    assert scenario_for(spec, ["a", "b"], calib).cache.initial == 0.0  # nobody looked: the file's value
+    sc = scenario_for(spec, ["a", "b"], calib, cache_state={"entries": 50, "bytes": 50_000})
+    assert sc.cache.initial == pytest.approx(0.25)  # 50 of the scenario's 200 samples
+    assert scenario_for(spec, ["a", "b"], calib, cache_state={"entries": 500}).cache.initial == 1.0  # clipped
+    assert scenario_for(spec, ["a", "b"], calib, cache_state={"entries": 0}).cache.initial == 0.0
+    assert cached_fraction(-3, 10) == 0.0 and cached_fraction(5, 0) == 0.0 and cached_fraction(5, 10) == 0.5
+
+    out = plan_delays(spec, ["a", "b"], calib, "plan", cache_state={"entries": 50, "bytes": 50_000, "exists": True})
+    assert out["scenario"]["cache"]["initial"] == pytest.approx(0.25)
+    assert out["cache"] == {"entries": 50, "bytes": 50_000, "exists": True, "fraction": pytest.approx(0.25),
+                            "samples": 200, "initial_samples": 50}
+    # without a scenario the state is still reported, with no fraction (the dataset's size is unknown)
+    bare = plan_delays(_spec(tmp_path, scenario=False), ["a", "b"], {}, "simultaneous",
+                       cache_state={"entries": 7, "bytes": 700})
+    assert bare["cache"] == {"entries": 7, "bytes": 700} and "scenario" not in bare
+    assert "cache" not in plan_delays(spec, ["a", "b"], calib, "simultaneous")  # no cache, no state
+
+
+def test_a_fully_warm_cache_plans_a_simultaneous_start(tmp_path):
+    """Cold, the second job waits for the first to fill the cache; with every sample already
+    cached there is nothing to wait for, and the plan starts both at once."""
+    (tmp_path / "io.toml").write_text(textwrap.dedent("""
+        [dataset]
+        samples = 2000
+        sample_bytes = 100000
+        [storage]
+        bandwidth = [2.0e7, 8.0e6]
+        [cache]
+        capacity = 2.0e8
+        [[job]]
+        name = "a"
+        sample_time = 0.001
+        [[job]]
+        name = "b"
+        sample_time = 0.0005
+    """))
+    jobs = [{"name": n, "command": "x", "epochs": 3} for n in ("a", "b")]
+    spec = Spec.from_dict({"plan": {"mode": "plan", "scenario": "io.toml"}, "job": jobs}, base_dir=tmp_path)
+    cold = plan_delays(spec, ["a", "b"], {}, "plan", cache_state={"entries": 0, "bytes": 0})
+    warm = plan_delays(spec, ["a", "b"], {}, "plan", cache_state={"entries": 2000, "bytes": 2.0e8})
+    assert max(cold["delays"].values()) > 1.0 and cold["cache"]["fraction"] == 0.0
+    assert warm["delays"] == {"a": 0.0, "b": 0.0} and warm["cache"]["fraction"] == 1.0
+    assert warm["predicted"]["plan"] < cold["predicted"]["plan"]

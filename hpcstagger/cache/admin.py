@@ -1,15 +1,17 @@
-"""Cache administration helpers behind ``hpcstagger cache``: list caches, remove a damaged one."""
+"""Cache administration helpers behind ``hpcstagger cache``: list caches, look into one without
+creating it, empty or remove one, remove a damaged one."""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from .. import config
 from ..errors import CacheError
 from . import _fs
 from .store import ShmCache
 
-__all__ = ["list_caches", "remove_broken"]
+__all__ = ["list_caches", "cache_contents", "clear_cache", "remove_broken"]
 
 
 def list_caches(root: str | None = None) -> list[str]:
@@ -63,3 +65,52 @@ def remove_broken(name: str, root: str | None = None) -> bool:
         return True
     finally:
         os.close(root_fd)
+
+
+def cache_contents(name: str, root: str | None = None) -> dict[str, Any] | None:
+    """What cache ``name`` holds now: ``entries``, ``bytes`` (payload bytes used), ``capacity_bytes``
+    and ``processes`` (live attached); None when there is no such cache. Creates nothing (neither
+    the root nor the cache). Raises CacheError for an unsafe root or cache directory or a damaged cache.
+    """
+    root = os.path.abspath(root or config.get("shm_root"))
+    if name not in list_caches(root):
+        return None
+    cache = ShmCache(name, None, root=root)
+    try:
+        s = cache.stats()
+    finally:
+        cache.close()
+    return {"entries": int(s["entries"]), "bytes": int(s["bytes_used"]), "capacity_bytes": int(s["capacity_bytes"]),
+            "processes": int(s["processes"])}
+
+
+def clear_cache(name: str, root: str | None = None, *, missing_ok: bool = False) -> dict[str, Any]:
+    """Empty cache ``name``: remove it when no live process is attached, else drop its entries.
+
+    The cache's safety checks apply (owner, mode, no symlinks), as in :class:`ShmCache`. A damaged
+    cache is removed with :func:`remove_broken`. Returns ``{"name", "root", "action", "entries",
+    "bytes", "processes"}`` with ``action`` one of ``"removed"``, ``"cleared"`` (kept: in use),
+    ``"removed damaged"`` or ``"absent"`` (only with ``missing_ok``; nothing was there). Raises
+    CacheError for an unknown cache (unless ``missing_ok``) or one that is not safe to touch.
+    """
+    root = os.path.abspath(root or config.get("shm_root"))
+    out: dict[str, Any] = {"name": name, "root": root, "action": "absent", "entries": 0, "bytes": 0, "processes": 0}
+    try:
+        cache = ShmCache(name, None, root=root)
+    except CacheError:
+        if missing_ok and not os.path.lexists(os.path.join(root, _fs.validate_name(name))):
+            return out
+        if remove_broken(name, root):  # a half-created or damaged cache: remove what is there
+            out["action"] = "removed damaged"
+            return out
+        raise
+    stats = cache.stats()
+    out.update(entries=int(stats["entries"]), bytes=int(stats["bytes_used"]), processes=int(stats["processes"]))
+    if out["processes"]:
+        cache.clear()
+        cache.close()
+        out["action"] = "cleared"
+    else:
+        cache.destroy()
+        out["action"] = "removed"
+    return out

@@ -105,25 +105,15 @@ def run_stats(args: argparse.Namespace) -> int:
 
 
 def run_clear(args: argparse.Namespace) -> int:
-    from ..cache.admin import remove_broken
-    from ..cache.store import ShmCache
+    from ..cache.admin import clear_cache
 
     root = _root(args)
-    try:
-        cache = ShmCache(args.name, None, root=root)
-    except Exception:
-        if remove_broken(args.name, root):  # a half-created or damaged cache: remove what is there
-            print(f"removed damaged cache {args.name!r} from {root}")
-            return 0
-        raise
-    freed = cache.stats()["bytes_used"]
-    others = cache.stats()["processes"]
-    if others:
-        cache.clear()
-        cache.close()
-        print(f"cleared cache {args.name!r} ({human_bytes(freed)} of entries dropped); "
-              f"kept it because {others} live process(es) use it")
+    done = clear_cache(args.name, root)
+    if done["action"] == "removed damaged":
+        print(f"removed damaged cache {args.name!r} from {root}")
+    elif done["action"] == "cleared":
+        print(f"cleared cache {args.name!r} ({human_bytes(done['bytes'])} of entries dropped); "
+              f"kept it because {done['processes']} live process(es) use it")
     else:
-        cache.destroy()
-        print(f"removed cache {args.name!r} ({human_bytes(freed)} freed) from {root}")
+        print(f"removed cache {args.name!r} ({human_bytes(done['bytes'])} freed) from {root}")
     return 0

@@ -25,6 +25,9 @@ def register(sub: Any) -> None:
     p.add_argument("--timeout", type=float, metavar="S", help="stop the run after S seconds (default [run] timeout)")
     p.add_argument("--launcher", choices=["mpiexec", "srun"], default="mpiexec",
                    help="mpiexec (MPMD, anywhere; the default) or srun (--multi-prog, inside a Slurm allocation)")
+    p.add_argument("--cold-cache", action="store_true",
+                   help="start cold: empty the spec's shared cache and drop the dataset's files from the page "
+                        "cache first (for comparisons); by default the run starts from the cache as it is")
     p.add_argument("--dry-run", action="store_true", help="print the mpiexec command(s) and exit")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=run)
@@ -94,6 +97,11 @@ def format_result(result: Any) -> str:
         lines[-1] += f", makespan {result.makespan:.1f} s" + (f" (predicted {pred:.1f} s)" if pred else "")
     if result.overhead is not None:
         lines[-1] += f", coordinator {result.overhead * 1000:.0f} ms"
+    from ..colocated.cachestate import describe_cold, describe_start
+
+    for line in (describe_cold(result.cold_cache), "start: " + describe_start(result.cache) if result.cache else ""):
+        if line:
+            lines.append(line)
     rows = [("JOB", "RANKS", "DELAY", "START", "FINISH", "STATE")]
 
     def s(x: float | None) -> str:
@@ -119,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(shlex.join(mpmd_command(spec)))
         return 0
-    result = launch(spec, mode=mode, delays=delays, timeout=args.timeout, launcher=args.launcher)
+    result = launch(spec, mode=mode, delays=delays, timeout=args.timeout, launcher=args.launcher,
+                    cold_cache=args.cold_cache)
     if args.json:
         json.dump(result.to_dict(), sys.stdout, default=str)
         sys.stdout.write("\n")

@@ -49,7 +49,12 @@ class JobResult:
 
 @dataclass
 class RunResult:
-    """A launch's outcome: the mode, the delays, every job, the makespan, and the predictions."""
+    """A launch's outcome: the mode, the delays, every job, the makespan, and the predictions.
+
+    ``cache`` is what the shared cache held when the coordinator planned (``entries``, ``bytes``,
+    ``fraction`` of the dataset; empty without a cache); ``cold_cache`` what ``cold_cache=True``
+    did before the run (see :func:`~hpcstagger.colocated.cachestate.make_cold`; empty otherwise).
+    """
 
     mode: str
     returncode: int
@@ -63,6 +68,8 @@ class RunResult:
     scenario: dict[str, Any] = field(default_factory=dict)
     calibrations: dict[str, Any] = field(default_factory=dict)
     curve: dict[str, Any] = field(default_factory=dict)
+    cache: dict[str, Any] = field(default_factory=dict)
+    cold_cache: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -91,11 +98,20 @@ class RunResult:
         return {"mode": self.mode, "returncode": self.returncode, "run_dir": self.run_dir,
                 "delays": self.delays, "makespan": self.makespan, "predicted": self.predicted,
                 "overhead": self.overhead, "wall": self.wall, "scenario": self.scenario,
-                "calibrations": self.calibrations, "curve": self.curve,
-                "jobs": {n: vars(j) for n, j in self.jobs.items()}}
+                "calibrations": self.calibrations, "curve": self.curve, "cache": self.cache,
+                "cold_cache": self.cold_cache, "jobs": {n: vars(j) for n, j in self.jobs.items()}}
 
 
 _COORDINATOR_PHASES = ("rendezvous", "split", "plan_exchange")
+_COLD_CACHE_FILE = "cold-cache.json"  # in the run directory: what --cold-cache did
+
+
+def _read_cold_cache(run_dir: Path) -> dict[str, Any]:
+    try:
+        value = json.loads((run_dir / _COLD_CACHE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def parse_delays(text: str) -> dict[str, float]:
@@ -180,7 +196,9 @@ def collect_results(spec: Spec, run_dir: str | os.PathLike[str], *, jobs: Sequen
     run_dir = Path(run_dir)
     subdirs = [j.name for j in spec.jobs if (run_dir / j.name).is_dir()]
     if subdirs and (jobs is None or len(jobs) > 1):
-        return _collect_sequential(spec, run_dir, returncode)
+        seq = _collect_sequential(spec, run_dir, returncode)
+        seq.cold_cache = _read_cold_cache(run_dir)
+        return seq
     statuses: dict[str, list[dict[str, Any]]] = {}
     for p in sorted(run_dir.glob("*.json")):
         try:
@@ -232,19 +250,23 @@ def collect_results(spec: Spec, run_dir: str | os.PathLike[str], *, jobs: Sequen
     return RunResult(mode=mode, returncode=returncode, run_dir=str(run_dir), jobs=results, delays=delays,
                      makespan=makespan, predicted=predicted, overhead=overhead,
                      scenario=plan_info.get("scenario") or {}, calibrations=plan_info.get("calibrations") or {},
-                     curve=plan_info.get("curve") or {})
+                     curve=plan_info.get("curve") or {}, cache=plan_info.get("cache") or {},
+                     cold_cache=_read_cold_cache(run_dir))
 
 
 def _collect_sequential(spec: Spec, run_dir: Path, returncode: int) -> RunResult:
     results: dict[str, JobResult] = {}
     total = 0.0
     stopped = False
+    cache: dict[str, Any] = {}
     for job in spec.jobs:
         if stopped or not (run_dir / job.name).is_dir():
             results[job.name] = JobResult(job.name, job.ranks, "not started")
             stopped = True
             continue
-        one = collect_results(spec, run_dir / job.name, jobs=[job.name]).jobs[job.name]
+        part = collect_results(spec, run_dir / job.name, jobs=[job.name])
+        cache = cache or part.cache  # the cache as the first job found it
+        one = part.jobs[job.name]
         one.delay = total  # it waits for every job before it
         if one.start is not None:
             one.start += total
@@ -255,7 +277,8 @@ def _collect_sequential(spec: Spec, run_dir: Path, returncode: int) -> RunResult
         stopped = one.state != "done"
     done = all(j.state == "done" for j in results.values())
     return RunResult(mode="sequential", returncode=returncode, run_dir=str(run_dir), jobs=results,
-                     delays={n: j.delay for n, j in results.items()}, makespan=total if done else None)
+                     delays={n: j.delay for n, j in results.items()}, makespan=total if done else None,
+                     cache=cache)
 
 
 def _run(argv: list[str], env: dict[str, str], timeout: float, cwd: str) -> int:
@@ -306,14 +329,18 @@ def _srun_commands(spec: Spec, run_dir: Path, jobs: Sequence[str] | None) -> lis
 
 def launch(spec: Spec, *, mode: str | None = None, delays: Mapping[str, float] | None = None,
            mpiexec: str | None = None, timeout: float | None = None, run_name: str | None = None,
-           env: Mapping[str, str] | None = None, launcher: str = "mpiexec") -> RunResult:
+           env: Mapping[str, str] | None = None, launcher: str = "mpiexec", cold_cache: bool = False) -> RunResult:
     """Run every job of ``spec`` in one MPI world and return what happened.
 
     ``launcher`` is ``"mpiexec"`` (MPMD mpiexec, anywhere) or ``"srun"`` (``srun --multi-prog``,
     inside a Slurm allocation). ``mode`` overrides the spec's ``[plan] mode``; ``delays`` (job ->
     seconds) implies mode fixed. Mode sequential runs one launch per job in spec order, and its
-    makespan is the sum of the jobs' own run times. Raises LaunchError when the launcher is missing;
-    a failed job is reported in the result (``RunResult.failures()``), not raised.
+    makespan is the sum of the jobs' own run times. ``cold_cache`` first empties the spec's shared
+    cache and drops the dataset from the page cache (:func:`~hpcstagger.colocated.cachestate.make_cold`;
+    reported in ``RunResult.cold_cache``); otherwise the run starts from the cache as it is, and the
+    coordinator plans from it. Raises LaunchError when the launcher is missing, CacheError when the
+    cache cannot be cleared; a failed job is reported in the result (``RunResult.failures()``), not
+    raised.
     """
     mode = mode or ("fixed" if delays else spec.plan.mode)
     if mode not in PLAN_MODES:
@@ -333,6 +360,15 @@ def launch(spec: Spec, *, mode: str | None = None, delays: Mapping[str, float] |
     stamp = run_name or f"{time.strftime('%Y%m%d-%H%M%S')}-{mode}"
     run_dir = Path(spec.run.workdir) / "runs" / stamp
     run_dir.mkdir(parents=True, exist_ok=True)
+    from .. import _io
+
+    cold: dict[str, Any] = {}
+    if cold_cache:
+        from .cachestate import make_cold
+
+        cold = make_cold(spec)
+        log.info("cold cache before the run: %s", cold)
+        _io.atomic_write_json(run_dir / _COLD_CACHE_FILE, cold, durable=False)
     base_env = {**os.environ, **(env or {}), E.SPEC: spec.path, E.MODE: mode}
     base_env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), base_env.get("PATH", "")])
     base_env.pop("MPIR_CVAR_PMI_VERSION", None)
@@ -362,7 +398,6 @@ def launch(spec: Spec, *, mode: str | None = None, delays: Mapping[str, float] |
                 break
         result = collect_results(spec, run_dir, returncode=rc)
     result.wall = time.monotonic() - start
-    from .. import _io
-
+    result.cold_cache = cold
     _io.atomic_write_json(run_dir / "result.json", result.to_dict(), durable=False)
     return result

@@ -1,8 +1,9 @@
 """Planning a co-located run: the delays for a mode, and what the model predicts (pure).
 
 World rank 0 of :func:`hpcstagger.init` calls :func:`plan_delays` with every job leader's
-calibration; nothing here reads the environment or talks to other ranks, so it is tested as a
-plain function.
+calibration and what the shared cache holds at that moment (``cache_state``, looked up by the
+coordinator); nothing here reads the environment, the cache or talks to other ranks, so it is
+tested as a plain function.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from ..errors import ConfigError
 from .spec import PLAN_MODES, PLAN_MODES_IN_WORLD, Spec
 
-__all__ = ["plan_delays", "scenario_for"]
+__all__ = ["plan_delays", "scenario_for", "cached_fraction", "fold_miss_overhead"]
 
 
 def _needs_scenario() -> ConfigError:
@@ -21,13 +22,24 @@ def _needs_scenario() -> ConfigError:
                        "[plan] scenario in the spec, or choose mode 'simultaneous' or 'fixed'")
 
 
+def cached_fraction(entries: float, samples: float) -> float:
+    """The fraction of a dataset of ``samples`` samples that ``entries`` cached entries are, in [0, 1]."""
+    if samples <= 0:
+        return 0.0
+    return min(1.0, max(0.0, float(entries) / float(samples)))
+
+
 def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[str, Mapping[str, float]],
-                mode: str, *, fixed: Mapping[str, float] | None = None) -> dict[str, Any]:
+                mode: str, *, fixed: Mapping[str, float] | None = None,
+                cache_state: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The delays for ``mode`` (world rank 0 calls this), and what the model predicts when it can.
 
     ``order`` lists the jobs in spec order; ``calibrations`` maps a job to what its leader
     measured (``sample_time``, optionally ``miss_overhead``); ``fixed`` gives mode "fixed" its
-    delays (default: the spec's ``[plan] delays``).
+    delays (default: the spec's ``[plan] delays``). ``cache_state`` is what the shared cache holds
+    when the run starts (``entries``, ``bytes``; None when the run has no cache or nobody looked);
+    it is returned as ``cache``, with the ``fraction`` of the dataset it covers when the scenario
+    says how many samples the dataset has, and the plan starts from it (``cache.initial``).
 
     With a calibrated scenario (``[plan] scenario``), every mode also reports the predicted
     makespan of its delays and of the plan, a simultaneous start and sequential runs
@@ -50,13 +62,18 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
         delays = {n: float(fixed.get(n, 0.0)) for n in order}
     out: dict[str, Any] = {"mode": mode, "delays": delays,
                            "calibrations": {n: dict(c) for n, c in calibrations.items()}}
+    if cache_state is not None:
+        out["cache"] = dict(cache_state)
     if spec is None or not spec.plan.scenario:
         if mode == "plan" and len(order) > 1:
             raise _needs_scenario()
         return out
     from ..model import optimal_plan, predict
 
-    scenario = scenario_for(spec, order, calibrations)
+    scenario = scenario_for(spec, order, calibrations, cache_state=cache_state)
+    if cache_state is not None:
+        out["cache"].update(fraction=scenario.cache.initial, samples=scenario.dataset.samples,
+                            initial_samples=scenario.initial_samples)
     p = optimal_plan(scenario, max_delay=spec.plan.max_delay)
     if mode == "plan":
         out["delays"] = {n: float(p.delays.get(n, 0.0)) for n in order}
@@ -68,9 +85,12 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
     return out
 
 
-def scenario_for(spec: Spec | None, order: Sequence[str], calibrations: Mapping[str, Mapping[str, float]]) -> Any:
+def scenario_for(spec: Spec | None, order: Sequence[str], calibrations: Mapping[str, Mapping[str, float]],
+                 *, cache_state: Mapping[str, Any] | None = None) -> Any:
     """The scenario to plan with: the spec's calibrated scenario file, with each job's epochs from
-    the spec and its sample time from the job's own calibration when it sent one.
+    the spec, its sample time from the job's own calibration when it sent one, and the cache's
+    contents at the start when ``cache_state`` gives them: ``cache.initial`` is then its
+    ``entries`` over the dataset's samples, clipped to [0, 1] (the file's value otherwise).
 
     A job's calibration may also report ``miss_overhead``: seconds each read that goes to the source
     costs the job beyond the source's own time (its cache insert, its loader's work). The source is
@@ -97,10 +117,20 @@ def scenario_for(spec: Spec | None, order: Sequence[str], calibrations: Mapping[
         entry["sample_time"] = float(sample_time)
         jobs.append(entry)
     base["job"] = jobs
+    if cache_state is not None:
+        samples = float(base["dataset"]["samples"])
+        base.setdefault("cache", {})["initial"] = cached_fraction(float(cache_state.get("entries") or 0), samples)
     overheads = [float(c["miss_overhead"]) for c in calibrations.values() if c.get("miss_overhead", 0) > 0]
     if overheads:
-        o = sum(overheads) / len(overheads)
-        size = float(base["dataset"]["sample_bytes"])
-        base["storage"]["bandwidth"] = [k * size / (k * size / float(b) + o)
-                                        for k, b in enumerate(base["storage"]["bandwidth"], start=1)]
+        base["storage"]["bandwidth"] = fold_miss_overhead(base["storage"]["bandwidth"],
+                                                          float(base["dataset"]["sample_bytes"]),
+                                                          sum(overheads) / len(overheads))
     return Scenario.from_dict(base)
+
+
+def fold_miss_overhead(bandwidth: Sequence[float], sample_bytes: float, overhead: float) -> list[float]:
+    """The source's aggregate bandwidth as the jobs see it when each read of ``sample_bytes`` costs
+    them ``overhead`` seconds more (its cache insert, ...): with ``k`` readers a read then takes
+    ``sample_bytes * k / bandwidth[k-1] + overhead``."""
+    size = float(sample_bytes)
+    return [k * size / (k * size / float(b) + overhead) for k, b in enumerate(bandwidth, start=1)]

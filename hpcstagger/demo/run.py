@@ -3,8 +3,9 @@
 1. Generate a synthetic image-like dataset (HDF5) unless one is already there.
 2. Serve it through a ThrottledSource: a slow shared repository whose aggregate bandwidth
    degrades when two jobs read at once.
-3. Calibrate the scenario from short measurements (the source at 1 and 2 readers, the cache's hit
-   bandwidth, each model's seconds per sample) and plan the stagger with the performance model.
+3. Calibrate the scenario from the jobs' own commands (``hpcstagger calibrate --spec``: each job
+   alone, its real loop measured through ``session.loader``; the source at 1 and 2 readers; the
+   cache's hit bandwidth) and plan the stagger with the performance model.
 4. Run the two co-located jobs (two different small models, one rank each, under MPMD mpiexec) at
    the planned stagger, simultaneously and sequentially, each run with a cold cache and
    asynchronous checkpoints, and compare predicted with measured makespans.
@@ -26,7 +27,7 @@ from .. import _io
 from ..cli._text import table
 from ..errors import ConfigError
 
-__all__ = ["DemoConfig", "run_demo", "format_table"]
+__all__ = ["DemoConfig", "DemoSetup", "prepare", "run_demo", "format_table"]
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,8 @@ class DemoConfig:
     sweep: tuple[float, ...] = ()                   # extra fixed delays of the later job to measure
     run_timeout: float = 600.0
     batch: int = 32
-    prefetch: int = 64                              # samples each job's loader reads ahead (two batches)
+    workers: int = 1                                # DataLoader worker processes per job
+    prefetch: int = 2                               # batches each worker keeps in flight (prefetch_factor)
 
 
 def _progress(desc: str, total: int) -> Any:
@@ -87,10 +89,11 @@ def _ensure_dataset(cfg: DemoConfig, path: Path) -> int:
 
 
 def _write_spec(cfg: DemoConfig, work: Path, data: Path, scenario: Path, capacity: int) -> Path:
+    loader = f"--workers {cfg.workers} --prefetch {cfg.prefetch}"
     jobs = "".join(textwrap.dedent(f"""
         [[job]]
         name = "{name}"
-        command = "python -m hpcstagger.demo.job --model {model} --batch {cfg.batch} --prefetch {cfg.prefetch}"
+        command = "python -m hpcstagger.demo.job --model {model} --batch {cfg.batch} {loader}"
         epochs = {cfg.epochs[name]}
         env = {{ HPCSTAGGER_DEMO_SHAPE = "{','.join(map(str, cfg.shape))}", {_MALLOC_ENV} }}
         """) for name, model in JOB_MODELS.items())
@@ -119,22 +122,11 @@ def _write_spec(cfg: DemoConfig, work: Path, data: Path, scenario: Path, capacit
     return path
 
 
-def _calibrate(cfg: DemoConfig, data: Path, scenario_path: Path, capacity: int) -> Any:
-    from ..cache import HDF5Source, ShmCache, ThrottledSource
-    from ..model import calibrate
-    from .job import make_step
+def _calibrate(cfg: DemoConfig, spec: Any, scenario_path: Path) -> Any:
+    """``hpcstagger calibrate --spec``: the scenario measured from the two jobs' own commands."""
+    from ..colocated.calibrate_spec import calibrate_spec
 
-    source = ThrottledSource(HDF5Source(str(data), "samples"), list(cfg.bandwidth),
-                             shared_name="hpcstagger-demo-calibrate")
-    cache = ShmCache("hpcstagger-demo-calibrate", capacity)
-    try:
-        jobs = {name: make_step(model, cfg.shape)[2] for name, model in JOB_MODELS.items()}
-        return calibrate(source, jobs, epochs=dict(cfg.epochs), capacity=capacity, cache=cache,
-                         budget=cfg.calibrate_budget, batch=cfg.batch, prefetch=cfg.prefetch,
-                         out=str(scenario_path))
-    finally:
-        cache.destroy(force=True)
-        source.unlink()
+    return calibrate_spec(spec, budget=cfg.calibrate_budget, out=str(scenario_path))
 
 
 def _reset_shared_state() -> None:
@@ -148,28 +140,50 @@ def _reset_shared_state() -> None:
         pass
 
 
-def run_demo(cfg: DemoConfig) -> dict[str, Any]:
-    """Run the whole demo; return its results (also written to ``<workdir>/demo.json``)."""
-    from ..colocated.launch import launch
-    from ..model import Scenario, optimal_plan, predict
+@dataclass(frozen=True)
+class DemoSetup:
+    """What :func:`prepare` made: the work directory, the spec of the two jobs, the calibrated
+    scenario, its plan and the calibration's measurements."""
+
+    work: Path
+    spec: Any
+    scenario: Any
+    plan: Any
+    calibration: Any
+
+
+def prepare(cfg: DemoConfig) -> DemoSetup:
+    """Steps 1-3 of the demo: the dataset (reused when it has the right shape), the calibrated
+    scenario, the plan, and the job spec (``<workdir>/spec.toml``) that runs the two jobs on them."""
+    from ..model import Scenario, optimal_plan
     from ..colocated.spec import Spec
 
-    started = time.monotonic()
     work = Path(cfg.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     data = work / "data.h5"
     row = _ensure_dataset(cfg, data)
     capacity = int(cfg.cache_fraction * cfg.samples * row)
     scenario_path = work / "scenario.toml"
-    print("demo: calibrating (the source at 1 and 2 readers, cache hits, each model's time per sample)",
-          file=sys.stderr)
-    calibration = _calibrate(cfg, data, scenario_path, capacity)
+    spec = Spec.from_toml(_write_spec(cfg, work, data, scenario_path, capacity))
+    print("demo: calibrating from the jobs' own commands (each job alone, its loop measured; the source at "
+          "1 and 2 readers; cache hits)", file=sys.stderr)
+    calibration = _calibrate(cfg, spec, scenario_path)
     scenario = Scenario.from_toml(scenario_path)
     plan = optimal_plan(scenario)
     print(f"demo: plan {', '.join(f'{n} +{d:.1f}s' for n, d in plan.delays.items())}: predicted makespan "
           f"{plan.makespan:.1f} s (simultaneous {plan.simultaneous:.1f} s, sequential {plan.sequential:.1f} s)",
           file=sys.stderr)
-    spec = Spec.from_toml(_write_spec(cfg, work, data, scenario_path, capacity))
+    return DemoSetup(work=work, spec=spec, scenario=scenario, plan=plan, calibration=calibration)
+
+
+def run_demo(cfg: DemoConfig) -> dict[str, Any]:
+    """Run the whole demo; return its results (also written to ``<workdir>/demo.json``)."""
+    from ..colocated.launch import launch
+    from ..model import predict
+
+    started = time.monotonic()
+    setup = prepare(cfg)
+    work, spec, scenario, plan, calibration = setup.work, setup.spec, setup.scenario, setup.plan, setup.calibration
 
     runs: list[dict[str, Any]] = []
     later = max(plan.delays, key=lambda n: plan.delays[n]) if plan.order else spec.jobs[-1].name
@@ -183,7 +197,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         if not result.ok:
             problems = "; ".join(result.failures()) or f"mpiexec exited with {result.returncode}"
             raise ConfigError(f"demo run '{label}' failed: {problems} (see {result.run_dir})")
-        # The coordinator predicts each run with the calibration the jobs measured just before it;
+        # The coordinator predicts each run from the calibrated scenario and the cache as it finds it;
         # sequential runs launch one job at a time, so theirs comes from the planned run's scenario.
         predicted = result.predicted.get(mode)
         if mode == "sequential":

@@ -9,6 +9,7 @@
 - calib_sources.py calibration tests: an HDF5 source that degrades under concurrency
 - ckpt_util.py     checkpoint tests: a small model, training, bit-for-bit comparison, a fake clock
 - model_scenarios.py  model tests: small scenarios
+- spec_util.py     co-located run tests: a spec of two tiny jobs with a shared cache, filling it
 - ckpt_crash_child.py, ckpt_hvd_job.py  the code that the crash test's forked children and the
   Horovod test's mpiexec ranks run (the latter as ``python tests/support/ckpt_hvd_job.py``)
 

@@ -1,0 +1,240 @@
+"""The planner on jobs written as users write them (issue 12): calibrate, sweep, compare.
+
+For each configuration it writes a job spec whose jobs run ``benchmarks/userjobs/train.py`` (a
+DataLoader with workers and batches, a DistributedSampler, DDP or Horovod, SGD, no timing code),
+calibrates it the documented way (``hpcstagger calibrate --spec``, no step factories), then runs
+``hpcstagger sweep`` (the plan, a simultaneous start and fixed staggers in both orders, each from
+a cold cache) and records the plan's gap to the best measured stagger and every prediction error.
+
+Configurations vary workers (0, 2, 4), batch (16 to 128), DDP and Horovod with 1 and 2 ranks per
+job, 2 and 3 jobs, a cache of 50% and 100% of the dataset, a source whose bandwidth falls with
+concurrency and one whose bandwidth rises, and the emulated source against a real file system
+(an ext4 image on a loop device whose reads a cgroup v1 blkio throttle limits; root only).
+
+    python benchmarks/bench_userjobs.py [--only NAME,...] [--staggers 0,1,2,3,4,6,8] [--list]
+
+Writes benchmarks/out/bench_userjobs.json and prints one row per configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+from collections.abc import Iterator
+
+HERE = Path(__file__).resolve().parent
+TRAIN = HERE / "userjobs" / "train.py"
+FALLS = [6.0e6, 3.0e6]            # the emulated source: 6 MB/s alone, 3 MB/s aggregate for 2+
+FALLS3 = [6.0e6, 4.0e6, 3.0e6]
+RISES = [2.0e6, 3.5e6, 5.0e6, 6.0e6]  # a source that needs reads in flight, then saturates
+
+
+def _job(name: str, model: str, *, batch: int, workers: int, ranks: int = 1, epochs: int = 2,
+         backend: str = "ddp") -> dict[str, Any]:
+    return {"name": name, "ranks": ranks, "epochs": epochs, "backend": backend,
+            "command": f"{sys.executable} {TRAIN} --model {model} --batch {batch} --workers {workers}"}
+
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "pair-w2-b64": {"jobs": [_job("cnn", "cnn", batch=64, workers=2), _job("mlp", "mlp", batch=64, workers=2)],
+                    "cache": 1.0, "throttle": FALLS},
+    "pair-half-cache": {"jobs": [_job("cnn", "cnn", batch=64, workers=2), _job("mlp", "mlp", batch=64, workers=2)],
+                        "cache": 0.5, "throttle": FALLS},
+    "w0-and-w4": {"jobs": [_job("cnn", "cnn", batch=32, workers=0), _job("mlp", "mlp", batch=128, workers=4)],
+                  "cache": 1.0, "throttle": FALLS},
+    "three-jobs": {"jobs": [_job("cnn", "cnn", batch=64, workers=2), _job("mlp", "mlp", batch=32, workers=2),
+                            _job("wide", "wide", batch=16, workers=2, epochs=1)],
+                   "cache": 1.0, "throttle": FALLS3},
+    "rising-source": {"jobs": [_job("cnn", "cnn", batch=64, workers=2), _job("mlp", "mlp", batch=128, workers=4)],
+                      "cache": 1.0, "throttle": RISES},
+    "ddp-2-ranks": {"jobs": [_job("cnn", "cnn", batch=32, workers=2, ranks=2),
+                             _job("mlp", "mlp", batch=64, workers=2)], "cache": 0.5, "throttle": FALLS},
+    "horovod-2-ranks": {"jobs": [_job("cnn", "cnn", batch=32, workers=2, ranks=2, backend="horovod"),
+                                 _job("mlp", "mlp", batch=16, workers=2)],
+                        "cache": 1.0, "throttle": FALLS},
+    "real-fs": {"jobs": [_job("cnn", "cnn", batch=64, workers=2), _job("mlp", "mlp", batch=64, workers=2)],
+                "cache": 1.0, "throttle": None, "real_fs": 6.0e6},
+}
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return repr(value)
+
+
+def write_spec(path: Path, name: str, cfg: dict[str, Any], data: Path, dataset_bytes: int) -> None:
+    lines = ["[run]", f"name = {_toml(name)}", f"workdir = {_toml(str(path.parent / 'work'))}", "timeout = 600", "",
+             "[dataset]", f"path = {_toml(str(data))}", 'name = "samples"']
+    if cfg.get("throttle"):
+        lines.append(f"throttle = {_toml(cfg['throttle'])}")
+    lines += ["", "[cache]", f"name = {_toml(name)}", f"capacity = {int(cfg['cache'] * dataset_bytes * 1.02)}", "",
+              "[plan]", 'mode = "plan"', 'scenario = "scenario.toml"', ""]
+    for job in cfg["jobs"]:
+        lines.append("[[job]]")
+        lines += [f"{k} = {_toml(v)}" for k, v in job.items()]
+        lines.append("")
+    path.write_text("\n".join(lines))
+
+
+def _run(argv: list[str], log: Path, *, cgroup: str | None = None, timeout: float = 1800) -> int:
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent))
+    pre = None
+    if cgroup:
+        def pre() -> None:  # the command and its children read through the throttled cgroup
+            with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+    with open(log, "ab") as out:
+        out.write(("\n$ " + " ".join(argv) + "\n").encode())
+        out.flush()
+        return subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=str(HERE.parent),
+                              preexec_fn=pre, timeout=timeout).returncode
+
+
+@contextmanager
+def real_fs(data: Path, bps: float, work: Path) -> Iterator[tuple[Path, str]]:
+    """The dataset on an ext4 image on a loop device, its reads throttled to ``bps`` by blkio."""
+    image, mnt = work / "fs.img", work / "mnt"
+    mnt.mkdir()
+    size_mb = max(64, 4 * data.stat().st_size // 2**20)
+    subprocess.run(["truncate", "-s", f"{size_mb}M", str(image)], check=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+    dev = subprocess.run(["losetup", "--find", "--show", str(image)], check=True, capture_output=True,
+                         text=True).stdout.strip()
+    cg = f"/sys/fs/cgroup/blkio/hpcstagger-bench-{os.getpid()}"
+    try:
+        subprocess.run(["mount", dev, str(mnt)], check=True)
+        shutil.copy(data, mnt / data.name)
+        os.sync()
+        rdev = os.stat(dev).st_rdev
+        os.makedirs(cg, exist_ok=True)
+        with open(os.path.join(cg, "blkio.throttle.read_bps_device"), "w") as f:
+            f.write(f"{os.major(rdev)}:{os.minor(rdev)} {int(bps)}")
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+        yield mnt / data.name, cg
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+        subprocess.run(["losetup", "-d", dev], check=False)
+        if os.path.isdir(cg):
+            os.rmdir(cg)
+
+
+def run_config(name: str, cfg: dict[str, Any], data: Path, work: Path, staggers: str, budget: float) -> dict[str, Any]:
+    work.mkdir(parents=True)
+    log = work / "log.txt"
+    spec = work / "spec.toml"
+    out: dict[str, Any] = {"name": name, "config": cfg, "log": str(log)}
+    fs = real_fs(data, cfg["real_fs"], work) if cfg.get("real_fs") else None
+    cg = None
+    if fs is not None:
+        data, cg = fs.__enter__()
+    try:
+        write_spec(spec, name, cfg, data, data.stat().st_size)
+        hs = [sys.executable, "-m", "hpcstagger"]
+        t0 = time.monotonic()
+        rc = _run(hs + ["calibrate", "--spec", str(spec), "-o", str(work / "scenario.toml"), "--budget", str(budget)],
+                  log, cgroup=cg)
+        out["calibrate_s"] = time.monotonic() - t0
+        if rc != 0:
+            out["error"] = f"calibrate exited {rc}; see {log}"
+            return out
+        out["scenario"] = (work / "scenario.toml").read_text()
+        t0 = time.monotonic()
+        rc = _run(hs + ["sweep", str(spec), "--staggers", staggers, "--json", str(work / "sweep.json")], log, cgroup=cg)
+        out["sweep_s"] = time.monotonic() - t0
+        if rc != 0 or not (work / "sweep.json").exists():
+            out["error"] = f"sweep exited {rc}; see {log}"
+            return out
+        out["sweep"] = json.loads((work / "sweep.json").read_text())
+        return out
+    finally:
+        if fs is not None:
+            fs.__exit__(None, None, None)
+
+
+def summarise(res: dict[str, Any]) -> dict[str, Any]:
+    """Plan gap and prediction errors from a sweep's JSON (its ``runs``: label, measured, predicted)."""
+    sw = res.get("sweep") or {}
+    runs = [r for r in sw.get("runs", []) if r.get("measured")]
+    errs = [r["predicted"] / r["measured"] - 1 for r in runs if r.get("predicted")]
+    plan = [r["measured"] for r in runs if r.get("mode") == "plan"]
+    fixed = [r["measured"] for r in runs if r.get("mode") in ("fixed", "simultaneous")]
+    best = min(fixed + plan) if fixed or plan else None
+    return {"runs": len(runs), "plan": statistics.median(plan) if plan else None, "best": best,
+            "plan_gap": statistics.median(plan) / best - 1 if plan and best else None,
+            "errors": errs, "median_abs_err": statistics.median(abs(e) for e in errs) if errs else None,
+            "max_abs_err": max(abs(e) for e in errs) if errs else None}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", help="comma-separated configuration names")
+    p.add_argument("--list", action="store_true", help="list the configurations and exit")
+    p.add_argument("--staggers", default="0,1,2,3,4,6,8", help="fixed staggers, seconds, run in both orders")
+    p.add_argument("--samples", type=int, default=3072, help="dataset samples of 3 KiB (default 3072, ~9.4 MB)")
+    p.add_argument("--budget", type=float, default=60.0, help="calibration budget per spec, seconds")
+    p.add_argument("--out", default=str(HERE / "out" / "bench_userjobs.json"))
+    args = p.parse_args()
+    if args.list:
+        for name, cfg in CONFIGS.items():
+            print(name, json.dumps(cfg))
+        return 0
+    names = args.only.split(",") if args.only else list(CONFIGS)
+    from hpcstagger.demo.data import make_dataset
+
+    root = Path(tempfile.mkdtemp(prefix="bench-userjobs-"))
+    shm = tempfile.mkdtemp(prefix="bench-userjobs-", dir="/dev/shm")
+    os.environ["HPCSTAGGER_SHM_ROOT"] = shm
+    results = []
+    try:
+        data = root / "data.h5"
+        make_dataset(str(data), args.samples, (3, 32, 32))
+        for name in names:
+            print(f"[bench_userjobs] {name} ...", file=sys.stderr, flush=True)
+            res = run_config(name, CONFIGS[name], data, root / name, args.staggers, args.budget)
+            res["summary"] = summarise(res)
+            results.append(res)
+            s = res["summary"]
+            print(f"[bench_userjobs] {name}: {res.get('error') or ''} plan gap "
+                  f"{s['plan_gap'] if s['plan_gap'] is None else round(100 * s['plan_gap'], 1)}%, errors median "
+                  f"{s['median_abs_err'] and round(100 * s['median_abs_err'], 1)}% max "
+                  f"{s['max_abs_err'] and round(100 * s['max_abs_err'], 1)}%", file=sys.stderr, flush=True)
+            os.makedirs(os.path.dirname(args.out), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "results": results}, f, indent=1)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
+    all_errs = [e for r in results for e in r["summary"]["errors"]]
+    print("\n| configuration | plan | best stagger | plan gap | median error | max error |\n|---|---|---|---|---|---|")
+    for r in results:
+        s = r["summary"]
+        if r.get("error"):
+            print(f"| {r['name']} | {r['error']} | | | | |")
+            continue
+        print(f"| {r['name']} | {s['plan']:.2f} s | {s['best']:.2f} s | {100 * s['plan_gap']:+.1f}% | "
+              f"{100 * s['median_abs_err']:.1f}% | {100 * s['max_abs_err']:.1f}% |")
+    if all_errs:
+        med = statistics.median(abs(e) for e in all_errs)
+        print(f"\nall runs: {len(all_errs)} predictions, median abs error {100 * med:.1f}%, "
+              f"max {100 * max(abs(e) for e in all_errs):.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

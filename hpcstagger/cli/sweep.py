@@ -1,0 +1,143 @@
+"""``hpcstagger sweep SPEC``: the plan against a simultaneous start and measured fixed staggers."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+from collections.abc import Mapping
+
+from ._text import table
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "sweep", help="measure the plan against a simultaneous start and fixed staggers of a spec's jobs",
+        description="Check the planner on your own jobs: launch the spec with the plan (when it has a [plan] "
+                    "scenario), with a simultaneous start and with fixed staggers, each from a cold cache "
+                    "(as 'hpcstagger launch --cold-cache'), and compare the measured makespans with the "
+                    "coordinator's predictions. A stagger S runs in spec order (job k delayed by k*S) and in "
+                    "reverse order (job k of N delayed by (N-1-k)*S); with 2 jobs: B delayed by S, and A "
+                    "delayed by S. Prints a table, the plan's gap to the best measured stagger and the "
+                    "prediction errors; writes JSON and a plot; one progress line per run on stderr.")
+    p.add_argument("spec", help="the job spec (TOML) with at least 2 jobs")
+    p.add_argument("--staggers", metavar="S,S,...",
+                   help="staggers in seconds, e.g. 0,2,4,8 (default: 7 from 0 over the plan's predicted curve, "
+                        "or up to --max-stagger)")
+    p.add_argument("--max-stagger", type=float, metavar="S",
+                   help="the largest default stagger (default: where the predicted makespan passes a "
+                        "simultaneous start's by 10%%, at least twice the planned stagger; 10 s without a scenario)")
+    p.add_argument("--repeat", type=int, default=1, metavar="N", help="run everything N times (default 1)")
+    p.add_argument("--sequential", action="store_true", help="also run the jobs one after another")
+    p.add_argument("--timeout", type=float, metavar="S", help="stop each run after S seconds (default [run] timeout)")
+    p.add_argument("--launcher", choices=["mpiexec", "srun"], default="mpiexec",
+                   help="mpiexec (MPMD, anywhere; the default) or srun (inside a Slurm allocation)")
+    p.add_argument("--json", metavar="PATH", help="where the results go (default <workdir>/sweep/sweep-<time>.json)")
+    p.add_argument("--plot", metavar="PNG", help="where the plot goes (default: beside the JSON, .png)")
+    p.set_defaults(func=run)
+
+
+def _s(x: float | None, unit: str = " s") -> str:
+    return "-" if x is None else f"{x:.2f}{unit}"
+
+
+def format_sweep(result: Mapping[str, Any]) -> str:
+    """The predicted-versus-measured table of a sweep and its summary lines."""
+    summary = result["summary"]
+    rows = [("RUN", "STAGGER", "RUNS", "PREDICTED", "MEASURED", "ERROR")]
+    for p in summary["points"]:
+        pred, meas = p["predicted_median"], p["measured_median"]
+        err = "-" if pred is None or not meas else f"{100 * (pred - meas) / meas:+.1f}%"
+        stagger = "-" if p["stagger"] is None else f"{p['stagger']:+.3g}s"
+        rows.append((p["label"], stagger, str(len(p["measured"])), _s(pred), _s(meas), err))
+    lines = [table(rows), ""]
+    if result.get("repeat", 1) > 1:
+        lines.insert(1, f"(medians over {result['repeat']} repetitions)")
+    best = summary.get("best")
+    if best:
+        lines.append(f"best measured stagger: {best['label']}, {best['measured']:.2f} s")
+    if summary.get("plan_vs_best") is not None:
+        gap = summary["plan_vs_best"]
+        lines.append(f"plan: {summary['plan']:.2f} s, {100 * abs(gap):.1f}% {'above' if gap > 0 else 'below'} "
+                     f"the best measured stagger")
+    elif not result.get("scenario"):
+        lines.append("no plan run: the spec has no [plan] scenario (run 'hpcstagger calibrate' and set it)")
+    if summary.get("error_median") is not None:
+        lines.append(f"prediction error: median {100 * summary['error_median']:.1f}%, "
+                     f"max {100 * summary['error_max']:.1f}%")
+    return "\n".join(lines)
+
+
+def plot_sweep(result: Mapping[str, Any], out: str) -> None:
+    """Write a PNG: the predicted makespan versus stagger with the measured points, and every run's
+    measured job timelines (start to finish)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .._io import atomic_write
+
+    runs = result["runs"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, max(4.5, 0.3 * len(runs) + 1.5)))
+    curve = result.get("curve") or {}
+    if curve.get("stagger"):
+        ax1.plot(curve["stagger"], curve["makespan"], color="C0", lw=1.2, label="predicted makespan")
+    _measured_points(ax1, runs)
+    jobs = result["jobs"]
+    ax1.set_xlabel(f"stagger (s): > 0 {', '.join(jobs)} in spec order, job k delayed by k*s; < 0 reverse order"
+                   if len(jobs) > 2 else f"stagger (s): {jobs[1]} starts s after {jobs[0]}; < 0: {jobs[0]} later")
+    ax1.set_ylabel("makespan (s)")
+    ax1.set_title("Makespan versus stagger")
+    ax1.grid(alpha=0.3)
+    ax1.legend(fontsize=8, loc="best")
+    labels = []
+    for i, r in enumerate(runs):
+        for j, (name, t) in enumerate(r["jobs"].items()):
+            if t["start"] is not None and t["finish"] is not None:
+                ax2.barh(i + 0.8 * (j + 0.5) / len(jobs) - 0.4, t["finish"] - t["start"], left=t["start"],
+                         height=0.8 / len(jobs), color=f"C{j}", label=name if i == 0 else None)
+        labels.append(r["label"] + (f" (r{r['repetition']})" if result.get("repeat", 1) > 1 else ""))
+    ax2.set_yticks(range(len(labels)), labels, fontsize=7)
+    ax2.invert_yaxis()
+    ax2.set_xlabel("seconds from the run's start")
+    ax2.set_title("Measured job timelines")
+    ax2.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    atomic_write(out, lambda f: fig.savefig(f, format="png", dpi=110))
+    plt.close(fig)
+
+
+def _measured_points(ax: Any, runs: list[Mapping[str, Any]]) -> None:
+    seen: set[str] = set()
+    for r in runs:
+        if r["measured"] is None:
+            continue
+        kind = r["mode"] if r["mode"] != "fixed" else "fixed staggers"
+        label = None if kind in seen else f"measured, {kind}"
+        seen.add(kind)
+        if r["stagger"] is None:  # sequential, or a plan off the sweep's axis
+            ax.axhline(r["measured"], color="0.4" if r["mode"] == "sequential" else "C3", ls="--", lw=0.8,
+                       label=label)
+            continue
+        marker = {"plan": "*", "simultaneous": "o"}.get(r["mode"], "x")
+        ax.scatter([r["stagger"]], [r["measured"]], marker=marker, s=110 if marker == "*" else 36, zorder=3,
+                   color="C3" if r["mode"] == "plan" else "k", label=label)
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from ..colocated.spec import Spec
+    from ..colocated.sweep import parse_staggers, run_sweep
+
+    spec = Spec.from_toml(args.spec)
+    staggers = parse_staggers(args.staggers) if args.staggers is not None else None
+    result = run_sweep(spec, staggers=staggers, repeat=args.repeat, max_stagger=args.max_stagger,
+                       sequential=args.sequential, timeout=args.timeout, launcher=args.launcher,
+                       json_path=args.json)
+    plot = args.plot or str(Path(result["json"]).with_suffix(".png"))
+    plot_sweep(result, plot)
+    sys.stdout.write(format_sweep(result) + "\n")
+    print(f"\nresults: {result['json']}   plot: {plot}   ({result['seconds']:.0f} s)")
+    return 0

@@ -1,0 +1,163 @@
+"""The shared cache at the start of a run: what it holds, and making it cold.
+
+- :func:`observe_cache`: what the spec's shared cache holds now (entries, bytes), looked at
+  without creating anything. World rank 0 of :func:`hpcstagger.init` calls it at plan time and
+  plans from that state (:func:`~hpcstagger.colocated.planning.plan_delays`).
+- :func:`make_cold`: ``hpcstagger launch --cold-cache`` and ``hpcstagger sweep``: empty the
+  spec's cache with the cache's own clear/remove (its ownership and permission checks apply), and
+  ask the kernel to drop the dataset's files from its page cache (``posix_fadvise DONTNEED``,
+  which needs no root; failures are logged and reported, not raised).
+- :func:`describe_start`, :func:`describe_cold`: one line each for the launch output (pure).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+from collections.abc import Mapping
+
+from ..errors import CacheError
+from .spec import Spec
+
+__all__ = ["observe_cache", "make_cold", "drop_page_cache", "dataset_files", "describe_start", "describe_cold"]
+
+log = logging.getLogger(__name__)
+
+
+def _has_cache(spec: Spec) -> bool:
+    return spec.cache.capacity > 0 and spec.cache.policy != "none"
+
+
+def observe_cache(spec: Spec | None) -> dict[str, Any] | None:
+    """What the spec's shared cache holds now: ``{"name", "exists", "entries", "bytes"}``.
+
+    None when there is no spec or it has no cache. A cache that does not exist yet is empty (and
+    is not created). A cache that cannot be read (unsafe directory, damaged files) is reported with
+    ``error`` and counted as empty, with a logged warning: planning goes on as for a cold start.
+    """
+    if spec is None or not _has_cache(spec):
+        return None
+    from ..cache.admin import cache_contents
+
+    out: dict[str, Any] = {"name": spec.cache.name, "exists": False, "entries": 0, "bytes": 0}
+    try:
+        found = cache_contents(spec.cache.name, spec.cache.root or None)
+    except CacheError as exc:
+        log.warning("cannot read the shared cache %r, planning as for a cold start: %s", spec.cache.name, exc)
+        out["error"] = str(exc)
+        return out
+    if found is not None:
+        out.update(exists=True, entries=found["entries"], bytes=found["bytes"])
+    return out
+
+
+def dataset_files(spec: Spec) -> list[str]:
+    """The files behind the spec's ``[dataset]``: the HDF5 file, or every file of a directory that
+    matches its pattern (sorted); [] without a dataset path."""
+    ds = spec.dataset
+    if not ds.path:
+        return []
+    base = Path(ds.path)
+    if base.is_dir():
+        return sorted(str(p) for p in base.glob(ds.pattern) if p.is_file())
+    return [ds.path] if base.exists() else []
+
+
+def drop_page_cache(paths: list[str]) -> dict[str, Any]:
+    """Ask the kernel to drop ``paths`` from its page cache (``posix_fadvise(..., DONTNEED)``).
+
+    Needs no privileges; pages that are dirty or mapped by a process stay. Returns ``{"files",
+    "bytes", "failed", "note"}``: the files advised, their bytes, the files that failed (each
+    logged as a warning). Never raises for a file that cannot be advised.
+    """
+    out: dict[str, Any] = {"files": 0, "bytes": 0, "failed": 0, "note": ""}
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        out["note"] = "posix_fadvise is not available on this platform"
+        log.warning("cannot drop the dataset from the page cache: %s", out["note"])
+        return out
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            out["failed"] += 1
+            log.warning("cannot drop %s from the page cache: %s", path, exc)
+            continue
+        out["files"] += 1
+        out["bytes"] += size
+    return out
+
+
+def make_cold(spec: Spec) -> dict[str, Any]:
+    """Empty the spec's shared cache and drop its dataset from the page cache, before a run.
+
+    Returns ``{"cache": <clear_cache's report, or None without a cache>, "page_cache":
+    <drop_page_cache's report>}``. Raises CacheError when the cache exists but is not safe to
+    touch (another user's, a symlink, a bad mode): a run that was asked to start cold must not
+    start warm silently.
+    """
+    out: dict[str, Any] = {"cache": None, "page_cache": None}
+    if _has_cache(spec):
+        from ..cache.admin import clear_cache
+
+        try:
+            out["cache"] = clear_cache(spec.cache.name, spec.cache.root or None, missing_ok=True)
+        except CacheError as exc:
+            raise CacheError(f"--cold-cache: cannot clear the shared cache {spec.cache.name!r}: {exc}") from None
+    files = dataset_files(spec)
+    out["page_cache"] = drop_page_cache(files) if files else {
+        "files": 0, "bytes": 0, "failed": 0, "note": "the spec names no dataset files"}
+    return out
+
+
+def _mb(n: Any) -> str:
+    x = float(n or 0)
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.1f} {unit}"
+    return f"{int(x)} B"
+
+
+def describe_start(cache: Mapping[str, Any] | None) -> str:
+    """``"cold cache"`` or ``"warm cache: 1200 samples (14.7 MB, 40% of the dataset)"``; "" with no cache."""
+    if not cache:
+        return ""
+    if cache.get("error"):
+        return "cache unreadable, planned as cold"
+    entries = int(cache.get("entries") or 0)
+    if entries == 0:
+        return "cold cache"
+    extra = f", {cache['fraction']:.0%} of the dataset" if cache.get("fraction") is not None else ""
+    return f"warm cache: {entries} samples ({_mb(cache.get('bytes'))}{extra})"
+
+
+def describe_cold(cold: Mapping[str, Any] | None) -> str:
+    """What ``--cold-cache`` did, in one line; "" when it was not asked for."""
+    if not cold:
+        return ""
+    parts = []
+    cache = cold.get("cache")
+    if cache:
+        action = cache.get("action")
+        if action == "absent":
+            parts.append(f"cache {cache['name']!r} was already empty (none yet)")
+        elif action == "cleared":
+            parts.append(f"cleared cache {cache['name']!r} ({cache['entries']} entries, {_mb(cache['bytes'])}; "
+                         f"kept, {cache['processes']} live process(es) use it)")
+        else:
+            parts.append(f"{action} cache {cache['name']!r} ({cache['entries']} entries, {_mb(cache['bytes'])})")
+    page = cold.get("page_cache") or {}
+    if page.get("files"):
+        parts.append(f"dropped {page['files']} dataset file(s) ({_mb(page['bytes'])}) from the page cache")
+    if page.get("failed"):
+        parts.append(f"could not drop {page['failed']} file(s) from the page cache (see the log)")
+    if page.get("note"):
+        parts.append(f"page cache: {page['note']}")
+    return "cold cache: " + "; ".join(parts) if parts else "cold cache"
