@@ -11,7 +11,10 @@ What hpcstagger does for it:
 - CachedDataset reads every sample through the node's shared cache in /dev/shm: the first job to
   read a sample fills the cache, every other job on the node then hits it;
 - AsyncCheckpointer takes a snapshot at each save and writes it in the background, one shard per
-  rank, committed atomically; the script resumes from the newest checkpoint when restarted.
+  rank, committed atomically; the script resumes from the newest checkpoint when restarted;
+- `for batch in session.loader(loader):` is the loop as it is; when `hpcstagger calibrate --spec`
+  runs this script it measures the loop there (and the job stops early), so the planner knows the
+  job's real costs.
 
 Inside a job spec the data, cache and checkpoint settings come from the spec; alone, from the
 options below.
@@ -109,7 +112,7 @@ def main() -> None:
     t0 = time.time()
     for epoch in range(start_epoch, epochs):
         sampler.set_epoch(epoch)
-        for images, labels in loader:
+        for images, labels in session.loader(loader):  # as `loader`; `hpcstagger calibrate` measures it here
             opt.zero_grad(set_to_none=True)
             loss = nn.functional.cross_entropy(ddp(images), labels)
             loss.backward()

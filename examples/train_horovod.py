@@ -6,7 +6,8 @@
 
 Horovod must be built with MPI (scripts/install-horovod). hpcstagger.init() starts it with
 hvd.init(comm=<this job's communicator>), so each co-located job has its own Horovod; the rest is
-as in train_ddp.py: the shared /dev/shm cache, asynchronous sharded checkpoints, resume.
+as in train_ddp.py: the shared /dev/shm cache, asynchronous sharded checkpoints, resume, and the
+loop written `for batch in session.loader(loader):` for `hpcstagger calibrate --spec` to measure.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def main() -> None:
     t0 = time.time()
     for epoch in range(start_epoch, epochs):
         sampler.set_epoch(epoch)
-        for images, labels in loader:
+        for images, labels in session.loader(loader):  # as `loader`; `hpcstagger calibrate` measures it here
             dist_opt.zero_grad()
             loss = nn.functional.cross_entropy(model(images), labels)
             loss.backward()

@@ -19,8 +19,9 @@ scenario, from the makespan model).
 Rule: an iteration's stall is its wait plus its marked prep. A job whose stalls are at most
 ``STALL_THRESHOLD`` (10%) of its time is compute-bound; otherwise it is prep-bound when the marked
 prep is at least the wait, else I/O-bound. A wait also includes preprocessing done by loader
-workers that fell behind; to tell the two apart, time the loop on data held in memory
-(``hpcstagger calibrate`` does this for the planner).
+workers that fell behind; to tell the two apart, ``hpcstagger calibrate --spec`` measures the loop
+and the workers' costs separately for the planner (through ``session.loader(loader)``, which takes
+a profiler too: ``session.loader(loader, profiler=prof)``).
 """
 
 from __future__ import annotations
@@ -34,13 +35,13 @@ from collections.abc import Callable, Iterable, Iterator
 from ._io import atomic_write_json, read_json
 from .errors import ConfigError
 
-__all__ = ["StallProfiler", "STALL_THRESHOLD"]
+__all__ = ["StallProfiler", "STALL_THRESHOLD", "batch_size_of"]
 
 STALL_THRESHOLD = 0.10
 _FORMAT = "hpcstagger-stall-profile"
 
 
-def _batch_size(item: Any) -> int:
+def batch_size_of(item: Any) -> int:
     """Samples in a batch: first dimension of a tensor/array, or of the first element of a tuple."""
     probe = item
     if isinstance(item, (tuple, list)) and item and (hasattr(item[0], "shape") or isinstance(item[0], (list, tuple))):
@@ -116,7 +117,7 @@ class StallProfiler:
                 return
             t1 = time.perf_counter()
             wait = t1 - t0
-            n = samples(item) if callable(samples) else (int(samples) if samples else _batch_size(item))
+            n = samples(item) if callable(samples) else (int(samples) if samples else batch_size_of(item))
             self._prep_open = 0.0
             body_start = time.perf_counter()
             yield item

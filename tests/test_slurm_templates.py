@@ -139,7 +139,11 @@ def test_colocated_template_trains_the_examples(slurm_cluster, batch_job, exampl
         assert out.returncode == 0 and "sound" in out.stdout, out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_calibrate_template_writes_a_scenario_and_prints_the_plan(slurm_cluster, batch_job, examples_dir):
+    import subprocess
+    import sys
+
     from hpcstagger.model import Scenario
 
     cwd, root = examples_dir
@@ -156,20 +160,24 @@ def test_calibrate_template_writes_a_scenario_and_prints_the_plan(slurm_cluster,
         [[job]]
         name = "cnn"
         command = "python train_ddp.py"
-        sample_time = 0.0005
         [[job]]
         name = "mlp"
         command = "python train_horovod.py"
-        sample_time = 0.0002
         epochs = 3
     """))
+    if subprocess.run([sys.executable, "-c", "import horovod.torch"], capture_output=True).returncode:
+        pytest.skip("Horovod is not installed; scripts/install-horovod builds it")
     body = (TEMPLATES / "calibrate.sbatch").read_text().split("\n", 1)[1]
-    body = body.replace("set -euo pipefail", f"set -euo pipefail\nexport HPCSTAGGER_SHM_ROOT={root} BUDGET=5", 1)
-    _, record, text = batch_job(body, name="calibrate", timeout=180, script_args=(str(spec),))
+    body = body.replace("set -euo pipefail", f"set -euo pipefail\nexport HPCSTAGGER_SHM_ROOT={root} BUDGET=20", 1)
+    _, record, text = batch_job(body, name="calibrate", timeout=240, script_args=(str(spec),))
     assert record["JobState"] == "COMPLETED", text
     sc = Scenario.from_toml(cwd / "scenario.toml")
-    assert 3.0e6 < sc.storage.bandwidth[0] < 4.4e6 and sc.storage.bandwidth[1] < sc.storage.bandwidth[0]
+    assert 2.5e6 < sc.storage.bandwidth[0] < 4.4e6 and sc.storage.bandwidth[1] < sc.storage.bandwidth[0]
     assert [j.name for j in sc.jobs] == ["cnn", "mlp"] and sc.jobs[1].epochs == 3
+    # each job measured from its own command in the allocation: the DDP example's DataLoader has a
+    # worker, the Horovod example's loads in its main process
+    assert (sc.jobs[0].workers, sc.jobs[0].batch, sc.jobs[1].workers) == (1, 32, 0)
+    assert "calibrate: job cnn:" in text and "calibrate: job mlp:" in text
     assert "predicted makespan" in text and "simultaneous" in text
 
 

@@ -5,6 +5,7 @@ This module imports torch; :mod:`hpcstagger.cache` loads it only when ``CachedDa
 
 from __future__ import annotations
 
+import time
 from typing import Any, Protocol
 from collections.abc import Callable
 
@@ -13,7 +14,7 @@ import torch.utils.data
 from .sources import Source
 from .store import ShmCache
 
-__all__ = ["CachedDataset", "SourceReadHook"]
+__all__ = ["CachedDataset", "SourceReadHook", "SampleMeter"]
 
 
 class SourceReadHook(Protocol):
@@ -28,6 +29,18 @@ class SourceReadHook(Protocol):
     def exit(self) -> None: ...
 
 
+class SampleMeter(Protocol):
+    """Told the cost of every sample read (calibration mode; see :mod:`hpcstagger.colocated.calibration`).
+
+    A hit is a lookup (``get_s``) and a transform; a miss is a lookup, the source's read
+    (``read_s``), the insert (``insert_s``) and a transform. It must be picklable to reach
+    DataLoader workers.
+    """
+
+    def sample(self, hit: bool, nbytes: int, get_s: float, read_s: float, insert_s: float,
+               transform_s: float) -> None: ...
+
+
 class CachedDataset(torch.utils.data.Dataset):
     """Sample ``i`` of ``source``, through ``cache`` under ``source.key(i)``, as ``transform(data)``.
 
@@ -36,7 +49,12 @@ class CachedDataset(torch.utils.data.Dataset):
     receives a read-only bytes-like object (``bytes`` or a ``memoryview``); without a transform the
     dataset returns ``bytes``. Works with ``DataLoader(num_workers>0)`` under fork and spawn: the
     cache reattaches by name and the source reopens its files in each worker.
+
+    ``meter`` (None by default) is told the cost of every sample; ``session.loader(loader)`` sets
+    it in calibration mode (``hpcstagger calibrate --spec``), before the loader's workers start.
     """
+
+    meter: SampleMeter | None = None
 
     def __init__(self, source: Source, cache: ShmCache, transform: Callable[[Any], Any] | None = None, *,
                  source_read_hook: SourceReadHook | None = None):
@@ -49,22 +67,49 @@ class CachedDataset(torch.utils.data.Dataset):
         return len(self.source)
 
     def __getitem__(self, i: int) -> Any:
+        if self.meter is not None:
+            return self._measured(i, self.meter)
         key = self.source.key(i)
         data: Any = self.cache.get(key)
         if data is None:
-            hook = self.source_read_hook
-            if hook is not None:
-                hook.enter()
-                try:
-                    data = self.source[i]
-                finally:
-                    hook.exit()
-            else:
-                data = self.source[i]
+            data = self._read(i)
             self.cache.put(key, data)
+        return self._finish(data)
+
+    def _read(self, i: int) -> Any:
+        """Sample ``i`` from the source (a miss), inside the read hook if there is one."""
+        hook = self.source_read_hook
+        if hook is None:
+            return self.source[i]
+        hook.enter()
+        try:
+            return self.source[i]
+        finally:
+            hook.exit()
+
+    def _finish(self, data: Any) -> Any:
         if self.transform is not None:
             return self.transform(data)
         return data if isinstance(data, bytes) else bytes(data)
+
+    def _measured(self, i: int, meter: SampleMeter) -> Any:
+        """``self[i]``, each part timed into ``meter``."""
+        t0 = time.perf_counter()
+        key = self.source.key(i)
+        data: Any = self.cache.get(key)
+        t1 = time.perf_counter()
+        hit = data is not None
+        read_s = insert_s = 0.0
+        if not hit:
+            data = self._read(i)
+            t2 = time.perf_counter()
+            self.cache.put(key, data)
+            t3 = time.perf_counter()
+            read_s, insert_s = t2 - t1, t3 - t2
+        t4 = time.perf_counter()
+        out = self._finish(data)
+        meter.sample(hit, len(data), t1 - t0, read_s, insert_s, time.perf_counter() - t4)
+        return out
 
     def __repr__(self) -> str:
         return f"CachedDataset({self.source!r}, {self.cache!r})"

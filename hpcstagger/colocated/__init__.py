@@ -5,6 +5,8 @@
 - :mod:`.coordinator`: :func:`init` on every rank (identity, rendezvous, plan, wait, backend);
 - :mod:`.planning`: the delays for a plan mode and the model's predictions (pure);
 - :mod:`.launch`: ``hpcstagger launch``, ``status`` and ``exec``, and the results from status files;
+- :mod:`.calibrate_spec`: ``hpcstagger calibrate --spec``, each job measured from its own command;
+- :mod:`.calibration`: calibration mode inside a job (``session.loader``) and its reports;
 - :mod:`.batch`: the sbatch script of a spec (pure rendering).
 
 ``hpcstagger.init`` and ``hpcstagger.Spec`` are the usual way in.

@@ -39,6 +39,8 @@ from ..comm import Comm, as_comm
 from ..errors import CollectiveError, CollectiveTimeout, ConfigError
 from . import env as E
 from ._rendezvous import rendezvous
+from .calibration import calibration_dir, calibration_spec, no_plan, wrap_loader
+from .cachestate import describe_start, observe_cache
 from .planning import plan_delays
 from .spec import Spec
 
@@ -104,6 +106,7 @@ class Session:
     run_dir: str = ""
     backend: str = "none"
     verbose: bool = True
+    calibrating: str = ""  # the reports directory when `hpcstagger calibrate --spec` runs this job
     _closed: bool = False
 
     # ---- facts ---------------------------------------------------------------------------------
@@ -214,6 +217,16 @@ class Session:
                   "elapsed": self.elapsed(), "delay": self.delay, "mode": self.mode,
                   "timings": self.timings, "plan": self.plan if self.rank == 0 else {}, **extra}
         _io.atomic_write_json(os.path.join(self.run_dir, f"{self.job}.{self.rank}.json"), record, durable=False)
+
+    def loader(self, iterable: Any, *, profiler: Any = None) -> Any:
+        """The training loop's one wrapper: ``for batch in session.loader(loader):``.
+
+        It gives ``iterable`` back as it is, or ``profiler.wrap(iterable)`` with a
+        :class:`~hpcstagger.profile.StallProfiler`. When ``hpcstagger calibrate --spec`` runs the job
+        (:attr:`calibrating`) it measures the loop instead and ends the job early, with status 0 on
+        every rank: see :mod:`hpcstagger.colocated.calibration`.
+        """
+        return wrap_loader(self, iterable, profiler)
 
     def finish(self, **metrics: Any) -> None:
         """Mark this rank done (its status file records ``metrics`` and its finish time)."""
@@ -332,20 +345,28 @@ def _init(spec: Spec | str | os.PathLike[str] | None, *, job: str | None,
           backend: str | None, wait: bool, idle_work: Sequence[IdleWork], world: Comm,
           timeout: float | None, verbose: bool, fail_fast: bool) -> Session:
     t_begin = time.perf_counter()
+    calibrating = calibration_dir()  # hpcstagger calibrate --spec: no plan, no delay, private cache
     spec_obj = _load_spec(spec)
+    if calibrating and spec_obj is not None:
+        spec_obj = calibration_spec(spec_obj, calibrating)
     limit = float(timeout if timeout is not None else config.get("collective_timeout"))
     timings: dict[str, float] = {}
     name = _identify(spec_obj, job, world)
     jobs, index, comm = _meet_and_split(world, spec_obj, name, limit, timings)
-    decided = _exchange_plan(world, comm, spec_obj, name, list(jobs), calibration, limit, timings)
+    decided = (no_plan(list(jobs)) if calibrating else
+               _exchange_plan(world, comm, spec_obj, name, list(jobs), calibration, limit, timings))
     t0 = time.time()
     timings["init"] = time.perf_counter() - t_begin
     session = _open_session(world, comm, spec_obj, name, index, jobs, decided, t0, timings, backend, verbose)
+    session.calibrating = calibrating
     if fail_fast:
         _install_fail_fast(session)
     atexit.register(_record_exit, session)
     session.write_status("planned")
-    _announce(session, decided)
+    if calibrating:
+        session.say(f"calibrating for 'hpcstagger calibrate': no plan, no delay; reports in {calibrating}")
+    else:
+        _announce(session, decided)
     if wait:
         session.wait(idle_work)
         session.start_backend()
@@ -415,7 +436,8 @@ def _exchange_plan(world: Comm, comm: Comm, spec: Spec | None, name: str, order:
 
     def plan(hellos: list[Any]) -> dict[int, Any]:
         leaders = {h["job"]: h["calibration"] for h in hellos if h["leader"]}
-        decided = plan_delays(spec, order, leaders, mode, fixed=fixed)
+        # plan from the cache as it is now: a warm cache (an earlier run's) changes the plan
+        decided = plan_delays(spec, order, leaders, mode, fixed=fixed, cache_state=observe_cache(spec))
         return {r: decided for r in range(len(hellos))}
 
     t = time.perf_counter()
@@ -444,4 +466,6 @@ def _announce(session: Session, decided: Mapping[str, Any]) -> None:
     if decided.get("predicted"):
         p = decided["predicted"]
         extra = "; predicted makespan " + ", ".join(f"{k} {v:.1f}s" for k, v in p.items())
+    start = describe_start(decided.get("cache"))
+    extra += f"; {start}" if start else ""
     session.say(f"mode {decided['mode']}: delays {summary}{extra} (coordinator {session.overhead * 1000:.0f} ms)")

@@ -1,5 +1,10 @@
 """``calibrate``: measure a :class:`~hpcstagger.model.Scenario` from short runs, within a time budget.
 
+This is the step-factory route: the jobs are ``step(samples)`` callables timed on samples held in
+memory. ``hpcstagger calibrate --spec SPEC`` measures each job from its own command instead (see
+:mod:`hpcstagger.colocated.calibrate_spec`); both share the source measurement
+(:mod:`hpcstagger.model.calibrate_source`) and the scenario writing here.
+
 What is measured (the budget, 60 s by default (knob ``calibrate_budget``), is shared out in this
 order):
 
@@ -8,9 +13,10 @@ order):
    ``get(key)`` (such as hpcstagger's ShmCache) when one is given, else by reading sample-sized
    files in a fresh directory under ``/dev/shm`` (what a node-local cache's hit costs).
 3. **The source's aggregate bandwidth with 1, 2, ... k concurrent readers.** k separate processes
-   (multiprocessing, ``spawn`` by default) each read random samples through the source; after a
-   barrier, the bytes read inside a common window divided by its length give ``bandwidth[k-1]``.
-   Reads that straddle the window edges count in proportion to their overlap.
+   (multiprocessing, ``spawn`` by default) each read their own subset of samples no reader has
+   read before, with the files' pages dropped before each level (file sources); after a barrier,
+   the bytes read inside the common window divided by its length give ``bandwidth[k-1]``. Reads
+   that straddle the window edges count in proportion to their overlap.
 4. **Each job's seconds per sample with the data in memory.** Its step function is called on
    batches of samples already read into memory; the first call (warm-up) is not counted.
 
@@ -18,9 +24,6 @@ A source is a map-style, picklable object: ``len(source)``, ``source[i] -> bytes
 cache, ``source.key(i)``. A job is a callable ``step(samples: list[bytes])`` that trains on one
 batch, for example a closure over the user's model and optimiser that decodes the bytes, runs
 forward and backward and steps the optimiser.
-
-Reads from a real file system can be served by the page cache; calibrate against data the node
-has not read recently (or larger than its memory) to measure the storage itself.
 """
 
 from __future__ import annotations
@@ -28,19 +31,18 @@ from __future__ import annotations
 import logging
 import math
 import os
-import random
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
 from ..errors import ConfigError, ModelError
+from .calibrate_source import SamplePool, hit_bandwidth, measure_levels, preload
 from .scenario import POLICIES, Cache, Dataset, Job, Loader, Scenario, Storage
 
-__all__ = ["Calibration", "calibrate"]
+__all__ = ["Calibration", "calibrate", "capacity_bytes", "source_length", "reader_levels", "time_steps",
+           "source_comment", "write_scenario"]
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +78,8 @@ def _time_job(step: Callable[[list[bytes]], Any], samples: list[bytes], batch: i
     return {"sample_time": t_total / (calls * batch), "calls": calls, "batch": batch}
 
 
-def _capacity_bytes(capacity: float | str | None, n: int, sample_bytes: float) -> float:
+def capacity_bytes(capacity: float | str | None, n: int, sample_bytes: float) -> float:
+    """A cache capacity given in bytes or as a percentage of the dataset ("60%"), in bytes (None: 0)."""
     if capacity is None:
         return 0.0
     if isinstance(capacity, str):
@@ -113,7 +116,7 @@ def _check_jobs(jobs: Mapping[str, Callable[[list[bytes]], Any]], known: dict[st
             raise ConfigError(f"job {name!r}: expected a callable step(samples), got {type(step).__name__}")
 
 
-def _source_length(source: Any) -> int:
+def source_length(source: Any) -> int:
     """``len(source)``; ConfigError if it has none or is empty."""
     try:
         n = len(source)
@@ -124,10 +127,11 @@ def _source_length(source: Any) -> int:
     return n
 
 
-def _reader_levels(readers: int | Sequence[int] | None, njobs: int) -> list[int]:
-    """The reader counts to measure, 1, 2, ... k (default: 1 and 2, and up to ``njobs``, at most 4)."""
+def reader_levels(readers: int | Sequence[int] | None, default: int) -> list[int]:
+    """The reader counts to measure, 1, 2, ... k: ``readers`` (a count or the levels), else 1 ..
+    ``default`` (at least 2). Raises ConfigError unless they are consecutive from 1."""
     if readers is None:
-        levels = list(range(1, max(2, min(njobs, 4)) + 1))
+        levels = list(range(1, max(2, default) + 1))
     elif isinstance(readers, int):
         levels = list(range(1, max(1, readers) + 1))
     else:
@@ -137,9 +141,10 @@ def _reader_levels(readers: int | Sequence[int] | None, njobs: int) -> list[int]
     return levels
 
 
-def _time_jobs(jobs: Mapping[str, Callable[[list[bytes]], Any]], samples: list[bytes], batch: int,
+def time_steps(jobs: Mapping[str, Callable[[list[bytes]], Any]], samples: list[bytes], batch: int,
                seconds: float, bar: Any) -> dict[str, dict[str, Any]]:
-    """Step 4: each job's seconds per sample on in-memory batches, ``seconds`` shared between them."""
+    """Each job's seconds per sample on in-memory batches of ``batch`` of ``samples``, ``seconds``
+    shared between them, reported on the progress ``bar``. Raises ModelError when a step fails."""
     per_job = max(0.05, seconds / max(1, len(jobs)))
     out: dict[str, dict[str, Any]] = {}
     for name, step in jobs.items():
@@ -159,25 +164,27 @@ def _measure(source: Any, n: int, jobs: Mapping[str, Callable[[list[bytes]], Any
     meas: dict[str, Any] = {"budget_s": budget, "samples": n}
     # 1. preload samples into memory (they also give the mean sample size)
     bar.set_postfix_str("reading samples into memory")
-    held = _preload(source, n, batch, _SHARE_PRELOAD * budget, seed)
-    sample_bytes = sum(len(d) for _, d in held) / len(held)
-    if sample_bytes <= 0:
-        raise ConfigError("the source's samples are empty (0 bytes)")
+    read, held = preload(source, n, max(batch, 256), _SHARE_PRELOAD * budget, seed)
     meas["preloaded"] = len(held)
-    meas["sample_bytes"] = sample_bytes
+    meas["sample_bytes"] = sum(len(d) for _, d in held) / len(held)
+    if meas["sample_bytes"] <= 0:
+        raise ConfigError("the source's samples are empty (0 bytes)")
     bar.update(1)
 
     # 2. cache hits
     bar.set_postfix_str("cache hit bandwidth")
-    meas["hits"] = _hit_bandwidth(held[:64], cache, _SHARE_HITS * budget)
+    meas["hits"] = hit_bandwidth(held[:64], cache, _SHARE_HITS * budget)
     bar.update(1)
 
-    # 3. the source with 1, 2, ... readers
-    meas["source"] = _measure_source(source, levels, _SHARE_SOURCE * budget, ctx, seed, bar)
+    # 3. the source with 1, 2, ... readers, on samples no reader (nor the preload) has read
+    apart = n - len(read) >= 8 * sum(levels)
+    pool = SamplePool(n, seed, exclude=read if apart else ())
+    pool.fresh = apart  # too small a dataset: the readers read the preloaded samples again
+    meas["source"] = measure_levels(source, pool, levels, _SHARE_SOURCE * budget, ctx, bar)
 
     # 4. jobs on in-memory data, in what is left of the budget
     remaining = budget - (time.monotonic() - t_start)
-    meas["jobs"] = _time_jobs(jobs, [d for _, d in held], batch, remaining, bar)
+    meas["jobs"] = time_steps(jobs, [d for _, d in held], batch, remaining, bar)
     return meas
 
 
@@ -194,21 +201,39 @@ def _build_scenario(meas: dict[str, Any], jobs: Mapping[str, Any], known: dict[s
         storage=Storage(bandwidth),
         jobs=tuple(Job(name=name, sample_time=meas["jobs"][name]["sample_time"] if name in jobs else float(known[name]),
                        epochs=int(epoch_map[name])) for name in epoch_map),
-        cache=Cache(capacity=_capacity_bytes(capacity, n, sample_bytes), policy=policy,
+        cache=Cache(capacity=capacity_bytes(capacity, n, sample_bytes), policy=policy,
                     hit_bandwidth=hit_bw if math.isfinite(hit_bw) and hit_bw > 0 else math.inf),
         loader=Loader(prefetch=int(prefetch)))
 
 
-def _write_scenario(out: str | os.PathLike[str], scenario: Scenario, meas: dict[str, Any],
-                    jobs: Mapping[str, Any], known: dict[str, float]) -> str:
-    """Write ``scenario`` to ``out`` atomically, commented with how each value was measured; the path."""
+def source_comment(levels: Sequence[Mapping[str, Any]]) -> str:
+    """How the source's bandwidth was measured, for the scenario file: one entry per level."""
+    parts = [f"{m['readers']} reader(s): {m['bandwidth'] / 1e6:.1f} MB/s over {m['window_s']:.1f} s"
+             for m in levels]
+    fresh = all(m.get("fresh", True) for m in levels)
+    dropped = any(m.get("dropped_files") for m in levels)
+    how = ("fresh samples" if fresh else "some samples read again (small dataset)") + \
+        (", page cache dropped before each level" if dropped else "")
+    return f"measured with {', '.join(parts)} ({how})"
+
+
+def write_scenario(out: str | os.PathLike[str], scenario: Scenario, comments: Mapping[str, str],
+                   elapsed: float, what: str = "hpcstagger calibrate") -> str:
+    """Write ``scenario`` to ``out`` atomically with ``comments`` (dotted key -> how it was measured)
+    and a header line; return the path."""
     from .._io import atomic_write
 
+    text = f"# {what}, {time.strftime('%Y-%m-%d %H:%M:%S')}, {elapsed:.0f} s\n" + scenario.to_toml(comments)
+    path = os.fspath(out)
+    atomic_write(path, text.encode())
+    return path
+
+
+def _comments(meas: dict[str, Any], jobs: Mapping[str, Any], known: dict[str, float]) -> dict[str, str]:
+    """How each value of the factory route's scenario was measured."""
     comments = {
         "dataset.sample_bytes": f"mean of {meas['preloaded']} samples read",
-        "storage.bandwidth": "measured with " + ", ".join(
-            f"{m['readers']} reader(s): {m['bandwidth'] / 1e6:.1f} MB/s over {m['window_s']:.1f} s"
-            for m in meas["source"]),
+        "storage.bandwidth": source_comment(meas["source"]),
         "cache.hit_bandwidth": f"measured per reader with {meas['hits']['how']}",
     }
     for name in jobs:
@@ -217,11 +242,7 @@ def _write_scenario(out: str | os.PathLike[str], scenario: Scenario, meas: dict[
                                    f"in-memory batches of {j['batch']}")
     for name in known:
         comments[f"job.{name}"] = "sample_time given, not measured"
-    text = (f"# hpcstagger calibrate, {time.strftime('%Y-%m-%d %H:%M:%S')}, {meas['elapsed_s']:.0f} s\n"
-            + scenario.to_toml(comments))
-    path = os.fspath(out)
-    atomic_write(path, text.encode())
-    return path
+    return comments
 
 
 def calibrate(source: Any, jobs: Mapping[str, Callable[[list[bytes]], Any]], *,
@@ -238,8 +259,7 @@ def calibrate(source: Any, jobs: Mapping[str, Callable[[list[bytes]], Any]], *,
     ``readers`` the concurrency levels to measure (default 1 and 2, and up to the number of jobs,
     at most 4). ``cache`` is an object with ``put``/``get`` to time hits against (default: files in
     /dev/shm). With ``out`` the scenario is written there atomically. ``known`` adds jobs whose
-    seconds per sample are already known (name -> seconds; not measured), for example jobs that
-    measure themselves when they start (``hpcstagger.init(calibration=...)``). Raises ConfigError
+    seconds per sample are already known (name -> seconds; not measured). Raises ConfigError
     for bad arguments and ModelError when a measurement fails.
     """
     t_start = time.monotonic()
@@ -249,8 +269,8 @@ def calibrate(source: Any, jobs: Mapping[str, Callable[[list[bytes]], Any]], *,
         budget = float(config.get("calibrate_budget"))
     known = dict(known or {})
     _check_jobs(jobs, known, policy, budget, batch)
-    n = _source_length(source)
-    levels = _reader_levels(readers, len(jobs) + len(known))
+    n = source_length(source)
+    levels = reader_levels(readers, min(len(jobs) + len(known), 4))
     names = list(jobs) + list(known)
     epoch_map = {name: (epochs.get(name, 1) if isinstance(epochs, Mapping) else epochs) for name in names}
 
@@ -268,5 +288,5 @@ def calibrate(source: Any, jobs: Mapping[str, Callable[[list[bytes]], Any]], *,
 
     scenario = _build_scenario(meas, jobs, known, epoch_map, capacity, policy, prefetch)
     meas["elapsed_s"] = time.monotonic() - t_start
-    path = _write_scenario(out, scenario, meas, jobs, known) if out is not None else None
+    path = write_scenario(out, scenario, _comments(meas, jobs, known), meas["elapsed_s"]) if out is not None else None
     return Calibration(scenario=scenario, measurements=meas, path=path)

@@ -366,8 +366,9 @@ def page_cache_holds(dataset_bytes: float, available: int | None, *, file_source
 
 
 def measure_levels(source: Any, pool: SamplePool, levels: Sequence[int], seconds: float, ctx: Any, bar: Any, *,
-                   later_levels: int = 0, cache: Any = None) -> list[dict[str, Any]]:
-    """The source's aggregate bandwidth at each reader count of ``levels``, in turn, sharing ``seconds``.
+                   later_levels: int = 0, cache: Any = None, longest: float = math.inf) -> list[dict[str, Any]]:
+    """The source's aggregate bandwidth at each reader count of ``levels``, in turn, sharing ``seconds``
+    (at most ``longest`` seconds each).
 
     Before each level the files' pages are dropped (:func:`drop_pages`), and its readers read fresh
     samples from ``pool`` (which keeps a share for ``later_levels`` levels measured afterwards).
@@ -384,7 +385,7 @@ def measure_levels(source: Any, pool: SamplePool, levels: Sequence[int], seconds
         if dropped:
             how += ", page cache dropped"
         bar.set_postfix_str(f"source with {k} reader(s): {how}")
-        window = max(0.2, (deadline - time.monotonic()) / left - overhead)
+        window = min(longest, max(0.2, (deadline - time.monotonic()) / left - overhead))
         m = measure_readers(source, subsets, window, ctx, cache=cache)
         overhead = max(0.0, m["elapsed_s"] - window)  # process start-up, learnt from the last level
         m.update(fresh=pool.fresh, dropped_files=dropped, how=how)

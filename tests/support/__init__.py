@@ -7,6 +7,8 @@
 - local_slurm.py   a real Slurm on this host (LocalSlurm); also runnable by hand
 - cache_util.py    cache tests: sample data, invariant checks, child-process workers
 - calib_sources.py calibration tests: an HDF5 source that degrades under concurrency
+- calib_job.py     calibration tests: a small torch job written the usual way (DataLoader, DDP),
+  run as a script by `hpcstagger calibrate --spec` and under mpiexec
 - ckpt_util.py     checkpoint tests: a small model, training, bit-for-bit comparison, a fake clock
 - model_scenarios.py  model tests: small scenarios
 - spec_util.py     co-located run tests: a spec of two tiny jobs with a shared cache, filling it

@@ -1,0 +1,430 @@
+"""Calibration mode inside a job: how ``hpcstagger calibrate --spec`` measures a job from its own command.
+
+The driver (:mod:`hpcstagger.colocated.calibrate_spec`) runs one job at a time, alone, with its
+ranks, with ``HPCSTAGGER_CALIBRATE=<reports directory>`` and ``HPCSTAGGER_CALIBRATE_UNTIL=<epoch
+seconds>`` set. In that mode:
+
+- :func:`hpcstagger.init` plans nothing and holds nothing back, and the session says it is
+  calibrating (``Session.calibrating`` is the reports directory). The spec it reads becomes its
+  calibration twin (:func:`calibration_spec`): a private cache and throttle state (``-calibrate``
+  names), and checkpoints under the reports directory, so a calibration never touches the run's;
+- ``for batch in session.loader(loader):`` measures the job's real loop (:class:`LoopMeter`): per
+  batch the seconds waiting in ``next()`` and the seconds until the next batch is asked for (the
+  step, any all-reduce included). It reads the loader's shape from the DataLoader
+  (``num_workers``, ``batch_size``, ``prefetch_factor``) and the rank count from the job's
+  communicator, and gives each CachedDataset under the loader a :class:`SampleMeter` (the
+  worker-side costs) and the loader's ``collate_fn`` a timer;
+- after a warm-up and enough batches (:data:`TARGET_BATCHES`), or once the job's share of the time
+  is used, the job's leader decides to stop and tells the other ranks (a broadcast with a
+  timeout); every rank writes its files, the session is marked finished, and every rank leaves
+  with status 0 after the same batch (``SystemExit(0)`` out of the loop).
+
+Each file has one writer (never a shared stream) and is replaced atomically:
+
+- ``job.json``: the leader's: the loader's shape, the ranks, how many batches and why it stopped;
+- ``loop.<rank>.json``: each rank's per-batch records ``[wait, step, samples, warm-up, probe]``;
+- ``samples.<pid>.<n>.json``: each process's sample costs (hits, misses, transforms, collates).
+
+:func:`read_reports` and :func:`job_fields` (pure) turn them into the scenario's job fields.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import replace
+from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+
+from .. import _io
+from ..errors import ModelError
+from . import env as E
+
+__all__ = ["calibration_dir", "calibration_spec", "no_plan", "wrap_loader", "LoopMeter", "SampleMeter",
+           "TimedCollate", "loader_shape", "read_reports", "job_fields", "quantile"]
+
+TARGET_BATCHES = 64     # batches measured after the warm-up that are enough
+MIN_BATCHES = 16        # batches measured before the job's share of time may stop it
+GRACE_S = 30.0          # past its share, a job short of MIN_BATCHES goes on at most this long
+CHECK_EVERY = 4         # batches between two stop decisions of a multi-rank job (a broadcast)
+PROBE_EVERY = 4         # every 4th measured batch is fetched when it is surely ready: a pure handoff
+PROBE_MAX_S = 0.25      # longest pause before a probe batch
+HANDOFF_QUANTILE = 0.10
+STOP_TIMEOUT = 60.0     # seconds the ranks wait for each other to stop together
+FLUSH_EVERY_S = 0.1     # how often a process rewrites its sample-cost file
+SUFFIX = "calibrate"    # the private cache and throttle state: <name>-calibrate
+
+_SAMPLE_FIELDS = ("hits", "hit_bytes", "hit_get_s", "hit_transform_s", "misses", "miss_bytes", "miss_get_s",
+                  "miss_read_s", "miss_insert_s", "miss_transform_s", "collates", "collate_samples", "collate_s")
+
+
+def calibration_dir(environ: Mapping[str, str] | None = None) -> str:
+    """The reports directory when this process runs in calibration mode, else ""."""
+    value = (os.environ if environ is None else environ).get(E.CALIBRATE, "")
+    return os.path.abspath(value) if value else ""
+
+
+def calibration_spec(spec: Any, directory: str) -> Any:
+    """``spec``'s calibration twin: the run, cache and throttle renamed ``<name>-calibrate`` (so a
+    calibration never reads or fills the run's cache), checkpoints under ``directory``, no staging."""
+    return replace(spec, run=replace(spec.run, name=f"{spec.run.name}-{SUFFIX}"),
+                   cache=replace(spec.cache, name=f"{spec.cache.name}-{SUFFIX}"),
+                   checkpoint=replace(spec.checkpoint, directory=os.path.join(directory, "checkpoints"),
+                                      staging_dir=""))
+
+
+def no_plan(order: Sequence[str]) -> dict[str, Any]:
+    """What :func:`hpcstagger.init` decides in calibration mode: no plan, no delay."""
+    return {"mode": "calibrate", "delays": {n: 0.0 for n in order}, "calibrations": {}}
+
+
+def _until(environ: Mapping[str, str] | None = None) -> float:
+    text = (os.environ if environ is None else environ).get(E.CALIBRATE_UNTIL, "")
+    try:
+        return float(text)
+    except ValueError:
+        return time.time() + 60.0
+
+
+# ---------------------------------------------------------------------------- worker side
+
+
+class SampleMeter:
+    """One process's sample costs in a CachedDataset (calibration mode), written to its own file.
+
+    It is picklable and travels to DataLoader workers: in a new process it starts from zero and
+    writes ``samples.<pid>.<serial>.json`` in ``directory`` at most every :data:`FLUSH_EVERY_S`.
+    Each process's first sample (imports, first touches) is left out.
+    """
+
+    def __init__(self, directory: str, rank: int, serial: int):
+        self.directory, self.rank, self.serial = directory, rank, serial
+        self.origin = os.getpid()
+        self.pid = 0
+        self.counts: dict[str, float] = {}
+        self.seen = 0
+        self.next_flush = 0.0
+
+    def _here(self) -> None:
+        if self.pid != os.getpid():  # a fresh process (a worker): count its own samples only
+            self.pid = os.getpid()
+            self.counts = dict.fromkeys(_SAMPLE_FIELDS, 0.0)
+            self.seen = 0
+            self.next_flush = 0.0  # the first counted sample is written at once
+
+    def sample(self, hit: bool, nbytes: int, get_s: float, read_s: float, insert_s: float, transform_s: float) -> None:
+        """Record one sample: a hit (get, then transform) or a miss (get, source read, insert, transform)."""
+        self._here()
+        self.seen += 1
+        if self.seen == 1:
+            return
+        c = self.counts
+        if hit:
+            c["hits"] += 1
+            c["hit_bytes"] += nbytes
+            c["hit_get_s"] += get_s
+            c["hit_transform_s"] += transform_s
+        else:
+            c["misses"] += 1
+            c["miss_bytes"] += nbytes
+            c["miss_get_s"] += get_s
+            c["miss_read_s"] += read_s
+            c["miss_insert_s"] += insert_s
+            c["miss_transform_s"] += transform_s
+        self._maybe_flush()
+
+    def collate(self, seconds: float, samples: int) -> None:
+        """Record one call of the loader's collate_fn on ``samples`` samples."""
+        self._here()
+        self.counts["collates"] += 1
+        self.counts["collate_samples"] += samples
+        self.counts["collate_s"] += seconds
+        self._maybe_flush()
+
+    def _maybe_flush(self) -> None:
+        if time.monotonic() >= self.next_flush:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write this process's counts (atomically; a no-op before its first sample)."""
+        if not self.pid:
+            return
+        self.next_flush = time.monotonic() + FLUSH_EVERY_S
+        record = {"pid": self.pid, "rank": self.rank, "worker": self.pid != self.origin, **self.counts}
+        _io.atomic_write_json(os.path.join(self.directory, f"samples.{self.pid}.{self.serial}.json"), record,
+                              durable=False)
+
+
+class TimedCollate:
+    """A loader's collate_fn, timed into a :class:`SampleMeter` (picklable when the collate is)."""
+
+    def __init__(self, collate: Callable[[Any], Any], meter: SampleMeter):
+        self.collate, self.meter = collate, meter
+
+    def __call__(self, samples: Any) -> Any:
+        t = time.perf_counter()
+        out = self.collate(samples)
+        self.meter.collate(time.perf_counter() - t, len(samples) if hasattr(samples, "__len__") else 1)
+        return out
+
+
+# ---------------------------------------------------------------------------- the main loop
+
+
+def loader_shape(loader: Any, ranks: int) -> dict[str, Any]:
+    """What the scenario needs of a loader: workers, batch size, prefetch (PyTorch's defaults when
+    unset), persistence, and the job's ``ranks``. Anything but a DataLoader counts as main-process
+    loading with the batch size seen."""
+    workers = getattr(loader, "num_workers", None)
+    is_loader = workers is not None
+    workers = int(workers or 0)
+    prefetch = getattr(loader, "prefetch_factor", None) if workers > 0 else None
+    batch = getattr(loader, "batch_size", None)
+    return {"loader": type(loader).__name__, "dataloader": is_loader, "workers": workers,
+            "batch": int(batch) if isinstance(batch, int) else None,
+            "prefetch": int(prefetch or 2) if workers > 0 else None,
+            "persistent": bool(getattr(loader, "persistent_workers", False)), "ranks": int(ranks)}
+
+
+def _cached_datasets(obj: Any, depth: int = 0) -> Iterator[Any]:
+    """The CachedDatasets under a loader's dataset (through Subset's .dataset, ConcatDataset's .datasets)."""
+    from ..cache.dataset import CachedDataset
+
+    if obj is None or depth > 6:
+        return
+    if isinstance(obj, CachedDataset):
+        yield obj
+        return
+    yield from _cached_datasets(getattr(obj, "dataset", None), depth + 1)
+    for inner in getattr(obj, "datasets", None) or ():
+        yield from _cached_datasets(inner, depth + 1)
+
+
+class LoopMeter:
+    """Measures one job's training loop in calibration mode (see the module docstring)."""
+
+    def __init__(self, session: Any, directory: str, until: float):
+        self.session, self.directory = session, directory
+        self.until, self.hard = until, until + GRACE_S
+        self.records: list[list[float]] = []
+        self.shape: dict[str, Any] = {}
+        self.meters: list[SampleMeter] = []
+        self.segments = 0
+        self.stopped = ""
+        os.makedirs(directory, exist_ok=True)
+
+    @property
+    def measured(self) -> int:
+        """Batches recorded after the warm-up."""
+        return sum(1 for r in self.records if not r[3])
+
+    def wrap(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        """``iterable``'s batches, each timed; may end the process (see the module docstring)."""
+        self.segments += 1
+        if not self.shape:
+            self.shape = loader_shape(iterable, self.session.comm.size)
+            if self.session.is_leader:
+                self._write_job()
+        self._instrument(iterable)
+        return self._loop(iterable)
+
+    def _instrument(self, loader: Any) -> None:
+        """A SampleMeter for each CachedDataset under ``loader``, and a timer on its collate_fn
+        (before its workers start: they take copies of both)."""
+        for ds in _cached_datasets(getattr(loader, "dataset", None)):
+            if ds.meter is None:
+                ds.meter = SampleMeter(self.directory, self.session.rank, len(self.meters))
+                self.meters.append(ds.meter)
+        collate = getattr(loader, "collate_fn", None)
+        if self.meters and collate is not None and not isinstance(collate, TimedCollate):
+            loader.collate_fn = TimedCollate(collate, self.meters[0])
+
+    def _warmup(self) -> int:
+        """Batches left out at the start of every pass: the loader filling its prefetch buffers."""
+        return max(2, self.shape["workers"] * (self.shape["prefetch"] or 0))
+
+    def _loop(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        from ..profile import batch_size_of
+
+        it = iter(iterable)
+        warm, seen, body = self._warmup(), 0, 0.0
+        wait, samples, probe = 0.0, 0, False
+        try:
+            while True:
+                t0 = time.perf_counter()
+                if seen:
+                    self.records.append([wait, t0 - body, samples, int(seen <= warm), int(probe)])
+                    self._check()
+                probe = self._probe(seen - warm)
+                t1 = time.perf_counter()
+                try:
+                    item = next(it)
+                except StopIteration:
+                    return
+                wait = time.perf_counter() - t1
+                samples = batch_size_of(item)
+                seen += 1
+                body = time.perf_counter()
+                yield item
+        finally:
+            self._flush()
+
+    def _probe(self, measured: int) -> bool:
+        """Before every PROBE_EVERY-th measured batch, give the workers time to have it ready, so
+        that its wait is a pure handoff (the same batches on every rank)."""
+        if self.shape["workers"] == 0 or measured <= 0 or measured % PROBE_EVERY:
+            return False
+        recent = [r[0] for r in self.records[-PROBE_EVERY:]]
+        time.sleep(min(PROBE_MAX_S, 1.5 * max(recent, default=0.0) + 0.001))
+        return True
+
+    def _decide(self) -> str:
+        """The leader's decision: why to stop now, or "" to go on."""
+        now = time.time()
+        if self.measured >= TARGET_BATCHES:
+            return f"{self.measured} batches measured"
+        if now >= self.until and self.measured >= MIN_BATCHES:
+            return f"its share of the calibration time was used ({self.measured} batches measured)"
+        if now >= self.hard:
+            return f"out of time with {self.measured} batches measured"
+        return ""
+
+    def _check(self) -> None:
+        comm = self.session.comm
+        if comm.size > 1 and len(self.records) % CHECK_EVERY:
+            return
+        reason = self._decide() if comm.rank == 0 else ""
+        if comm.size > 1:
+            reason = comm.bcast(reason, root=0, timeout=STOP_TIMEOUT)
+        if reason:
+            self._stop(reason)
+
+    def _stop(self, reason: str) -> None:
+        """Every rank: write the files, wait for the others, finish the session, leave with status 0."""
+        self.stopped = reason
+        self._flush()
+        comm = self.session.comm
+        if comm.size > 1:
+            comm.barrier(timeout=STOP_TIMEOUT)
+        self.session.say(f"calibration: stopping after {len(self.records)} batches ({reason}); "
+                         f"every rank leaves with status 0")
+        self.session.finish(calibration=reason, batches=len(self.records), measured=self.measured)
+        raise SystemExit(0)
+
+    def _flush(self) -> None:
+        rank = self.session.rank
+        _io.atomic_write_json(os.path.join(self.directory, f"loop.{rank}.json"),
+                              {"rank": rank, "size": self.session.comm.size, "records": self.records}, durable=False)
+        for m in self.meters:
+            m.flush()
+        if self.session.is_leader:
+            self._write_job()
+
+    def _write_job(self) -> None:
+        _io.atomic_write_json(os.path.join(self.directory, "job.json"),
+                              {"job": self.session.job, "shape": self.shape, "segments": self.segments,
+                               "batches": len(self.records), "measured": self.measured, "stopped": self.stopped,
+                               "until": self.until, "time": time.time()}, durable=False)
+
+
+_METERS: dict[int, LoopMeter] = {}
+
+
+def wrap_loader(session: Any, iterable: Iterable[Any], profiler: Any = None) -> Iterable[Any]:
+    """What ``session.loader(iterable)`` gives: in calibration mode the measured loop (one
+    :class:`LoopMeter` per session), else ``profiler.wrap(iterable)`` when a StallProfiler is
+    given, else ``iterable`` itself."""
+    if session.calibrating:
+        meter = _METERS.get(id(session))
+        if meter is None or meter.session is not session:
+            meter = _METERS[id(session)] = LoopMeter(session, session.calibrating, _until())
+        return meter.wrap(iterable)
+    if profiler is not None:
+        return profiler.wrap(iterable)
+    return iterable
+
+
+# ---------------------------------------------------------------------------- reading the reports
+
+
+def read_reports(directory: str) -> dict[str, Any]:
+    """A job's calibration files: ``job`` (None when the job never called session.loader),
+    ``loops`` (by rank) and ``samples`` (one per process)."""
+    def load(name: str) -> Any:
+        try:
+            return _io.read_json(os.path.join(directory, name))
+        except (OSError, ValueError):
+            return None
+
+    names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    loops = [x for x in (load(n) for n in names if n.startswith("loop.") and n.endswith(".json")) if x]
+    samples = [x for x in (load(n) for n in names if n.startswith("samples.") and n.endswith(".json")) if x]
+    return {"job": load("job.json"), "loops": sorted(loops, key=lambda x: x["rank"]), "samples": samples}
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (linear interpolation between order statistics)."""
+    xs = sorted(values)
+    if not xs:
+        return math.nan
+    pos = q * (len(xs) - 1)
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _sum_samples(samples: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    return {f: float(sum(s.get(f, 0) for s in samples)) for f in _SAMPLE_FIELDS}
+
+
+def _div(a: float, b: float) -> float:
+    return a / b if b else 0.0
+
+
+def job_fields(name: str, job: Mapping[str, Any], loops: Sequence[Mapping[str, Any]],
+               samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The scenario's fields for job ``name`` from its calibration files (see :func:`read_reports`).
+
+    - ``sample_time``: the step per sample of the whole job. Per batch, the step is the shortest
+      of the ranks' (a rank that waited longer for its data made the others wait in the
+      all-reduce), averaged over the measured batches, over ``ranks * batch`` samples;
+    - ``handoff``: with workers, a low quantile (10%) of the waits in ``next()``: a wait is the
+      handoff of a ready batch plus any time the batch was not ready yet, and every
+      PROBE_EVERY-th batch is fetched when it surely is ready, so the low quantile is the handoff
+      alone, without the bias of a minimum (timer and scheduler noise). Without workers the main
+      process loads each batch itself, and the handoff is its collate per batch;
+    - ``prep_time``: a worker's seconds per sample besides reading the bytes: the transform, and
+      with workers the collate's share per sample;
+    - ``miss_overhead``: what a miss costs besides the source's own read (the lookup and insert).
+
+    Raises ModelError when no batch was measured after the warm-up.
+    """
+    shape = job["shape"]
+    ranks, workers = int(shape["ranks"]), int(shape["workers"])
+    count = min((len(lp["records"]) for lp in loops), default=0)
+    rows = [i for i in range(count) if not any(lp["records"][i][3] for lp in loops)]
+    if not rows:
+        raise ModelError(f"job {name!r} gave no batch after its warm-up of its loader; give it more data or "
+                         "a larger calibration budget")
+    steps = [min(lp["records"][i][1] for lp in loops) for i in rows]
+    per_batch = [loops[0]["records"][i][2] for i in rows]
+    waits = [lp["records"][i][0] for lp in loops for i in rows]
+    c = _sum_samples(samples)
+    done = c["hits"] + c["misses"]
+    transform = _div(c["hit_transform_s"] + c["miss_transform_s"], done)
+    collate_per_sample = _div(c["collate_s"], c["collate_samples"])
+    batch = shape.get("batch") or max(1, round(sum(per_batch) / len(per_batch)))
+    return {
+        "sample_time": sum(steps) / (max(1, sum(per_batch)) * ranks),
+        "ranks": ranks, "workers": workers, "batch": int(batch), "prefetch": shape.get("prefetch"),
+        "handoff": quantile(waits, HANDOFF_QUANTILE) if workers > 0 else _div(c["collate_s"], c["collates"]),
+        "prep_time": transform + (collate_per_sample if workers > 0 else 0.0),
+        "miss_overhead": _div(c["miss_get_s"] + c["miss_insert_s"], c["misses"]),
+        "batches": len(rows), "step_s": sum(steps) / len(steps), "wait_median_s": quantile(waits, 0.5),
+        "probes": sum(1 for i in rows if loops[0]["records"][i][4]),
+        "hits": int(c["hits"]), "misses": int(c["misses"]), "samples_seen": bool(done),
+        "read_per_miss_s": _div(c["miss_read_s"], c["misses"]),
+        "hit_get_s": _div(c["hit_get_s"], c["hits"]),
+        "stopped": job.get("stopped") or "its training ended first",
+    }

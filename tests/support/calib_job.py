@@ -1,0 +1,73 @@
+"""A small torch training job written the usual way, for the calibration tests (run as a script).
+
+    python calib_job.py [--workers W] [--batch B] [--epochs E] [--forever] [--out DIR]
+
+It joins the run (``hpcstagger.init``), reads the spec's dataset through ``CachedDataset`` over the
+spec's cache, shards it with a DistributedSampler, loads it with a DataLoader (W workers, batches
+of B), trains a small MLP (DDP when the spec's backend is ddp) and iterates its loader as
+``for x, y in session.loader(loader):``, the one hpcstagger call around the loader. With
+``--forever`` it trains until stopped; with ``--out`` each rank writes ``after-loop.<rank>`` when
+its loop ends (a calibration's early exit never gets there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+import torch
+
+import hpcstagger
+from hpcstagger.cache import CachedDataset
+
+
+class Decode:
+    """Sample bytes (label byte, then pixels) to (float tensor, label); picklable for workers."""
+
+    def __call__(self, data):
+        arr = np.frombuffer(data, dtype=np.uint8)
+        return torch.from_numpy(arr[1:].astype(np.float32) / 255.0), int(arr[0]) % 10
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--forever", action="store_true")
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    session = hpcstagger.init(wait=False)
+    cache = session.cache()
+    dataset = CachedDataset(session.source(), cache, transform=Decode()) if cache else None
+    assert dataset is not None, "the calibration test's spec has a cache"
+    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=session.comm.size, rank=session.rank, seed=0)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch, sampler=sampler, num_workers=args.workers,
+                                         persistent_workers=args.workers > 0)
+    pixels = len(dataset.source[0]) - 1
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(pixels, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    session.wait()
+    session.start_backend()
+    net = torch.nn.parallel.DistributedDataParallel(model) if session.backend == "ddp" else model
+    epochs = 10**9 if args.forever else (args.epochs or session.spec.job(session.job).epochs)
+    steps = 0
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for x, y in session.loader(loader):
+            opt.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.cross_entropy(net(x), y)
+            loss.backward()
+            opt.step()
+            steps += 1
+    if args.out:
+        with open(os.path.join(args.out, f"after-loop.{session.rank}"), "w") as f:
+            f.write(str(steps))
+    session.finish(steps=steps)
+
+
+if __name__ == "__main__":
+    main()

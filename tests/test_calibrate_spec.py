@@ -1,0 +1,314 @@
+"""Calibration of jobs from their own commands (`hpcstagger calibrate --spec`), and its parts:
+the loader wrapper in and out of calibration mode, the early exit on every rank, the reports'
+analysis, the source's fresh samples and dropped pages, and the page-cache rule."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hpcstagger.colocated import calibration as C
+from hpcstagger.errors import ModelError
+from hpcstagger.model import Scenario
+from hpcstagger.model.calibrate_source import (SamplePool, drop_pages, page_cache_holds, parse_meminfo,
+                                               source_files)
+from support.cli import BIN, cli_env, run_cli
+
+JOB = Path(__file__).resolve().parent / "support" / "calib_job.py"
+ROW = 4097  # a label byte and 4096 pixels
+
+
+def _dataset(path: Path, samples: int) -> None:
+    import h5py
+
+    rows = np.random.default_rng(0).integers(0, 255, size=(samples, ROW), dtype=np.uint8)
+    with h5py.File(path, "w") as f:
+        f.create_dataset("samples", data=rows, chunks=(1, ROW))
+
+
+@pytest.fixture
+def shm_dir():
+    """A private shm root for the subprocesses; the test fails if calibration left anything in it."""
+    root = tempfile.mkdtemp(prefix="hpcs-calspec-", dir="/dev/shm")
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _leftovers(root: str) -> list[str]:
+    """What is left in an shm root besides empty state directories."""
+    return [str(p.relative_to(root)) for p in Path(root).rglob("*") if p.is_file()]
+
+
+# ------------------------------------------------------------------------------- the whole command
+SPEC = """
+[run]
+name = "calspec"
+workdir = "work"
+[dataset]
+path = "data.h5"
+name = "samples"
+throttle = [4.0e6, 3.0e6]
+[cache]
+capacity = "64MB"
+[[job]]
+name = "ddp"
+command = "python calib_job.py --workers 1 --batch 16"
+ranks = 2
+backend = "ddp"
+epochs = 2
+[[job]]
+name = "plain"
+command = "python calib_job.py --workers 2 --batch 8"
+epochs = 3
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_calibrate_spec_measures_every_job_from_its_own_command(tmp_path, shm_dir):
+    _dataset(tmp_path / "data.h5", 3000)
+    shutil.copy(JOB, tmp_path / "calib_job.py")
+    (tmp_path / "spec.toml").write_text(SPEC)
+    budget = 40.0
+    t0 = time.monotonic()
+    res = run_cli("calibrate", "--spec", "spec.toml", "--budget", str(budget), "-o", "scenario.toml", "--json",
+                  env=cli_env(HPCSTAGGER_SHM_ROOT=shm_dir), cwd=tmp_path, timeout=240)
+    wall = time.monotonic() - t0
+    assert res.returncode == 0, res.stderr[-3000:]
+    d = json.loads(res.stdout)
+    meas = d["measurements"]
+    assert meas["elapsed_s"] <= budget * 1.1 and wall <= budget * 1.1 + 5, (meas["elapsed_s"], wall)
+    sc = Scenario.from_toml(tmp_path / "scenario.toml")
+    ddp, plain = sc.jobs
+    # the loader shapes, read from the jobs' own DataLoaders and communicators
+    assert (ddp.name, ddp.ranks, ddp.workers, ddp.batch, ddp.prefetch, ddp.epochs) == ("ddp", 2, 1, 16, 2, 2)
+    assert (plain.name, plain.ranks, plain.workers, plain.batch, plain.prefetch, plain.epochs) == \
+        ("plain", 1, 2, 8, 2, 3)
+    for job in sc.jobs:
+        assert 0 < job.sample_time < 0.01 and 0 < job.handoff < 0.05 and 0 < job.prep_time < 0.01, job
+        m = meas["jobs"][job.name]
+        assert m["route"] == "command" and m["batches"] >= C.MIN_BATCHES and m["probes"] >= 1
+    assert meas["jobs"]["ddp"]["misses"] > 0   # its workers read the throttled source: miss costs measured
+    # the source curve reaches the jobs' fetchers: 2 ranks x 1 worker + 1 rank x 2 workers
+    assert meas["fetchers"] == 4 and len(sc.storage.bandwidth) == 4
+    assert all(m["fresh"] and m["dropped_files"] == 1 for m in meas["source"])   # the HDF5 file's pages
+    assert 2.0e6 < sc.storage.bandwidth[0] < 4.4e6
+    assert meas["page_cache"]["emulated"] and not meas["page_cache"]["holds"]
+    text = (tmp_path / "scenario.toml").read_text()
+    assert text.count("measured from its command") == 2 and "page cache dropped before each level" in text
+    assert "job ddp: " in res.stderr and "calibrate" in res.stderr          # progress on stderr
+    reports = Path(meas["reports"])
+    assert {p.name for p in reports.iterdir()} >= {"ddp", "plain", "measurements.json"}
+    assert _leftovers(shm_dir) == []                                          # private cache and throttle removed
+
+
+# ------------------------------------------------------------------------------- the early exit
+def _one_job_spec(tmp_path: Path) -> Path:
+    _dataset(tmp_path / "data.h5", 400)
+    shutil.copy(JOB, tmp_path / "calib_job.py")
+    spec = tmp_path / "spec.toml"
+    spec.write_text(textwrap.dedent("""
+        [run]
+        name = "early"
+        workdir = "work"
+        [dataset]
+        path = "data.h5"
+        name = "samples"
+        [cache]
+        capacity = "16MB"
+        [[job]]
+        name = "ddp"
+        command = "python calib_job.py"
+        ranks = 2
+        backend = "ddp"
+    """))
+    return spec
+
+
+@pytest.mark.timeout(180)
+def test_a_two_rank_job_stops_together_with_status_0(tmp_path, shm_dir):
+    spec = _one_job_spec(tmp_path)
+    reports = tmp_path / "reports"
+    out = tmp_path / "out"
+    out.mkdir()
+    env = cli_env(HPCSTAGGER_SHM_ROOT=shm_dir, HPCSTAGGER_SPEC=str(spec), HPCSTAGGER_JOB="ddp",
+                  HPCSTAGGER_CALIBRATE=str(reports), HPCSTAGGER_CALIBRATE_UNTIL=str(time.time() + 3),
+                  HPCSTAGGER_RUN_DIR=str(reports / "status"))
+    res = subprocess.run([str(BIN / "mpiexec"), "-n", "2", sys.executable, str(tmp_path / "calib_job.py"),
+                          "--workers", "1", "--batch", "4", "--forever", "--out", str(out)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "calibrating for 'hpcstagger calibrate': no plan, no delay" in res.stderr
+    assert list(out.iterdir()) == []           # no rank went on past its loop: the job ended in it
+    loops = [json.loads((reports / f"loop.{r}.json").read_text()) for r in (0, 1)]
+    assert len(loops[0]["records"]) == len(loops[1]["records"]) > C.MIN_BATCHES   # the same batch on both
+    job = json.loads((reports / "job.json").read_text())
+    assert job["stopped"] and job["shape"]["ranks"] == 2 and job["shape"]["workers"] == 1
+    for r in (0, 1):
+        status = json.loads((reports / "status" / f"ddp.{r}.json").read_text())
+        assert status["state"] == "done" and status["mode"] == "calibrate", status
+        assert status["metrics"]["calibration"] == job["stopped"]
+    assert list(reports.glob("samples.*.json")), "the workers' sample costs"
+    assert [p for p in Path(shm_dir).iterdir() if p.name == "early-calibrate"]  # the private cache, not the run's
+    assert not [p for p in Path(shm_dir).iterdir() if p.name == "early"]
+
+
+# ------------------------------------------------------------------------------- in one process
+def test_loader_is_a_pass_through_outside_calibration(monkeypatch):
+    import hpcstagger
+    from hpcstagger.profile import StallProfiler
+
+    monkeypatch.delenv("HPCSTAGGER_CALIBRATE", raising=False)
+    monkeypatch.delenv("HPCSTAGGER_SPEC", raising=False)
+    session = hpcstagger.init(backend="none", verbose=False)
+    assert session.calibrating == ""
+    batches = [[1, 2], [3, 4], [5]]
+    assert session.loader(batches) is batches
+    prof = StallProfiler("job", warmup=0)
+    assert list(session.loader(batches, profiler=prof)) == batches
+    assert prof.samples == [2, 2, 1]
+
+
+@pytest.mark.timeout(120)
+def test_calibration_mode_in_one_process_measures_and_exits_0(monkeypatch, tmp_path, shm_root):
+    import torch
+
+    import hpcstagger
+    from hpcstagger.cache import CachedDataset, ShmCache
+
+    class Source:
+        def __len__(self):
+            return 4000
+
+        def __getitem__(self, i):
+            return bytes([i % 256]) * 256
+
+        def key(self, i):
+            return f"s{i}"
+
+    reports = tmp_path / "reports"
+    monkeypatch.delenv("HPCSTAGGER_SPEC", raising=False)
+    monkeypatch.setenv("HPCSTAGGER_CALIBRATE", str(reports))
+    monkeypatch.setenv("HPCSTAGGER_CALIBRATE_UNTIL", str(time.time() + 60))
+    session = hpcstagger.init(backend="none", verbose=False)
+    assert session.calibrating == str(reports) and session.mode == "calibrate" and session.delay == 0
+    cache = ShmCache("calmode", 4 << 20)
+    dataset = CachedDataset(Source(), cache, transform=lambda b: torch.tensor(len(b)))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=4, num_workers=0)
+    seen = 0
+    with pytest.raises(SystemExit) as stop:
+        for _ in range(100):
+            for _ in session.loader(loader):
+                seen += 1
+    assert stop.value.code == 0
+    report = C.read_reports(str(reports))
+    f = C.job_fields("job", report["job"], report["loops"], report["samples"])
+    assert f["batches"] == C.TARGET_BATCHES and seen == C.TARGET_BATCHES + 2   # 2 warm-up batches
+    assert (f["ranks"], f["workers"], f["batch"], f["prefetch"]) == (1, 0, 4, None)
+    assert f["misses"] > 0 and f["prep_time"] > 0 and f["sample_time"] > 0 and f["handoff"] > 0
+    assert dataset.meter is not None
+    cache.destroy(force=True)
+
+
+# ------------------------------------------------------------------------------- pure parts
+def _loop(rank, rows):
+    return {"rank": rank, "size": 2, "records": [list(r) for r in rows]}
+
+
+def test_job_fields_from_reports():
+    # rank 1 waits longer for its data; rank 0 then waits for it in the all-reduce (its step is longer)
+    loop0 = _loop(0, [(0.5, 0.2, 8, 1, 0), (0.001, 0.030, 8, 0, 0), (0.001, 0.010, 8, 0, 0),
+                      (0.002, 0.010, 8, 0, 1), (0.001, 0.012, 8, 0, 0)])
+    loop1 = _loop(1, [(0.6, 0.1, 8, 1, 0), (0.021, 0.010, 8, 0, 0), (0.001, 0.010, 8, 0, 0),
+                      (0.001, 0.011, 8, 0, 1), (0.003, 0.010, 8, 0, 0)])
+    job = {"shape": {"ranks": 2, "workers": 2, "batch": 8, "prefetch": 3}, "stopped": "done"}
+    samples = [{"hits": 10, "hit_transform_s": 0.010, "misses": 30, "miss_transform_s": 0.030, "miss_get_s": 0.003,
+                "miss_insert_s": 0.006, "miss_read_s": 0.3, "collates": 4, "collate_samples": 32, "collate_s": 0.016},
+               {"hits": 0, "misses": 10, "miss_transform_s": 0.010, "miss_get_s": 0.001, "miss_insert_s": 0.0}]
+    f = C.job_fields("j", job, [loop0, loop1], samples)
+    assert f["batches"] == 4 and f["probes"] == 1                  # the warm-up row is left out
+    assert f["sample_time"] == pytest.approx((0.010 + 0.010 + 0.010 + 0.010) / (4 * 8 * 2))  # per-batch min
+    waits = sorted([0.001, 0.001, 0.002, 0.001, 0.021, 0.001, 0.001, 0.003])
+    assert f["handoff"] == pytest.approx(C.quantile(waits, 0.10)) and f["handoff"] == pytest.approx(0.001)
+    assert f["prep_time"] == pytest.approx(0.050 / 50 + 0.016 / 32)   # transform + collate per sample
+    assert f["miss_overhead"] == pytest.approx(0.010 / 40)            # lookup and insert per miss
+    assert (f["ranks"], f["workers"], f["batch"], f["prefetch"]) == (2, 2, 8, 3)
+    # main-process loading: the handoff is the collate per batch, and the prep has no collate share
+    g = C.job_fields("j", {**job, "shape": {**job["shape"], "workers": 0, "prefetch": None}}, [loop0, loop1], samples)
+    assert g["handoff"] == pytest.approx(0.016 / 4) and g["prep_time"] == pytest.approx(0.050 / 50)
+    with pytest.raises(ModelError, match="no batch after its warm-up"):
+        C.job_fields("j", job, [_loop(0, [(0.1, 0.1, 8, 1, 0)])], [])
+
+
+def test_quantile():
+    assert C.quantile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert C.quantile([0.0, 10.0], 0.1) == pytest.approx(1.0)
+    assert C.quantile([5.0], 0.1) == 5.0
+
+
+def test_loader_shape_reads_the_dataloader():
+    import torch
+
+    data = list(range(10))
+    shape = C.loader_shape(torch.utils.data.DataLoader(data, batch_size=4, num_workers=2, prefetch_factor=3), 2)
+    assert (shape["workers"], shape["batch"], shape["prefetch"], shape["ranks"]) == (2, 4, 3, 2)
+    shape = C.loader_shape(torch.utils.data.DataLoader(data, batch_size=5), 1)
+    assert (shape["workers"], shape["batch"], shape["prefetch"], shape["dataloader"]) == (0, 5, None, True)
+    assert C.loader_shape(iter(data), 1)["dataloader"] is False
+
+
+MEMINFO = """MemTotal:       24683520 kB
+MemFree:        24052104 kB
+MemAvailable:   24171784 kB
+Buffers:            2100 kB
+HugePages_Total:       0
+"""
+
+
+def test_page_cache_rule():
+    info = parse_meminfo(MEMINFO)
+    assert info["MemAvailable"] == 24171784 * 1024 and info["HugePages_Total"] == 0
+    avail = info["MemAvailable"]
+    assert page_cache_holds(0.4 * avail, avail, file_source=True, emulated=False)
+    assert not page_cache_holds(0.6 * avail, avail, file_source=True, emulated=False)      # too large
+    assert not page_cache_holds(0.1 * avail, avail, file_source=True, emulated=True)       # ThrottledSource
+    assert not page_cache_holds(0.1 * avail, avail, file_source=False, emulated=False)     # not files
+    assert not page_cache_holds(0.1 * avail, None, file_source=True, emulated=False)       # unknown memory
+
+
+def test_sample_pool_hands_out_fresh_disjoint_samples():
+    pool = SamplePool(100, seed=3, exclude=range(10))
+    first = pool.take(1, levels_left=3)
+    second = pool.take(2, levels_left=2)
+    third = pool.take(3, levels_left=1)
+    seen = [i for part in first + second + third for i in part]
+    assert len(seen) == len(set(seen)) == 90 and not set(seen) & set(range(10)) and pool.fresh
+    assert [len(s) for s in second] == [15, 15]
+    again = pool.take(4)                  # nothing fresh is left: samples are read again, and it says so
+    assert not pool.fresh and sorted(i for s in again for i in s) == list(range(100))
+
+
+def test_drop_pages_on_file_sources(tmp_path, shm_root):
+    from hpcstagger.cache import DirectorySource, HDF5Source, ThrottledSource
+
+    _dataset(tmp_path / "d.h5", 4)
+    files = tmp_path / "files"
+    files.mkdir()
+    for i in range(5):
+        (files / f"{i}.bin").write_bytes(b"x" * 100)
+    h5 = HDF5Source(str(tmp_path / "d.h5"), "samples")
+    throttled = ThrottledSource(h5, 1e9, shared_name="drop-test")
+    assert source_files(throttled)[:2] == ("hdf5", True) and source_files(h5)[:2] == ("hdf5", False)
+    assert drop_pages(h5) == 1 and drop_pages(throttled) == 1
+    assert drop_pages(DirectorySource(files), [0, 3]) == 2 and drop_pages(DirectorySource(files)) == 5
+    assert drop_pages(["not", "files"]) == 0 and source_files(["x"])[0] == "other"
+    throttled.unlink()
