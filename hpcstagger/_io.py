@@ -1,4 +1,5 @@
-"""Durable file writes and checksums shared by the cache, checkpoints and calibration files.
+"""Durable file writes and checksums shared by the cache, checkpoints and calibration files, and
+dropping a file from the kernel's page cache.
 
 Every durable write goes: temp file in the same directory, write, flush, fsync, rename over the
 target, fsync the directory. A reader therefore sees the old file or the new one, never a part.
@@ -15,7 +16,7 @@ from typing import Any, BinaryIO
 from collections.abc import Callable
 
 __all__ = ["CHECKSUM_ALGORITHM", "checksum", "fsync_dir", "atomic_write", "atomic_write_json", "read_json",
-           "json_safe"]
+           "json_safe", "drop_cached_pages"]
 
 CHECKSUM_ALGORITHM = "xxh3_64"
 
@@ -106,3 +107,20 @@ def json_safe(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [json_safe(v) for v in obj]
     return obj
+
+
+def drop_cached_pages(path: str | os.PathLike[str]) -> int:
+    """Ask the kernel to drop ``path``'s pages from its page cache (``posix_fadvise(DONTNEED)``;
+    no privileges needed, dirty or mapped pages stay). Returns the file's size in bytes.
+
+    Raises OSError when the file cannot be opened or advised, AttributeError where the platform
+    has no ``posix_fadvise``.
+    """
+    advise = os.posix_fadvise
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return size
+    finally:
+        os.close(fd)

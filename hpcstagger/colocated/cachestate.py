@@ -73,19 +73,15 @@ def drop_page_cache(paths: list[str]) -> dict[str, Any]:
     logged as a warning). Never raises for a file that cannot be advised.
     """
     out: dict[str, Any] = {"files": 0, "bytes": 0, "failed": 0, "note": ""}
-    advise = getattr(os, "posix_fadvise", None)
-    if advise is None:
+    if not hasattr(os, "posix_fadvise"):
         out["note"] = "posix_fadvise is not available on this platform"
         log.warning("cannot drop the dataset from the page cache: %s", out["note"])
         return out
+    from .._io import drop_cached_pages
+
     for path in paths:
         try:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                size = os.fstat(fd).st_size
-                advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            size = drop_cached_pages(path)
         except OSError as exc:
             out["failed"] += 1
             log.warning("cannot drop %s from the page cache: %s", path, exc)

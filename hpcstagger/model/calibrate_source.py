@@ -303,17 +303,13 @@ def source_files(source: Any) -> tuple[str, bool, Any]:
 
 
 def _drop(path: str) -> bool:
+    from .._io import drop_cached_pages
+
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        drop_cached_pages(path)
         return True
     except OSError:
         return False
-    finally:
-        os.close(fd)
 
 
 def drop_pages(source: Any, indices: Sequence[int] | None = None) -> int:
