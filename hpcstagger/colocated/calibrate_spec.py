@@ -28,8 +28,6 @@ import math
 import multiprocessing
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,9 +42,8 @@ from ..model.calibrate_source import (MAX_READERS, SamplePool, hit_bandwidth, me
                                       page_cache_holds, preload, reread_bandwidth, source_files)
 from ..model.scenario import POLICIES, Cache, Dataset, Job, Loader, Scenario, Storage
 from . import env as E
-from ._shm import remove_stale_mpich_segments
 from .calibration import GRACE_S, calibration_spec, job_fields, read_reports
-from .launch import mpmd_command
+from .launch import mpmd_command, run_group
 from .planning import fold_miss_overhead
 from .spec import JobSpec, Spec
 
@@ -232,27 +229,9 @@ def _fresh_cache(twin: Spec) -> Any:
 
 
 def _run_command(argv: list[str], env: dict[str, str], cwd: str, limit: float, log: Path) -> int:
-    """Run ``argv`` with its output in ``log``; stop it (and its process group) after ``limit`` seconds."""
-    started = time.time()
+    """Run ``argv`` with its output in ``log``; stop it (and its process group) after ``limit`` seconds (124)."""
     with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=limit)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            rc = 124
-        except BaseException:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise
-    if rc != 0:  # killed ranks skip MPICH's cleanup of its /dev/shm segments
-        remove_stale_mpich_segments(started, settle=3.0)
-    return rc
+        return run_group(argv, env, cwd, limit, output=out)
 
 
 def _tail(log: Path, lines: int = 5) -> str:

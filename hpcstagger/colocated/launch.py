@@ -21,14 +21,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ._shm import remove_stale_mpich_segments
 from . import env as E
 from ..errors import ConfigError, LaunchError
 from .spec import PLAN_MODES, JobSpec, Spec
 
-__all__ = ["JobResult", "RunResult", "mpmd_command", "launch", "collect_results", "parse_delays", "exec_job"]
+__all__ = ["JobResult", "RunResult", "mpmd_command", "launch", "collect_results", "parse_delays", "exec_job",
+           "run_group"]
 
 log = logging.getLogger(__name__)
 
@@ -281,30 +282,48 @@ def _collect_sequential(spec: Spec, run_dir: Path, returncode: int) -> RunResult
                      cache=cache)
 
 
-def _run(argv: list[str], env: dict[str, str], timeout: float, cwd: str) -> int:
-    log.info("running: %s", " ".join(argv))
+def run_group(argv: list[str], env: dict[str, str], cwd: str, timeout: float, *, output: Any = None,
+              on_timeout: Callable[[], None] | None = None) -> int:
+    """Run ``argv`` in a session of its own (its output to the file ``output``, else inherited) and
+    return its exit status, or 124 after ``timeout`` seconds. On a timeout (after ``on_timeout``)
+    or an exception here (Ctrl-C) the whole process group gets SIGTERM, then SIGKILL 15 s later.
+    Killed MPICH ranks skip the cleanup of their /dev/shm segments, so a failed run removes them.
+    """
     started = time.time()
-    proc = subprocess.Popen(argv, env=env, cwd=cwd, start_new_session=True)
-    try:
-        rc = proc.wait(timeout=timeout)
-        if rc != 0:  # killed ranks skip MPICH's cleanup of its /dev/shm segments
-            remove_stale_mpich_segments(started, settle=3.0)
-        return rc
-    except subprocess.TimeoutExpired:
-        print(f"hpcstagger launch: the run exceeded its timeout of {timeout:g} s; stopping it", file=sys.stderr)
+    proc = subprocess.Popen(argv, env=env, cwd=cwd, start_new_session=True, stdout=output,
+                            stderr=subprocess.STDOUT if output is not None else None)
+
+    def stop() -> None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        remove_stale_mpich_segments(started, settle=3.0)
-        return 124
-    except KeyboardInterrupt:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait()
+
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        if on_timeout is not None:
+            on_timeout()
+        stop()
+        rc = 124
+    except BaseException:
+        stop()
         remove_stale_mpich_segments(started, settle=3.0)
         raise
+    if rc != 0:
+        remove_stale_mpich_segments(started, settle=3.0)
+    return rc
+
+
+def _run(argv: list[str], env: dict[str, str], timeout: float, cwd: str) -> int:
+    log.info("running: %s", " ".join(argv))
+
+    def say() -> None:
+        print(f"hpcstagger launch: the run exceeded its timeout of {timeout:g} s; stopping it", file=sys.stderr)
+
+    return run_group(argv, env, cwd, timeout, on_timeout=say)
 
 
 def _srun_commands(spec: Spec, run_dir: Path, jobs: Sequence[str] | None) -> list[str]:
