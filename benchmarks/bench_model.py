@@ -98,8 +98,8 @@ def make_scenario(i: int, prefetch: int = 2, legacy: bool | None = None) -> Scen
 
 
 def _sim_task(args: tuple) -> float:
-    i, prefetch, delays = args
-    sc = make_scenario(i, prefetch, legacy=True if prefetch != 2 else None)
+    i, prefetch, legacy, delays = args
+    sc = make_scenario(i, prefetch, legacy=legacy)
     return statistics.fmean(simulate(sc, delays, seed=k).makespan for k in SIM_SEEDS)
 
 
@@ -220,21 +220,21 @@ def main(argv: list[str] | None = None) -> int:
     tasks = []
     for i in ids:
         sc = make_scenario(i)
-        tasks.append((i, 2, [0.0] * len(sc.jobs)))
-        tasks.append((i, 2, [plans[i]["delays"][nm] for nm in sc.job_names]))
+        tasks.append((i, 2, None, [0.0] * len(sc.jobs)))
+        tasks.append((i, 2, None, [plans[i]["delays"][nm] for nm in sc.job_names]))
     # plan quality grids
     grid_index: list[tuple[int, int]] = []
     for i in ids:
         sc = make_scenario(i)
         for k, d in enumerate(_grid_for(sc, plans[i])):
-            tasks.append((i, 2, d))
+            tasks.append((i, 2, None, d))
             grid_index.append((i, k))
     extra = []
     if not args.quick:
         for i in ids:
             for P in (1, 4, 8):
                 sc = make_scenario(i, P, legacy=True)
-                extra.append((i, P, [0.0] * len(sc.jobs)))
+                extra.append((i, P, True, [0.0] * len(sc.jobs)))
     with ctx.Pool(args.workers) as pool:
         sims = pool.map(_sim_task, tasks + extra, chunksize=1)
     print(f"simulations done ({time.perf_counter() - t_start:.0f} s, {len(sims)} points)", file=sys.stderr, flush=True)
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                      "plan_delays": d_plan, "sim_plan": s_plan, "pred_plan": p_plan, "err_plan": e1})
     grid_sims: dict[int, list[tuple[list[float], float]]] = {}
     for (i, _k), task in zip(grid_index, tasks[2 * N:], strict=True):
-        grid_sims.setdefault(i, []).append((task[2], sims[pos]))
+        grid_sims.setdefault(i, []).append((task[3], sims[pos]))
         pos += 1
     ratios, ratios2, ratiosN = [], [], []
     for r in rows:

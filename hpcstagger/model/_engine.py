@@ -95,7 +95,7 @@ class Engine(CacheState):
         self.n = float(sc.dataset.samples)
         self.s = float(sc.dataset.sample_bytes)
         self.loaders = _loader.shapes(sc)
-        self.F = [L.fetchers for L in self.loaders]
+        self.F = [j.fetchers() for j in sc.jobs]
         total = sum(self.F)
         self.per_reader = [0.0] + [sc.storage.per_reader(k) for k in range(1, total + 1)]
         self.read_time = [0.0] + [self.s / self.per_reader[k] for k in range(1, total + 1)]

@@ -51,10 +51,6 @@ class Shape(NamedTuple):
     t: float          # seconds per sample of the main loop, whole job
 
     @property
-    def fetchers(self) -> int:
-        return self.R * max(1, self.W)
-
-    @property
     def step(self) -> float:
         """Main-process seconds per step (all ranks' batches): receiving and computing."""
         return self.R * self.B * self.t + self.handoff
