@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 from typing import Any
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from ._text import table
 
@@ -91,21 +91,28 @@ def plot_sweep(result: Mapping[str, Any], out: str) -> None:
     ax1.set_title("Makespan versus stagger")
     ax1.grid(alpha=0.3)
     ax1.legend(fontsize=8, loc="best")
-    labels = []
-    for i, r in enumerate(runs):
-        for j, (name, t) in enumerate(r["jobs"].items()):
-            if t["start"] is not None and t["finish"] is not None:
-                ax2.barh(i + 0.8 * (j + 0.5) / len(jobs) - 0.4, t["finish"] - t["start"], left=t["start"],
-                         height=0.8 / len(jobs), color=f"C{j}", label=name if i == 0 else None)
-        labels.append(r["label"] + (f" (r{r['repetition']})" if result.get("repeat", 1) > 1 else ""))
-    ax2.set_yticks(range(len(labels)), labels, fontsize=7)
-    ax2.invert_yaxis()
-    ax2.set_xlabel("seconds from the run's start")
-    ax2.set_title("Measured job timelines")
-    ax2.legend(fontsize=8, loc="best")
+    labels = [r["label"] + (f" (r{r['repetition']})" if result.get("repeat", 1) > 1 else "") for r in runs]
+    draw_timelines(ax2, runs, labels, tick_size=7)
     fig.tight_layout()
     atomic_write(out, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
+
+
+def draw_timelines(ax: Any, runs: Sequence[Mapping[str, Any]], labels: Sequence[str], *,
+                   tick_size: float | None = None) -> None:
+    """Each run's measured job timelines (``run["jobs"][name]`` with ``start`` and ``finish``), one
+    row per run labelled ``labels``, one bar colour per job."""
+    for i, r in enumerate(runs):
+        count = len(r["jobs"])
+        for j, (name, t) in enumerate(r["jobs"].items()):
+            if t["start"] is not None and t["finish"] is not None:
+                ax.barh(i + 0.8 * (j + 0.5) / count - 0.4, t["finish"] - t["start"], left=t["start"],
+                        height=0.8 / count, color=f"C{j}", label=name if i == 0 else None)
+    ax.set_yticks(range(len(labels)), labels, fontsize=tick_size)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds from the run's start")
+    ax.set_title("Measured job timelines")
+    ax.legend(fontsize=8, loc="best")
 
 
 def _measured_points(ax: Any, runs: list[Mapping[str, Any]]) -> None:

@@ -260,18 +260,9 @@ def _plot(result: Mapping[str, Any], path: Path) -> Path:
     ax1.set_ylabel("makespan (s)")
     ax1.set_title("Makespan versus stagger")
     ax1.legend(fontsize=8)
-    labels = []
-    for i, r in enumerate(result["runs"]):
-        for j, (name, t) in enumerate(r["jobs"].items()):
-            if t["start"] is not None and t["finish"] is not None:
-                ax2.barh(i + 0.2 * (j - 0.5), t["finish"] - t["start"], left=t["start"], height=0.38,
-                         color=f"C{j}", label=name if i == 0 else None)
-        labels.append(r["label"])
-    ax2.set_yticks(range(len(labels)), labels)
-    ax2.invert_yaxis()
-    ax2.set_xlabel("seconds from the run's start")
-    ax2.set_title("Measured job timelines")
-    ax2.legend(fontsize=8)
+    from ..cli.sweep import draw_timelines
+
+    draw_timelines(ax2, result["runs"], [r["label"] for r in result["runs"]])
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
