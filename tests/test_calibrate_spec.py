@@ -95,6 +95,7 @@ def test_calibrate_spec_measures_every_job_from_its_own_command(tmp_path, shm_di
         ("plain", 1, 2, 8, 2, 3)
     for job in sc.jobs:
         assert 0 < job.sample_time < 0.01 and 0 < job.handoff < 0.05 and 0 < job.prep_time < 0.01, job
+        assert 0 < job.startup < 30, job  # backend, model and starting the loader's workers
         m = meas["jobs"][job.name]
         assert m["route"] == "command" and m["batches"] >= C.MIN_BATCHES and m["probes"] >= 1
     assert meas["jobs"]["ddp"]["misses"] > 0   # its workers read the throttled source: miss costs measured
@@ -230,7 +231,8 @@ def test_job_fields_from_reports():
                       (0.002, 0.010, 8, 0, 1), (0.001, 0.012, 8, 0, 0)])
     loop1 = _loop(1, [(0.6, 0.1, 8, 1, 0), (0.021, 0.010, 8, 0, 0), (0.001, 0.010, 8, 0, 0),
                       (0.001, 0.011, 8, 0, 1), (0.003, 0.010, 8, 0, 0)])
-    job = {"shape": {"ranks": 2, "workers": 2, "batch": 8, "prefetch": 3}, "stopped": "done"}
+    job = {"shape": {"ranks": 2, "workers": 2, "batch": 8, "prefetch": 3}, "stopped": "done",
+           "setup_s": 1.25, "iter_s": [0.05]}
     samples = [{"hits": 10, "hit_transform_s": 0.010, "misses": 30, "miss_transform_s": 0.030, "miss_get_s": 0.003,
                 "miss_insert_s": 0.006, "miss_read_s": 0.3, "collates": 4, "collate_samples": 32, "collate_s": 0.016},
                {"hits": 0, "misses": 10, "miss_transform_s": 0.010, "miss_get_s": 0.001, "miss_insert_s": 0.0}]
@@ -242,6 +244,10 @@ def test_job_fields_from_reports():
     assert f["prep_time"] == pytest.approx(0.050 / 50 + 0.016 / 32)   # transform + collate per sample
     assert f["miss_overhead"] == pytest.approx(0.010 / 40)            # lookup and insert per miss
     assert (f["ranks"], f["workers"], f["batch"], f["prefetch"]) == (2, 2, 8, 3)
+    # start-up: set-up before the loop plus the first iter(); workers not persistent: respawned each epoch
+    assert f["startup"] == pytest.approx(1.30) and f["epoch_start"] == pytest.approx(0.05)
+    persistent = C.job_fields("j", {**job, "shape": {**job["shape"], "persistent": True}}, [loop0, loop1], samples)
+    assert persistent["epoch_start"] == 0.0
     # main-process loading: the handoff is the collate per batch, and the prep has no collate share
     g = C.job_fields("j", {**job, "shape": {**job["shape"], "workers": 0, "prefetch": None}}, [loop0, loop1], samples)
     assert g["handoff"] == pytest.approx(0.016 / 4) and g["prep_time"] == pytest.approx(0.050 / 50)

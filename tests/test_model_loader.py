@@ -134,3 +134,18 @@ def test_sources_that_fall_or_rise_with_concurrency(curve):
         four = _sc(1500, [dict(jobs[0], workers=4)], bandwidth=bw)
         assert predict(four).makespan < 0.8 * predict(one).makespan
         assert simulate(four).makespan < 0.8 * simulate(one).makespan
+
+
+def test_start_up_and_epoch_restarts_delay_the_job():
+    # the job asks for its first batch `startup` after it starts, and each later epoch's loader
+    # takes `epoch_start` to start (workers spawned again): both in the simulator and the model
+    n, Bt, W, t, p = 768, 16, 2, 0.0004, 0.0002
+    job = dict(sample_time=t, epochs=3, workers=W, batch=Bt, prep_time=p)
+    base = _sc(n, [job], capacity=1.0, initial=1.0)
+    slow = _sc(n, [dict(job, startup=0.7, epoch_start=0.2)], capacity=1.0, initial=1.0)
+    for delay in (0.0, 1.5):
+        d = {"j0": delay}
+        extra = 0.7 + 2 * 0.2
+        assert simulate(slow, d).makespan == pytest.approx(simulate(base, d).makespan + extra, rel=1e-9)
+        assert predict(slow, d).makespan == pytest.approx(predict(base, d).makespan + extra, rel=1e-6)
+    assert Scenario.from_dict(slow.to_dict()) == slow

@@ -247,6 +247,7 @@ def _describe_job(f: Mapping[str, Any]) -> str:
     loader = (f"{f['workers']} worker(s), prefetch {f['prefetch']}" if f["workers"] else "main-process loading")
     return (f"{f['batches']} batches on {f['ranks']} rank(s), batch {f['batch']}, {loader}: "
             f"{f['sample_time'] * 1e3:.3f} ms/sample, handoff {f['handoff'] * 1e3:.2f} ms/batch, "
+            f"start-up {f['startup']:.2f} s (epoch restart {f['epoch_start']:.2f} s), "
             f"prep {f['prep_time'] * 1e3:.3f} ms/sample, miss overhead {f['miss_overhead'] * 1e3:.3f} ms "
             f"({f['hits']} hits, {f['misses']} misses; stopped: {f['stopped']})"
             + ("" if f["samples_seen"] else "; no CachedDataset sample costs seen (a loader that is no DataLoader "
@@ -290,7 +291,8 @@ def _job(name: str, m: Mapping[str, Any], epochs: int) -> Job:
     if m["route"] == "step":
         return Job(name=name, sample_time=sample_time, epochs=epochs)
     return Job(name=name, sample_time=sample_time, epochs=epochs, ranks=m["ranks"], workers=m["workers"],
-               batch=m["batch"], prefetch=m["prefetch"], handoff=m["handoff"], prep_time=m["prep_time"])
+               batch=m["batch"], prefetch=m["prefetch"], handoff=m["handoff"], prep_time=m["prep_time"],
+               startup=m["startup"], epoch_start=m["epoch_start"])
 
 
 def _scenario(meas: dict[str, Any], spec: Spec, epochs: int | Mapping[str, int] | None,

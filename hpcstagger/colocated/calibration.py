@@ -212,6 +212,8 @@ class LoopMeter:
         self.meters: list[SampleMeter] = []
         self.segments = 0
         self.stopped = ""
+        self.setup_s: float | None = None  # from the job's start to its loop's first pass
+        self.iter_s: list[float] = []      # each pass's iter(loader): starting the loader (its workers)
         os.makedirs(directory, exist_ok=True)
 
     @property
@@ -222,6 +224,9 @@ class LoopMeter:
     def wrap(self, iterable: Iterable[Any]) -> Iterator[Any]:
         """``iterable``'s batches, each timed; may end the process (see the module docstring)."""
         self.segments += 1
+        if self.setup_s is None:
+            session = self.session
+            self.setup_s = max(0.0, session.elapsed() - float(session.timings.get("started_at", 0.0)))
         if not self.shape:
             self.shape = loader_shape(iterable, self.session.comm.size)
             if self.session.is_leader:
@@ -247,7 +252,9 @@ class LoopMeter:
     def _loop(self, iterable: Iterable[Any]) -> Iterator[Any]:
         from ..profile import batch_size_of
 
+        t_iter = time.perf_counter()
         it = iter(iterable)
+        self.iter_s.append(time.perf_counter() - t_iter)
         warm, seen, body = self._warmup(), 0, 0.0
         wait, samples, probe = 0.0, 0, False
         try:
@@ -325,7 +332,8 @@ class LoopMeter:
         _io.atomic_write_json(os.path.join(self.directory, "job.json"),
                               {"job": self.session.job, "shape": self.shape, "segments": self.segments,
                                "batches": len(self.records), "measured": self.measured, "stopped": self.stopped,
-                               "until": self.until, "time": time.time()}, durable=False)
+                               "setup_s": self.setup_s, "iter_s": self.iter_s, "until": self.until,
+                               "time": time.time()}, durable=False)
 
 
 _METERS: dict[int, LoopMeter] = {}
@@ -396,7 +404,11 @@ def job_fields(name: str, job: Mapping[str, Any], loops: Sequence[Mapping[str, A
       process loads each batch itself, and the handoff is its collate per batch;
     - ``prep_time``: a worker's seconds per sample besides reading the bytes: the transform, and
       with workers the collate's share per sample;
-    - ``miss_overhead``: what a miss costs besides the source's own read (the lookup and insert).
+    - ``miss_overhead``: what a miss costs besides the source's own read (the lookup and insert);
+    - ``startup``: from the job's start (after its planned wait) to its loop's first batch request:
+      its backend, model and DDP set-up, and starting the loader (``iter``, which spawns workers);
+    - ``epoch_start``: a later epoch's ``iter``: the first one's when the workers are not
+      persistent (they are spawned again every epoch), else nothing.
 
     Raises ModelError when no batch was measured after the warm-up.
     """
@@ -415,12 +427,15 @@ def job_fields(name: str, job: Mapping[str, Any], loops: Sequence[Mapping[str, A
     transform = _div(c["hit_transform_s"] + c["miss_transform_s"], done)
     collate_per_sample = _div(c["collate_s"], c["collate_samples"])
     batch = shape.get("batch") or max(1, round(sum(per_batch) / len(per_batch)))
+    first_iter = float((job.get("iter_s") or [0.0])[0])
     return {
         "sample_time": sum(steps) / (max(1, sum(per_batch)) * ranks),
         "ranks": ranks, "workers": workers, "batch": int(batch), "prefetch": shape.get("prefetch"),
         "handoff": quantile(waits, HANDOFF_QUANTILE) if workers > 0 else _div(c["collate_s"], c["collates"]),
         "prep_time": transform + (collate_per_sample if workers > 0 else 0.0),
         "miss_overhead": _div(c["miss_get_s"] + c["miss_insert_s"], c["misses"]),
+        "startup": float(job.get("setup_s") or 0.0) + first_iter,
+        "epoch_start": first_iter if workers > 0 and not shape.get("persistent") else 0.0,
         "batches": len(rows), "step_s": sum(steps) / len(steps), "wait_median_s": quantile(waits, 0.5),
         "probes": sum(1 for i in rows if loops[0]["records"][i][4]),
         "hits": int(c["hits"]), "misses": int(c["misses"]), "samples_seen": bool(done),

@@ -105,6 +105,8 @@ class Engine(CacheState):
         self.initial = float(sc.initial_samples)
         self.lru = sc.cache.policy == "lru" and 0 < self.cap < self.n
         self.epochs = [j.epochs for j in sc.jobs]
+        self.startup = [j.startup for j in sc.jobs]
+        self.epoch_start = [j.epoch_start for j in sc.jobs]
         # a job's time per sample if it missed everything alone: the scale of step errors
         self.t_ref = [self.job_time(j, 1.0, self.read_time[self.F[j]], self.read_time[self.F[j]] ** 2)
                       for j in range(J)]
@@ -272,7 +274,7 @@ class Engine(CacheState):
             if keep is not None:
                 keep.append(self.snapshot(delays))
             for j in range(J):
-                if self.status[j] == 0 and delays[j] <= self.t + 1e-12:
+                if self.status[j] == 0 and delays[j] + self.startup[j] <= self.t + 1e-12:
                     self.b[j] = 0.0
                     self.m2.pop(j, None)
                     self._set_bit(j, True)
@@ -284,7 +286,8 @@ class Engine(CacheState):
                     self.fresh = True
                     self.hist = None
             run = [j for j in range(J) if self.status[j] == 1]
-            pending = [delays[j] for j in range(J) if self.status[j] == 0] + list(self.resume.values())
+            pending = [delays[j] + self.startup[j] for j in range(J) if self.status[j] == 0]
+            pending += self.resume.values()
             if not run and not pending:
                 break
             if self.t > stop:
@@ -380,6 +383,8 @@ class Engine(CacheState):
         m = min(1.0, v[j] / U[j]) if U[j] > 0 else 0.0
         bw = self.b[j] if self.b[j] > 0 else self.per_reader[self.F[j]]
         pause = _loader.bubble(self.loaders[j], m, self.hit_time, self.s / bw)
+        if self.epoch[j] > 0:
+            pause += self.epoch_start[j]  # the loader starts again (its workers spawned again)
         if pause > 1e-12:
             self.status[j] = 3
             self.resume[j] = self.t + pause

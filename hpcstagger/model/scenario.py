@@ -26,6 +26,8 @@ valid keys with their defaults. The format::
     prefetch = 2               # batches per worker in flight (PyTorch's prefetch_factor)
     handoff = 0.0005           # seconds per batch the main process spends receiving it
     prep_time = 0.0001         # seconds per sample a worker spends besides reading (decode, augment)
+    startup = 1.5              # seconds from the job's start to its loop's first batch request
+    epoch_start = 0.0          # seconds each later epoch's loader takes to start (workers not persistent)
 
 The semantics every model of a scenario follows are stated in :mod:`hpcstagger.model`.
 """
@@ -97,8 +99,11 @@ class Job:
     whole batches of ``batch`` samples one sample at a time, and up to ``prefetch`` batches per
     worker are in flight or ready. Receiving a batch costs the main process ``handoff`` seconds;
     a worker spends ``prep_time`` seconds per sample besides reading it. ``prefetch`` None takes the
-    scenario's ``[loader] prefetch``. The defaults (one worker, batches of one) are one prefetching
-    reader fetching one sample at a time.
+    scenario's ``[loader] prefetch``. The job's loop asks for its first batch ``startup`` seconds
+    after the job starts (its backend, model and loader workers), and every later epoch's loader
+    takes ``epoch_start`` seconds to start (workers spawned again when they are not persistent).
+    The defaults (one worker, batches of one, no start-up) are one prefetching reader fetching one
+    sample at a time.
     """
 
     name: str
@@ -110,6 +115,8 @@ class Job:
     prefetch: int | None = None
     handoff: float = 0.0
     prep_time: float = 0.0
+    startup: float = 0.0
+    epoch_start: float = 0.0
 
     def fetchers(self) -> int:
         """How many reads the job can have in flight: one per worker (or per rank without workers)."""
@@ -141,7 +148,8 @@ _JOB = S.Table("job", [S.Field("name", _job_name), S.Field("sample_time", _POSIT
                        S.Field("batch", S.integer(minimum=1, maximum=1 << 20), 1),
                        S.Field("prefetch", S.optional(S.integer(minimum=1, maximum=1024)), None,
                                shown="[loader] prefetch"),
-                       S.Field("handoff", _DELAY, 0.0), S.Field("prep_time", _DELAY, 0.0)])
+                       S.Field("handoff", _DELAY, 0.0), S.Field("prep_time", _DELAY, 0.0),
+                       S.Field("startup", _DELAY, 0.0), S.Field("epoch_start", _DELAY, 0.0)])
 _TOP = {"dataset": "required", "storage": "required", "cache": "optional (no cache)",
         "loader": "optional", "job": "required, one [[job]] table per job"}
 
@@ -309,7 +317,7 @@ class Scenario:
 def _job_dict(j: Job) -> dict[str, Any]:
     """A job as a dict, its loader fields only where they differ from the defaults."""
     out: dict[str, Any] = {"name": j.name, "sample_time": j.sample_time, "epochs": j.epochs}
-    for key in ("ranks", "workers", "batch", "prefetch", "handoff", "prep_time"):
+    for key in ("ranks", "workers", "batch", "prefetch", "handoff", "prep_time", "startup", "epoch_start"):
         value = getattr(j, key)
         if value != _JOB.fields[key].default:
             out[key] = value
@@ -365,8 +373,8 @@ def _validate(s: Scenario) -> None:
                               "forever; give the bandwidth in bytes/s")
         reads.append(read)
     slowest = max(reads)
-    total = sum(float(j.epochs) * s.dataset.samples * (j.sample_time + j.prep_time + j.handoff + slowest)
-                for j in s.jobs)
+    total = sum(float(j.epochs) * (s.dataset.samples * (j.sample_time + j.prep_time + j.handoff + slowest)
+                                   + j.epoch_start) + j.startup for j in s.jobs)
     if not math.isfinite(total):
         raise ConfigError("the scenario's run time overflows (samples x epochs x seconds per sample is "
                           "infinite); check the units: seconds, bytes and bytes/s")

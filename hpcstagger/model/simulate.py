@@ -2,8 +2,9 @@
 
 It follows the semantics stated in :mod:`hpcstagger.model` literally, sample by sample:
 
-- every job draws a fresh random permutation of the n samples for each epoch (seeded); step k of
-  an epoch takes the next ``ranks * batch`` samples of it, split between the ranks;
+- job j starts at ``delay + startup`` (its first batch request); every job draws a fresh random
+  permutation of the n samples for each epoch (seeded); step k of an epoch takes the next
+  ``ranks * batch`` samples of it, split between the ranks;
 - each job's loader works like PyTorch's DataLoader. At the start of every epoch each rank
   dispatches its first ``workers * prefetch`` batches, batch k to worker ``k % workers``; a
   worker fetches its batches in order, one sample at a time, each sample a lookup (a hit takes
@@ -11,7 +12,8 @@ It follows the semantics stated in :mod:`hpcstagger.model` literally, sample by 
   Step k starts when every rank's batch k is ready and step k-1 is done; receiving the batches
   costs ``handoff``, then compute takes ``sample_time`` per sample of the step. When step k
   starts, batch ``k + workers * prefetch`` is dispatched. Without workers, each rank fetches
-  batch k itself once step k-1 is done. The next epoch starts when the last step is done;
+  batch k itself once step k-1 is done. The next epoch starts ``epoch_start`` after the last
+  step is done;
 - the source is processor-shared: while r misses are in flight (over all jobs and workers),
   each progresses at ``bandwidth[r-1] / r`` bytes/s, recomputed at every arrival and completion;
 - a miss is inserted into the cache when its read completes: minio inserts until the cache is
@@ -147,7 +149,8 @@ class _Job:
         self.depth = job.workers * sc.prefetch_of(job)  # batches in flight per rank (0: no workers)
         self.t, self.handoff, self.prep = job.sample_time, job.handoff, job.prep_time
         self.epochs, self.epoch = job.epochs, -1
-        self.start = delay
+        self.start = delay + job.startup
+        self.epoch_start = job.epoch_start
         # fetcher id -> (rank, worker): one per worker of each rank, or one per rank without workers
         per_rank = max(1, self.W)
         self.fetchers = [(first_fetcher + r * per_rank + w) for r in range(self.R) for w in range(per_rank)]
@@ -155,7 +158,7 @@ class _Job:
         self.ready: list[int] = []              # step k -> ranks whose batch k is ready
         self.ready_at: list[float] = []
         self.next_step = 0
-        self.c_prev = delay                     # when the previous step's compute ended
+        self.c_prev = self.start                # when the previous step's compute ended
         self.finish = INF
         self.hits = self.misses = 0
         self.epoch_ends: list[float] = []
@@ -298,7 +301,7 @@ class _Sim:
         if last:
             job.epoch_ends.append(c)
             if job.epoch + 1 < job.epochs:
-                self._push(c, 0, job.j)
+                self._push(c + job.epoch_start, 0, job.j)
             else:
                 job.finish = c
 
