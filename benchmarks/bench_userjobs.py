@@ -189,6 +189,7 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=3072, help="dataset samples of 3 KiB (default 3072, ~9.4 MB)")
     p.add_argument("--budget", type=float, default=60.0, help="calibration budget per spec, seconds")
     p.add_argument("--out", default=str(HERE / "out" / "bench_userjobs.json"))
+    p.add_argument("--keep", action="store_true", help="keep the work directory (specs, scenarios, logs)")
     args = p.parse_args()
     if args.list:
         for name, cfg in CONFIGS.items():
@@ -219,7 +220,10 @@ def main() -> int:
                 json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "results": results}, f, indent=1)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
-        shutil.rmtree(root, ignore_errors=True)
+        if args.keep:
+            print(f"[bench_userjobs] kept {root}", file=sys.stderr)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
     all_errs = [e for r in results for e in r["summary"]["errors"]]
     print("\n| configuration | plan | best stagger | plan gap | median error | max error |\n|---|---|---|---|---|---|")
     for r in results:

@@ -82,7 +82,7 @@ def main() -> None:
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
         for images, labels in session.loader(loader):
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad()
             loss = nn.functional.cross_entropy(net(images), labels)
             loss.backward()
             opt.step()
