@@ -5,6 +5,7 @@ analysis, the source's fresh samples and dropped pages, and the page-cache rule.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -88,6 +89,7 @@ def test_calibrate_spec_measures_every_job_from_its_own_command(tmp_path, shm_di
     meas = d["measurements"]
     assert meas["elapsed_s"] <= budget * 1.1 and wall <= budget * 1.1 + 5, (meas["elapsed_s"], wall)
     sc = Scenario.from_toml(tmp_path / "scenario.toml")
+    assert sc.node.cores == len(os.sched_getaffinity(0))  # the cores the jobs share
     ddp, plain = sc.jobs
     # the loader shapes, read from the jobs' own DataLoaders and communicators
     assert (ddp.name, ddp.ranks, ddp.workers, ddp.batch, ddp.prefetch, ddp.epochs) == ("ddp", 2, 1, 16, 2, 2)
@@ -253,6 +255,25 @@ def test_job_fields_from_reports():
     assert g["handoff"] == pytest.approx(0.016 / 4) and g["prep_time"] == pytest.approx(0.050 / 50)
     with pytest.raises(ModelError, match="no batch after its warm-up"):
         C.job_fields("j", job, [_loop(0, [(0.1, 0.1, 8, 1, 0)])], [])
+
+
+def test_job_fields_take_full_speed_times_from_cpu_records():
+    # records with CPU seconds: a step whose process had the core for less than its wall time
+    # counts its CPU time (the job's own workers took the core); a multi-threaded step (CPU above
+    # wall) counts its wall time
+    rows = [(0.5, 0.2, 8, 1, 0, 0.0, 0.1), (0.001, 0.020, 8, 0, 0, 0.001, 0.010),
+            (0.001, 0.010, 8, 0, 0, 0.001, 0.018), (0.001, 0.012, 8, 0, 0, 0.001, 0.006)]
+    job = {"shape": {"ranks": 1, "workers": 2, "batch": 8, "prefetch": 2}, "setup_s": 1.0, "iter_s": [0.0]}
+    workers = [{"worker": True, "hits": 30, "hit_get_s": 0.003, "misses": 10, "miss_get_s": 0.001,
+                "miss_insert_s": 0.002, "hit_transform_s": 0.01, "miss_transform_s": 0.003, "cpu_s": 0.046},
+               {"worker": True, "hits": 40, "hit_get_s": 0.004, "misses": 0, "cpu_s": 0.054},
+               {"worker": False, "hits": 0, "misses": 0, "cpu_s": 5.0}]  # the main process: not a worker
+    f = C.job_fields("j", job, [_loop(0, rows)], workers)
+    assert f["sample_time"] == pytest.approx((0.010 + 0.010 + 0.006) / (3 * 8))
+    assert f["step_wall_s"] == pytest.approx((0.020 + 0.010 + 0.012) / 3)
+    # workers' CPU per sample (0.1 s over 80 samples) less their lookups (0.010 s over 80)
+    assert f["worker_cpu_per_sample"] == pytest.approx(0.100 / 80)
+    assert f["prep_time"] == pytest.approx((0.100 - 0.010) / 80)
 
 
 def test_quantile():

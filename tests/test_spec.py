@@ -136,3 +136,47 @@ def test_integer_accepts_integral_floats_only():
         S.integer()("x", 2.5)
     with pytest.raises(ConfigError, match="must be an integer"):
         S.integer()("x", True)
+
+
+def _small_spec(tmp_path, cache_extra=""):
+    import h5py
+    import numpy as np
+
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        f.create_dataset("x", data=np.zeros((1000, 100), dtype=np.uint8))  # 1000 samples of 100 bytes
+    (tmp_path / "spec.toml").write_text(f"""
+[dataset]
+path = "d.h5"
+name = "x"
+[cache]
+capacity = 100000
+{cache_extra}
+[[job]]
+name = "a"
+command = "true"
+""")
+    return Spec.from_toml(tmp_path / "spec.toml")
+
+
+def test_cache_index_holds_the_whole_dataset_by_default(tmp_path, shm_root):
+    # 100 kB at the default 4 KiB per entry would index 24 samples of a 1000-sample dataset
+    spec = _small_spec(tmp_path)
+    assert spec.dataset_samples() == 1000
+    assert spec.cache_entries() == 1000
+    cache = spec.make_cache()
+    try:
+        assert cache.stats()["max_entries"] == 1000
+        stored = sum(cache.put(i, bytes(100)) for i in range(1000))
+        assert stored == 1000  # every sample fits: 100 kB of payload, 1000 index entries
+    finally:
+        cache.close()
+
+
+def test_cache_max_entries_is_explicit_or_from_the_capacity(tmp_path):
+    assert _small_spec(tmp_path, "max_entries = 50").cache_entries() == 50
+    with pytest.raises(ConfigError, match=r"cache\.max_entries"):
+        _small_spec(tmp_path, "max_entries = -1")
+    (tmp_path / "nodata.toml").write_text('[cache]\ncapacity = "1MB"\n[[job]]\nname = "a"\ncommand = "true"\n')
+    spec = Spec.from_toml(tmp_path / "nodata.toml")
+    assert spec.dataset_samples() is None
+    assert spec.cache_entries() == 1_000_000 // 4096

@@ -53,6 +53,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0, help="the sampler's seed (DistributedSampler's default: 0)")
     args = p.parse_args()
     torch.set_num_threads(1)
 
@@ -62,7 +63,7 @@ def main() -> None:
     source = session.source()
     size = int(round(((len(bytes(source[0])) - 1) / 3) ** 0.5))
     dataset = CachedDataset(source, session.cache(), transform=Decode(size, flip=True))
-    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=comm.size, rank=comm.rank, seed=0)
+    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=comm.size, rank=comm.rank, seed=args.seed)
     loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch, sampler=sampler, num_workers=args.workers,
                                          persistent_workers=args.workers > 0)
     model = build(args.model, size)

@@ -50,6 +50,9 @@ def register(sub: Any) -> None:
                    help="samples per step call when timing step factories (--job; default 16)")
     p.add_argument("--prefetch", type=int, default=2,
                    help="the loader prefetch depth written into the scenario without --spec (default 2)")
+    p.add_argument("--cores", type=float, default=None, metavar="C",
+                   help="with --spec: the CPU cores the co-located jobs share, written as [node] cores "
+                        "(default: the CPUs this process may run on; 0: do not model CPU sharing)")
     p.add_argument("-o", "--out", default="scenario.toml", help="scenario file to write (default scenario.toml)")
     p.add_argument("--json", action="store_true", help="print the measurements as one JSON object")
     p.set_defaults(func=run)
@@ -125,7 +128,8 @@ def _with_spec(args: argparse.Namespace, jobs: dict[str, Any]) -> Any:
     spec = Spec.from_toml(args.spec)
     epochs = _epochs(args.epochs, list(spec.job_names)) if args.epochs else None
     return calibrate_spec(spec, steps=jobs, budget=args.budget, readers=args.readers, epochs=epochs,
-                          capacity=args.capacity, policy=args.policy, batch=args.batch, out=args.out)
+                          capacity=args.capacity, policy=args.policy, batch=args.batch, out=args.out,
+                          cores=args.cores)
 
 
 def _with_factories(args: argparse.Namespace, jobs: dict[str, Any]) -> Any:

@@ -40,7 +40,7 @@ from ..model.calibrate import (Calibration, capacity_bytes, reader_levels, sourc
                                time_steps, write_scenario)
 from ..model.calibrate_source import (MAX_READERS, SamplePool, hit_bandwidth, measure_levels, mem_available,
                                       page_cache_holds, preload, reread_bandwidth, source_files)
-from ..model.scenario import POLICIES, Cache, Dataset, Job, Loader, Scenario, Storage
+from ..model.scenario import POLICIES, Cache, Dataset, Job, Loader, Node, Scenario, Storage
 from . import env as E
 from .calibration import GRACE_S, calibration_spec, job_fields, read_reports
 from .launch import mpmd_command, run_group
@@ -248,6 +248,7 @@ def _describe_job(f: Mapping[str, Any]) -> str:
     return (f"{f['batches']} batches on {f['ranks']} rank(s), batch {f['batch']}, {loader}: "
             f"{f['sample_time'] * 1e3:.3f} ms/sample, handoff {f['handoff'] * 1e3:.2f} ms/batch, "
             f"start-up {f['startup']:.2f} s (epoch restart {f['epoch_start']:.2f} s), "
+            f"order {f.get('order') or 'its own'}, "
             f"prep {f['prep_time'] * 1e3:.3f} ms/sample, miss overhead {f['miss_overhead'] * 1e3:.3f} ms "
             f"({f['hits']} hits, {f['misses']} misses; stopped: {f['stopped']})"
             + ("" if f["samples_seen"] else "; no CachedDataset sample costs seen (a loader that is no DataLoader "
@@ -279,6 +280,11 @@ def _cache(meas: Mapping[str, Any], spec: Spec, capacity: float | str | None,
     if pol not in POLICIES:
         raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {pol!r}")
     notes = {"cache.hit_bandwidth": f"measured per reader with {meas['hits']['how']}"}
+    entries = spec.cache_entries()
+    if entries < min(n, cap // size):  # the index fills before the arena
+        notes["cache.capacity"] = (f"{entries} entries of {size:.0f} bytes: the cache's index ([cache] max_entries) "
+                                   f"holds fewer samples than {cap:.0f} bytes would")
+        return Cache(capacity=entries * size, policy=pol, hit_bandwidth=_finite(shm)), notes
     if not pc["holds"] and pc["source"] != "other":
         notes["cache.capacity"] = ("the spec's [cache] (the source is emulated: no page cache)" if pc["emulated"] else
                                    "the spec's [cache]: the dataset is too large for the page cache to keep")
@@ -292,7 +298,15 @@ def _job(name: str, m: Mapping[str, Any], epochs: int) -> Job:
         return Job(name=name, sample_time=sample_time, epochs=epochs)
     return Job(name=name, sample_time=sample_time, epochs=epochs, ranks=m["ranks"], workers=m["workers"],
                batch=m["batch"], prefetch=m["prefetch"], handoff=m["handoff"], prep_time=m["prep_time"],
-               startup=m["startup"], epoch_start=m["epoch_start"])
+               startup=m["startup"], epoch_start=m["epoch_start"], order=m.get("order", ""))
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity: a Slurm allocation's or a cpuset's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _scenario(meas: dict[str, Any], spec: Spec, epochs: int | Mapping[str, int] | None,
@@ -318,9 +332,12 @@ def _scenario(meas: dict[str, Any], spec: Spec, epochs: int | Mapping[str, int] 
         comments[f"job.{j.name}"] = ("measured from its command: " + _describe_job(m) if m["route"] == "command" else
                                      f"its step factory: {m['sample_time'] * 1e3:.3f} ms/sample over {m['calls']} "
                                      f"in-memory batches of {m['batch']}")
+    cores = float(meas["cores"])
+    if cores:
+        comments["node.cores"] = meas["cores_how"]
     scenario = Scenario(dataset=Dataset(samples=meas["samples"], sample_bytes=size),
                         storage=Storage(tuple(fold_miss_overhead(measured, size, overhead))), jobs=tuple(jobs),
-                        cache=cache, loader=Loader(prefetch=2))
+                        cache=cache, loader=Loader(prefetch=2), node=Node(cores=cores))
     return scenario, comments
 
 
@@ -328,13 +345,15 @@ def calibrate_spec(spec: Spec, *, steps: Mapping[str, Callable[[list[bytes]], An
                    budget: float | None = None, readers: int | None = None,
                    epochs: int | Mapping[str, int] | None = None, capacity: float | str | None = None,
                    policy: str | None = None, batch: int = 16, out: str | os.PathLike[str] | None = None,
-                   progress: bool = True, mpiexec: str | None = None, seed: int = 0) -> Calibration:
+                   progress: bool = True, mpiexec: str | None = None, seed: int = 0,
+                   cores: float | None = None) -> Calibration:
     """Measure the scenario of ``spec`` from its jobs' own commands (see the module docstring).
 
     ``steps`` times some jobs with a step factory instead (name -> ``step(samples)``, on in-memory
     batches of ``batch``). ``budget`` defaults to the ``calibrate_budget`` knob (60 s); ``readers``
     overrides the levels measured (1 .. K); ``epochs``, ``capacity`` and ``policy`` override the
-    spec's. With ``out`` the scenario is written there atomically. Raises ConfigError for a bad
+    spec's. ``cores`` is the scenario's ``[node] cores`` (default :func:`usable_cores`; 0: CPU
+    sharing not modelled). With ``out`` the scenario is written there atomically. Raises ConfigError for a bad
     spec or a job that never calls ``session.loader``, LaunchError without mpiexec, and ModelError
     when a job's command or a measurement fails.
     """
@@ -346,6 +365,8 @@ def calibrate_spec(spec: Spec, *, steps: Mapping[str, Callable[[list[bytes]], An
         raise ConfigError("calibrate needs a spec read from a file (Spec.from_toml): the jobs read it too")
     for name in steps or {}:
         spec.job(name)
+    if cores is not None and not (math.isfinite(cores) and cores >= 0):
+        raise ConfigError(f"cores must be a number >= 0 (0: do not model CPU sharing), got {cores!r}")
     from tqdm import tqdm
 
     bar = tqdm(total=3 + len(spec.jobs), desc="calibrate", unit="step", file=sys.stderr, disable=not progress,
@@ -359,6 +380,9 @@ def calibrate_spec(spec: Spec, *, steps: Mapping[str, Callable[[list[bytes]], An
         bar.close()
         if run is not None:
             run.close()
+    meas["cores"] = usable_cores() if cores is None else cores
+    meas["cores_how"] = ("the CPUs this calibration could run on (its affinity); the jobs share them"
+                         if cores is None else "given with --cores")
     scenario, comments = _scenario(meas, spec, epochs, capacity, policy)
     meas["elapsed_s"] = time.monotonic() - t_start
     _io.atomic_write_json(Path(meas["reports"]) / "measurements.json", _io.json_safe(meas), durable=False)

@@ -22,8 +22,10 @@ seconds>`` set. In that mode:
 Each file has one writer (never a shared stream) and is replaced atomically:
 
 - ``job.json``: the leader's: the loader's shape, the ranks, how many batches and why it stopped;
-- ``loop.<rank>.json``: each rank's per-batch records ``[wait, step, samples, warm-up, probe]``;
-- ``samples.<pid>.<n>.json``: each process's sample costs (hits, misses, transforms, collates).
+- ``loop.<rank>.json``: each rank's per-batch records ``[wait, step, samples, warm-up, probe,
+  wait CPU, step CPU]`` (the CPU seconds of the rank's process, all its threads, in each part);
+- ``samples.<pid>.<n>.json``: each process's sample costs (hits, misses, transforms, collates),
+  and its CPU seconds over the samples it counted.
 
 :func:`read_reports` and :func:`job_fields` (pure) turn them into the scenario's job fields.
 """
@@ -56,7 +58,8 @@ FLUSH_EVERY_S = 0.1     # how often a process rewrites its sample-cost file
 SUFFIX = "calibrate"    # the private cache and throttle state: <name>-calibrate
 
 _SAMPLE_FIELDS = ("hits", "hit_bytes", "hit_get_s", "hit_transform_s", "misses", "miss_bytes", "miss_get_s",
-                  "miss_read_s", "miss_insert_s", "miss_transform_s", "collates", "collate_samples", "collate_s")
+                  "miss_read_s", "miss_insert_s", "miss_transform_s", "collates", "collate_samples", "collate_s",
+                  "cpu_s")
 
 
 def calibration_dir(environ: Mapping[str, str] | None = None) -> str:
@@ -104,6 +107,7 @@ class SampleMeter:
         self.pid = 0
         self.counts: dict[str, float] = {}
         self.seen = 0
+        self.cpu0 = 0.0
         self.next_flush = 0.0
 
     def _here(self) -> None:
@@ -111,6 +115,7 @@ class SampleMeter:
             self.pid = os.getpid()
             self.counts = dict.fromkeys(_SAMPLE_FIELDS, 0.0)
             self.seen = 0
+            self.cpu0 = 0.0
             self.next_flush = 0.0  # the first counted sample is written at once
 
     def sample(self, hit: bool, nbytes: int, get_s: float, read_s: float, insert_s: float, transform_s: float) -> None:
@@ -118,6 +123,7 @@ class SampleMeter:
         self._here()
         self.seen += 1
         if self.seen == 1:
+            self.cpu0 = time.process_time()  # the CPU counted from here, with the samples after this one
             return
         c = self.counts
         if hit:
@@ -151,6 +157,8 @@ class SampleMeter:
         if not self.pid:
             return
         self.next_flush = time.monotonic() + FLUSH_EVERY_S
+        if self.seen > 1:
+            self.counts["cpu_s"] = time.process_time() - self.cpu0
         record = {"pid": self.pid, "rank": self.rank, "worker": self.pid != self.origin, **self.counts}
         _io.atomic_write_json(os.path.join(self.directory, f"samples.{self.pid}.{self.serial}.json"), record,
                               durable=False)
@@ -184,7 +192,31 @@ def loader_shape(loader: Any, ranks: int) -> dict[str, Any]:
     return {"loader": type(loader).__name__, "dataloader": is_loader, "workers": workers,
             "batch": int(batch) if isinstance(batch, int) else None,
             "prefetch": int(prefetch or 2) if workers > 0 else None,
-            "persistent": bool(getattr(loader, "persistent_workers", False)), "ranks": int(ranks)}
+            "persistent": bool(getattr(loader, "persistent_workers", False)), "ranks": int(ranks),
+            "order": sampler_order(loader)}
+
+
+def sampler_order(loader: Any) -> str:
+    """Which sample order a loader reads, as the scenario's ``order``: jobs whose samplers give
+    the same string read the same permutation each epoch. A DistributedSampler (or a sampler with
+    a seeded generator) is named by its seed; an unseeded RandomSampler draws from the process's
+    own random state ("": an order of its own); no shuffling is "sequential"."""
+    sampler = getattr(loader, "sampler", None)
+    inner = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    if sampler is None or type(sampler).__name__ == "BatchSampler":
+        sampler = inner
+    if sampler is None:
+        return ""
+    name = type(sampler).__name__
+    if name == "SequentialSampler" or (hasattr(sampler, "shuffle") and not sampler.shuffle):
+        return "sequential"
+    seed = getattr(sampler, "seed", None)
+    if isinstance(seed, int):
+        return f"{name}(seed={seed})"
+    generator = getattr(sampler, "generator", None)
+    if generator is not None and hasattr(generator, "initial_seed"):
+        return f"{name}(seed={generator.initial_seed()})"
+    return ""
 
 
 def _cached_datasets(obj: Any, depth: int = 0) -> Iterator[Any]:
@@ -255,24 +287,26 @@ class LoopMeter:
         t_iter = time.perf_counter()
         it = iter(iterable)
         self.iter_s.append(time.perf_counter() - t_iter)
-        warm, seen, body = self._warmup(), 0, 0.0
-        wait, samples, probe = 0.0, 0, False
+        warm, seen, body, body_cpu = self._warmup(), 0, 0.0, 0.0
+        wait, wait_cpu, samples, probe = 0.0, 0.0, 0, False
+        cpu = time.process_time
         try:
             while True:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), cpu()
                 if seen:
-                    self.records.append([wait, t0 - body, samples, int(seen <= warm), int(probe)])
+                    self.records.append([wait, t0 - body, samples, int(seen <= warm), int(probe), wait_cpu,
+                                         c0 - body_cpu])
                     self._check()
                 probe = self._probe(seen - warm)
-                t1 = time.perf_counter()
+                t1, c1 = time.perf_counter(), cpu()
                 try:
                     item = next(it)
                 except StopIteration:
                     return
-                wait = time.perf_counter() - t1
+                wait, wait_cpu = time.perf_counter() - t1, cpu() - c1
                 samples = batch_size_of(item)
                 seen += 1
-                body = time.perf_counter()
+                body, body_cpu = time.perf_counter(), cpu()
                 yield item
         finally:
             self._flush()
@@ -390,25 +424,38 @@ def _div(a: float, b: float) -> float:
     return a / b if b else 0.0
 
 
+def _full_speed(record: Sequence[float]) -> float:
+    """A batch's step at full speed: its wall time, or its CPU time when less (records without CPU: wall)."""
+    wall = float(record[1])
+    if len(record) > 6 and record[6] > 0:
+        return min(wall, float(record[6]))
+    return wall
+
+
 def job_fields(name: str, job: Mapping[str, Any], loops: Sequence[Mapping[str, Any]],
                samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The scenario's fields for job ``name`` from its calibration files (see :func:`read_reports`).
 
-    - ``sample_time``: the step per sample of the whole job. Per batch, the step is the shortest
-      of the ranks' (a rank that waited longer for its data made the others wait in the
-      all-reduce), averaged over the measured batches, over ``ranks * batch`` samples;
+    - ``sample_time``: the step per sample of the whole job at full speed. Per batch and rank the
+      step is its wall time, or its process's CPU time when less (the job's own workers took the
+      core for a while: the model shares the cores itself); per batch, the shortest of the ranks'
+      (a rank that waited longer for its data made the others wait in the all-reduce), averaged
+      over the measured batches, over ``ranks * batch`` samples;
     - ``handoff``: with workers, a low quantile (10%) of the waits in ``next()``: a wait is the
       handoff of a ready batch plus any time the batch was not ready yet, and every
       PROBE_EVERY-th batch is fetched when it surely is ready, so the low quantile is the handoff
       alone, without the bias of a minimum (timer and scheduler noise). Without workers the main
       process loads each batch itself, and the handoff is its collate per batch;
-    - ``prep_time``: a worker's seconds per sample besides reading the bytes: the transform, and
-      with workers the collate's share per sample;
+    - ``prep_time``: a worker's seconds per sample besides reading the bytes: with workers, their
+      CPU seconds per sample less the lookups' time (transform, collate, handing the batch over),
+      or without CPU records the transform and the collate's share; without workers the transform;
     - ``miss_overhead``: what a miss costs besides the source's own read (the lookup and insert);
     - ``startup``: from the job's start (after its planned wait) to its loop's first batch request:
       its backend, model and DDP set-up, and starting the loader (``iter``, which spawns workers);
     - ``epoch_start``: a later epoch's ``iter``: the first one's when the workers are not
-      persistent (they are spawned again every epoch), else nothing.
+      persistent (they are spawned again every epoch), else nothing;
+    - ``order``: the sampler's order (:func:`sampler_order`): jobs with the same one read the
+      same permutation each epoch.
 
     Raises ModelError when no batch was measured after the warm-up.
     """
@@ -419,23 +466,31 @@ def job_fields(name: str, job: Mapping[str, Any], loops: Sequence[Mapping[str, A
     if not rows:
         raise ModelError(f"job {name!r} gave no batch after its warm-up of its loader; give it more data or "
                          "a larger calibration budget")
-    steps = [min(lp["records"][i][1] for lp in loops) for i in rows]
+    steps = [min(_full_speed(lp["records"][i]) for lp in loops) for i in rows]
     per_batch = [loops[0]["records"][i][2] for i in rows]
     waits = [lp["records"][i][0] for lp in loops for i in rows]
     c = _sum_samples(samples)
     done = c["hits"] + c["misses"]
     transform = _div(c["hit_transform_s"] + c["miss_transform_s"], done)
     collate_per_sample = _div(c["collate_s"], c["collate_samples"])
+    prep = transform + (collate_per_sample if workers > 0 else 0.0)
+    w = _sum_samples([x for x in samples if x.get("worker")])
+    w_done = w["hits"] + w["misses"]
+    worker_cpu = _div(w["cpu_s"], w_done)
+    if workers > 0 and w["cpu_s"] > 0 and w_done:
+        prep = max(0.0, worker_cpu - _div(w["hit_get_s"] + w["miss_get_s"] + w["miss_insert_s"], w_done))
     batch = shape.get("batch") or max(1, round(sum(per_batch) / len(per_batch)))
     first_iter = float((job.get("iter_s") or [0.0])[0])
     return {
         "sample_time": sum(steps) / (max(1, sum(per_batch)) * ranks),
         "ranks": ranks, "workers": workers, "batch": int(batch), "prefetch": shape.get("prefetch"),
         "handoff": quantile(waits, HANDOFF_QUANTILE) if workers > 0 else _div(c["collate_s"], c["collates"]),
-        "prep_time": transform + (collate_per_sample if workers > 0 else 0.0),
+        "prep_time": prep, "worker_cpu_per_sample": worker_cpu,
+        "step_wall_s": sum(min(lp["records"][i][1] for lp in loops) for i in rows) / len(rows),
         "miss_overhead": _div(c["miss_get_s"] + c["miss_insert_s"], c["misses"]),
         "startup": float(job.get("setup_s") or 0.0) + first_iter,
         "epoch_start": first_iter if workers > 0 and not shape.get("persistent") else 0.0,
+        "order": str(shape.get("order") or ""),
         "batches": len(rows), "step_s": sum(steps) / len(steps), "wait_median_s": quantile(waits, 0.5),
         "probes": sum(1 for i in rows if loops[0]["records"][i][4]),
         "hits": int(c["hits"]), "misses": int(c["misses"]), "samples_seen": bool(done),

@@ -56,7 +56,7 @@ from typing import Any
 from collections.abc import Mapping, Sequence
 
 from .. import _schema as S
-from ..errors import ConfigError
+from ..errors import CacheError, ConfigError
 
 __all__ = ["Spec", "RunSpec", "DatasetSpec", "CacheSpec", "CheckpointSpec", "PlanSpec", "SlurmSpec",
            "JobSpec", "PLAN_MODES", "BACKENDS"]
@@ -97,6 +97,7 @@ class CacheSpec:
     capacity: int = 0
     policy: str = "minio"
     root: str = ""
+    max_entries: int = 0
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,8 @@ _CACHE = S.Table("cache", [
     S.Field("capacity", S.size, 0),
     S.Field("policy", S.choice("minio", "none"), "minio"),
     S.Field("root", S.string(), "", shown="HPCSTAGGER_SHM_ROOT or /dev/shm/hpcstagger-<uid>"),
+    S.Field("max_entries", S.integer(minimum=0), 0,
+            shown="0 (auto: capacity / cache_min_sample_bytes, and at least the dataset's samples)"),
 ])
 _CHECKPOINT = S.Table("checkpoint", [
     S.Field("directory", S.string(), "checkpoints", shown='"checkpoints" under the workdir'),
@@ -338,7 +341,38 @@ class Spec:
             return None
         from ..cache import ShmCache
 
-        return ShmCache(c.name, c.capacity, policy=c.policy, root=c.root or None)
+        return ShmCache(c.name, c.capacity, policy=c.policy, root=c.root or None, max_entries=self.cache_entries())
+
+    def cache_entries(self) -> int:
+        """How many samples the ``[cache]`` can index: its ``max_entries``, or when that is 0
+        ``capacity // cache_min_sample_bytes`` (ShmCache's default) and at least the dataset's
+        sample count, so that a cache sized for the dataset holds all of it however small its
+        samples are. Every process of the run computes the same number."""
+        c = self.cache
+        if c.max_entries:
+            return c.max_entries
+        from .. import config
+
+        auto = max(64, c.capacity // max(1, int(config.get("cache_min_sample_bytes"))))
+        return max(auto, self.dataset_samples() or 0)
+
+    def dataset_samples(self) -> int | None:
+        """The ``[dataset]``'s sample count (None without a path, or when it cannot be opened)."""
+        ds = self.dataset
+        if not ds.path:
+            return None
+        from ..cache import DirectorySource, HDF5Source
+
+        try:
+            base: Any = HDF5Source(ds.path, ds.name) if ds.format == "hdf5" else DirectorySource(ds.path, ds.pattern)
+        except (OSError, ValueError, ConfigError, CacheError):
+            return None
+        try:
+            return len(base)
+        finally:
+            close = getattr(base, "close", None)
+            if close is not None:
+                close()
 
     def layout(self) -> list[tuple[JobSpec, int]]:
         """Each job with its first world rank, in launch order (MPMD places jobs consecutively)."""

@@ -23,6 +23,9 @@ Semantics (followed by the model and the simulator alike; docs/model.md has them
   most recently used); none never caches. Two readers missing the same sample at once both read it.
 - The cache holds ``floor(capacity / sample_bytes)`` samples; it starts with ``cache.initial`` of
   the dataset (a random subset).
+- With ``[node] cores = C`` the CPU is processor-shared too: each rank's step, each sample's CPU
+  work in its fetcher (hit time and ``prep_time``) and each rank's start-up are tasks; while
+  tasks totalling k run, each runs at ``min(1, C / k)`` of its speed.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ from __future__ import annotations
 from .calibrate import Calibration, calibrate
 from .fluid import Prediction, predict
 from .plan import Plan, optimal_plan
-from .scenario import Cache, Dataset, Job, Loader, Scenario, Storage
+from .scenario import Cache, Dataset, Job, Loader, Node, Scenario, Storage
 from .simulate import SimResult, simulate
 
-__all__ = ["Scenario", "Dataset", "Storage", "Cache", "Loader", "Job", "Prediction", "predict",
+__all__ = ["Scenario", "Dataset", "Storage", "Cache", "Loader", "Node", "Job", "Prediction", "predict",
            "SimResult", "simulate", "Plan", "optimal_plan", "Calibration", "calibrate"]

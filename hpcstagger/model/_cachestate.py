@@ -50,12 +50,15 @@ class CacheState:
     # contiguous array times a 0/1 mask and a shifted slice, moves the same amounts as strided
     # views would, at a fraction of numpy's per-call overhead on these tiny arrays.
     def advance(self, U: list[float], v: list[float], x: list[float], m: list[float], dt: float,
-                state: tuple[Any, Any] | None = None) -> tuple[Any, Any]:
+                state: tuple[Any, Any] | None = None, masks: list[Any] | None = None) -> tuple[Any, Any]:
         """Move the class state on by dt at read rates x and miss fractions m (held constant).
 
         ``U`` and ``v`` are the current per-job counts. A sample one job inserts during the step
         counts as cached for half the step when another job looks for hits, which keeps the step
-        second order.
+        second order. ``masks[j]`` (flat 0/1 over the classes) is where job j draws from: its
+        unread samples (``bit1[j]``, the default), or for a job following another of its order
+        those its leader has read (:mod:`._order`); such a job draws both parts of that class in
+        proportion, whatever its miss fraction for the source.
         """
         np = self.np
         total_of = np.add.reduce  # ndarray.sum without its Python wrapper
@@ -64,6 +67,12 @@ class CacheState:
         else:  # work on copies and return them
             Nu, Nb = state[0].copy(), state[1].copy()
         run = [j for j in range(self.J) if self.status[j] == 1]
+        follow: list[int] = []  # jobs following another of their order: drawn after everyone else
+        if masks is None:
+            masks = self.bit1
+        else:
+            follow = sorted((j for j in run if masks[j] is not self.bit1[j]), key=lambda j: U[j])
+            run = [j for j in run if j not in follow]
         misses = {j: min(x[j] * m[j] * dt, v[j]) for j in run}
         total_miss = sum(misses.values())
         if self.lru:
@@ -79,7 +88,7 @@ class CacheState:
         uncached, fresh_flat = Nu.reshape(N), fresh.reshape(N)
         for j in run:  # misses: uncached samples the job has yet to read
             if misses[j] > 0.0:
-                self._read_uncached(Nu, uncached, fresh_flat, j, misses[j], ins_share)
+                self._read_uncached(Nu, uncached, fresh_flat, j, misses[j], ins_share, masks[j])
         # Hits: cached samples, and samples inserted during the step, which were cached for half
         # of it on average. Other jobs' hits keep a sample cached and unread by this job, so the
         # pools taken before any hit is applied stay right.
@@ -104,7 +113,8 @@ class CacheState:
                 Nb = self._evict(Nb, Nu, early)
             Nb = np.concatenate((Nb, self.empty_block))
         blocks = Nb.reshape(len(Nb), N)
-        pools = ((total_of(blocks, 0) + avail * fresh_flat) @ self.maskmat).tolist()
+        cached_now = total_of(blocks, 0) + avail * fresh_flat
+        pools = [float(cached_now @ masks[j]) for j in range(self.J)]
         fracs = []
         short = {}
         for j in run:
@@ -116,16 +126,18 @@ class CacheState:
         dest = blocks[-1 if self.lru else 0]  # a hit makes the sample most recently used
         for j, frac in fracs:
             d = N - (1 << j)
-            moved = blocks * (self.bit1[j] * frac)  # cached samples job j has yet to read, every block
+            moved = blocks * (masks[j] * frac)  # cached samples job j has yet to read, every block
             blocks -= moved
             dest[:d] += total_of(moved, 0)[-d:]
-            moved = fresh_flat * (self.bit1[j] * (avail * frac))
+            moved = fresh_flat * (masks[j] * (avail * frac))
             fresh_flat -= moved
             fresh_flat[:d] += moved[-d:]  # still inserted during the step, for later jobs' hits
         for j, extra in short.items():  # after the hits, which must not see these inserts
             # fewer cached samples left to read than the rates assumed: the job reads the rest of
             # its share of the step from the source, so that it reads x * dt samples in all
-            self._read_uncached(Nu, uncached, fresh_flat, j, extra, ins_share)
+            self._read_uncached(Nu, uncached, fresh_flat, j, extra, ins_share, masks[j])
+        for j in follow:  # leaders first, so a follower may read what its leader read this step
+            self._follow(Nu, uncached, blocks, dest, fresh_flat, j, x[j] * dt, ins_share, masks[j])
         dest += fresh_flat
         if self.lru:
             Nb = self._evict(Nb, Nu, float(total_of(Nb, None)) - self.cap)
@@ -135,16 +147,42 @@ class CacheState:
             self.Nb = Nb
         return Nu, Nb
 
+    def _follow(self, Nu: Any, uncached: Any, blocks: Any, dest: Any, fresh: Any, j: int, want: float,
+                ins_share: float, mask: Any) -> None:
+        """Job j, a follower (:mod:`._order`), reads ``want`` samples of its class ``mask``, cached
+        (in any block, or inserted this step) and uncached in proportion; past the end of that
+        class it overtakes its leader and reads on among all it has yet to read."""
+        np = self.np
+        d = len(uncached) - (1 << j)
+        for pool_mask in (mask, self.bit1[j]):
+            pu = float(uncached @ pool_mask)
+            pc = float(np.add.reduce(blocks, 0) @ pool_mask) + float(fresh @ pool_mask)
+            if want <= 0.0 or pu + pc <= 0.0:
+                continue
+            frac = min(1.0, want / (pu + pc))
+            moved = blocks * (pool_mask * frac)
+            blocks -= moved
+            dest[:d] += np.add.reduce(moved, 0)[-d:]
+            moved = fresh * (pool_mask * frac)
+            fresh -= moved
+            fresh[:d] += moved[-d:]
+            if pu > 0.0:
+                self._read_uncached(Nu, uncached, fresh, j, frac * pu, ins_share, pool_mask)
+            want -= frac * (pu + pc)
+
     def _read_uncached(self, Nu: Any, uncached: Any, fresh: Any, j: int, want: float,
-                       ins_share: float) -> None:
-        """Job j reads ``want`` of the uncached samples it has yet to read (at most all of them):
-        ``ins_share`` of what it reads goes into ``fresh`` (inserted this step), the rest stays
-        uncached. ``uncached`` and ``fresh`` are flat; ``Nu`` is ``uncached`` as a class tensor."""
-        pool = float(self.np.add.reduce(Nu[self.sl1[j]], None))  # less what earlier jobs inserted this step
+                       ins_share: float, mask: Any) -> None:
+        """Job j reads ``want`` of the uncached samples it draws from (``mask``; at most all of
+        them): ``ins_share`` of what it reads goes into ``fresh`` (inserted this step), the rest
+        stays uncached. ``uncached`` and ``fresh`` are flat; ``Nu`` is ``uncached`` as a class tensor."""
+        if mask is self.bit1[j]:
+            pool = float(self.np.add.reduce(Nu[self.sl1[j]], None))  # less what earlier jobs inserted this step
+        else:
+            pool = float(uncached @ mask)
         if pool <= 0.0:
             return
         d = len(uncached) - (1 << j)
-        moved = uncached * (self.bit1[j] * min(1.0, want / pool))
+        moved = uncached * (mask * min(1.0, want / pool))
         uncached -= moved
         moved = moved[-d:]
         if ins_share == 1.0:

@@ -31,8 +31,9 @@ from typing import Any, NamedTuple
 from collections.abc import Callable
 
 from ..errors import ModelError
-from . import _loader, _pipeline
+from . import _cpu, _loader, _pipeline
 from ._cachestate import CacheState
+from ._order import OrderState
 from .scenario import Scenario
 
 # Samples are tracked per subset of jobs (2**jobs classes), which bounds the number of jobs.
@@ -79,7 +80,7 @@ class Snapshot:
     state: tuple[Any, ...]
 
 
-class Engine(CacheState):
+class Engine(CacheState, OrderState):
     """Integrates one scenario; reusable for many delay vectors (one run at a time)."""
 
     def __init__(self, sc: Scenario, quality: Quality = FINE, record: bool = False):
@@ -107,6 +108,14 @@ class Engine(CacheState):
         self.epochs = [j.epochs for j in sc.jobs]
         self.startup = [j.startup for j in sc.jobs]
         self.epoch_start = [j.epoch_start for j in sc.jobs]
+        # jobs that read the same order (:mod:`._order`), and how far ahead each looks samples up
+        self.orders = [j.order for j in sc.jobs]
+        self.grouped = any(o and self.orders.count(o) > 1 for o in self.orders)
+        self.window = [float(max(1, L.depth) * L.R * L.B) for L in self.loaders]
+        # the node's cores (None: CPU time not shared; a job then starts ``startup`` after its delay)
+        most = sum(j.ranks * (1 + j.workers) for j in sc.jobs)
+        self.cpu = _cpu.CpuShare(sc.node.cores, most) if sc.node.cores > 0 else None
+        self.speed = [[1.0, 1.0, 1.0] for _ in range(J)]
         # a job's time per sample if it missed everything alone: the scale of step errors
         self.t_ref = [self.job_time(j, 1.0, self.read_time[self.F[j]], self.read_time[self.F[j]] ** 2)
                       for j in range(J)]
@@ -126,7 +135,7 @@ class Engine(CacheState):
     def reset(self) -> None:
         np, J = self.np, self.J
         self.t = 0.0
-        self.status = [0] * J           # 0 waiting, 1 running, 2 done, 3 paused (an epoch starting)
+        self.status = [0] * J           # 0 waiting, 1 running, 2 done, 3 paused (an epoch starting), 4 starting up
         self.epoch = [0] * J
         self.Nu = np.zeros(self.shape)
         self.Nu[(0,) * J] = self.n - self.initial
@@ -138,6 +147,8 @@ class Engine(CacheState):
         self.b = [0.0] * J              # warm start of the bandwidth fixed point
         self.m2: dict[int, float] = {}  # second moment of each reader's miss time (warm start)
         self.last_m2: list[float] = []
+        self.starting: dict[int, float] = {}  # jobs starting up (status 4): start-up work left
+        self.speed = [[1.0, 1.0, 1.0] for _ in range(J)]  # CPU speed of each job's steps, workers, start-up
         self.step_frac = 1.0 / 32       # current step, as a fraction of an epoch
         self.fresh = True               # solve the rates afresh at the next step (after an event)
         self.hist: tuple | None = None  # (running jobs, 1/x, dt, slope) of the last step, for step control
@@ -150,13 +161,16 @@ class Engine(CacheState):
         started = tuple((j, delays[j]) for j in range(self.J) if self.status[j] != 0)
         state = (self.t, list(self.status), list(self.epoch), self.Nu.copy(), self.Nb.copy(), list(self.done),
                  list(self.finish), list(self.b), self.step_frac, self.fresh, list(self.x), list(self.m),
-                 self.hist, self.full, dict(self.m2), dict(self.resume))
+                 self.hist, self.full, dict(self.m2), dict(self.resume), dict(self.starting),
+                 [list(v) for v in self.speed])
         return Snapshot(self.t, started, state)
 
     def restore(self, snap: Snapshot) -> None:
         (self.t, status, epoch, Nu, Nb, done, finish, b, self.step_frac, self.fresh, x, m, self.hist, self.full,
-         m2, resume) = snap.state
+         m2, resume, starting, speed) = snap.state
         self.m2 = dict(m2)
+        self.starting = dict(starting)
+        self.speed = [list(v) for v in speed]
         self.resume = dict(resume)
         self.status, self.epoch, self.done, self.finish = list(status), list(epoch), list(done), list(finish)
         self.Nu, self.Nb, self.b, self.x, self.m = Nu.copy(), Nb.copy(), list(b), list(x), list(m)
@@ -164,14 +178,17 @@ class Engine(CacheState):
 
     # ---- rates ----------------------------------------------------------------------------------
     def rates(self, U: list[float], v: list[float]) -> tuple[list[float], list[float]]:
-        """Per-job read rate x (samples/s) and miss fraction m at a state (x = 0 when not running)."""
+        """Per-job read rate x (samples/s) and miss fraction m at a state (x = 0 when not running).
+
+        With the node's cores, also each job's CPU speeds (``self.speed``), solved jointly."""
         J, s = self.J, self.s
         x = [0.0] * J
         m = [0.0] * J
-        readers = []
+        readers, running = [], []
         for j in range(J):
             if self.status[j] != 1:
                 continue
+            running.append(j)
             mj = v[j] / U[j] if U[j] > 0 else 0.0
             mj = 0.0 if mj < 1e-12 else (1.0 if mj > 1.0 else mj)
             m[j] = mj
@@ -179,7 +196,8 @@ class Engine(CacheState):
                 readers.append(j)
             else:
                 x[j] = 1.0 / self.job_time(j, 0.0, 0.0, 0.0)
-        if not readers:
+        cpu = self.cpu is not None and (running or self.starting)
+        if not readers and not cpu:
             return x, m
         b = self.b
         for j in readers:
@@ -199,8 +217,12 @@ class Engine(CacheState):
                 xj = x[j] = 1.0 / self.job_time(j, m[j], miss_t, m2.get(j, miss_t * miss_t))
                 z = F[j] / (xj * m[j]) - miss_t  # a fetcher's think time between two of its misses
                 Z.append(z if z > 0.0 else 0.0)
-            nb = share(readers, Z)
-            if variance:
+            if cpu:
+                for j in running:
+                    if m[j] <= 0.0:
+                        x[j] = 1.0 / self.job_time(j, 0.0, 0.0, 0.0)
+            nb = share(readers, Z) if readers else []
+            if variance and readers:
                 for j, m2j in zip(readers, self.last_m2, strict=True):
                     m2[j] = m2j
             change = 0.0
@@ -208,19 +230,45 @@ class Engine(CacheState):
                 c = abs(nbj - b[j]) / b[j]
                 if c > change:
                     change = c
+            speeds = self.cpu_speeds(running, x, m) if cpu else []
+            for _, _, old, new in speeds:
+                c = abs(new - old) / old
+                if c > change:
+                    change = c
             if change > 0.7 * last:  # slow or oscillating: damp
                 damp = max(0.25, damp * 0.5)
             last = change
             for j, nbj in zip(readers, nb, strict=True):
                 b[j] += damp * (nbj - b[j])
+            self.set_speeds(speeds, damp)
             if change < tol:
                 break
         return x, m
 
     def job_time(self, j: int, m: float, miss_t: float, miss_m2: float) -> float:
         """Job j's steady seconds per sample at miss fraction m, a miss taking miss_t on average
-        (second moment miss_m2; sharing makes it vary): see :mod:`._loader`."""
-        return _loader.time_per_sample(self.loaders[j], m, self.hit_time, miss_t, miss_m2, PIPE, MISS_VARIANCE)
+        (second moment miss_m2; sharing makes it vary), its CPU work at its current speeds:
+        see :mod:`._loader`."""
+        L, a = self.loaders[j], self.hit_time
+        if self.cpu is not None:
+            vm, vw, _ = self.speed[j]
+            if L.W == 0:
+                vw = vm  # the main process fetches
+            L = L.at_speed(vm, vw)
+            a /= vw
+        return _loader.time_per_sample(L, m, a, miss_t, miss_m2, PIPE, MISS_VARIANCE)
+
+    def cpu_speeds(self, running: list[int], x: list[float], m: list[float]) -> list[tuple[int, int, float, float]]:
+        """(job, which, old speed, new speed) of each CPU group (:func:`._cpu.groups`) at these rates."""
+        assert self.cpu is not None
+        groups, where = _cpu.groups(self.loaders, self.speed, self.hit_time, running, x, m, self.starting)
+        new = self.cpu.speeds(groups)
+        return [(j, k, self.speed[j][k], v) for (j, k), v in zip(where, new, strict=True)]
+
+    def set_speeds(self, speeds: list[tuple[int, int, float, float]], damp: float) -> None:
+        """Move each CPU group's speed towards its new value (by ``damp``)."""
+        for j, k, old, new in speeds:
+            self.speed[j][k] = old + damp * (new - old)
 
     def share_product(self, readers: list[int], Z: list[float]) -> list[float]:
         """Mean bytes/s each reading job's misses get, by processor sharing in product form.
@@ -273,48 +321,45 @@ class Engine(CacheState):
                 raise ModelError("the fluid model made no progress; please report this scenario")
             if keep is not None:
                 keep.append(self.snapshot(delays))
-            for j in range(J):
-                if self.status[j] == 0 and delays[j] + self.startup[j] <= self.t + 1e-12:
-                    self.b[j] = 0.0
-                    self.m2.pop(j, None)
-                    self._set_bit(j, True)
-                    self._begin_epoch(j)
-                    counted = None
-                elif self.status[j] == 3 and self.resume[j] <= self.t + 1e-12:
-                    del self.resume[j]
-                    self.status[j] = 1
-                    self.fresh = True
-                    self.hist = None
+            if self._starts(delays):
+                counted = None
             run = [j for j in range(J) if self.status[j] == 1]
-            pending = [delays[j] + self.startup[j] for j in range(J) if self.status[j] == 0]
-            pending += self.resume.values()
-            if not run and not pending:
+            if not run and not self.resume and not any(st in (0, 4) for st in self.status):
                 break
             if self.t > stop:
                 return [f if f <= stop else math.inf for f in self.finish]
-            t_next_start = min(pending) if pending else math.inf
             if not run:
                 self._record(None, None)
-                self.t = t_next_start
+                if self.starting:
+                    self.set_speeds(self.cpu_speeds([], [], []), 1.0)
+                t_next = self._next_start(delays)
+                self._advance_starts(t_next - self.t)
+                self.t = t_next
                 continue
             U, v = counted if counted is not None else self.counts(self.Nu, self.Nb)
-            changing = self.changing()
+            lead = self.leads(U)
+            masks = self.masks(lead) if lead else None
+            changing = self.changing() or self.pairs_running()
             if self.fresh or not changing:
-                self.x, self.m = self.rates(U, v)
+                self.x, self.m = self.rates(*self.rate_counts(U, v, self.Nu, self.Nb))
                 self.fresh = False
             x, m = self.x, self.m
+            t_next_start = self._next_start(delays)
             self._record(x, m)
             dt = min(min(U[j] / x[j] for j in run), t_next_start - self.t)
+            if lead:
+                dt = min(dt, max(self.catch_up(x, U), 1e-9))
             if changing:
                 # midpoint rule; the predictor uses the last midpoint rates (still second order)
                 frac = self.step_frac
                 dt = min(dt, min(n * frac / x[j] for j in run))
                 dt = self._fill_time(x, m, dt)
-                if self.lru and sum(x[j] * m[j] for j in run) * dt > self.cap:
-                    # the cache turns over within half a step: its fast dynamics only balance out
-                    # over a turnover, so predict the midpoint with a real half step
-                    Nu2, Nb2 = self.advance(U, v, x, m, dt / 2, state=(self.Nu, self.Nb))
-                    U2, v2 = self.counts(Nu2, Nb2)
+                if self.pairs_running() or (self.lru and sum(x[j] * m[j] for j in run) * dt > self.cap):
+                    # the cache turns over within half a step (its fast dynamics only balance out
+                    # over a turnover), or jobs follow others of their order: predict the midpoint
+                    # with a real half step
+                    Nu2, Nb2 = self.advance(U, v, x, m, dt / 2, state=(self.Nu, self.Nb), masks=masks)
+                    U2, v2 = self.rate_counts(*self.counts(Nu2, Nb2), Nu2, Nb2)
                 else:
                     dv = self.dvdt(x, m)
                     U2 = [U[j] - x[j] * dt / 2 for j in range(J)]
@@ -341,6 +386,7 @@ class Engine(CacheState):
                     self.hist = (run, inv, dt, None)
                 self.step_frac = min(q.max_step, max(q.min_step, frac * grow))
                 x, m = self.x, self.m = x2, miss2
+                t_next_start = self._next_start(delays)
                 # re-aim at the nearest event with the midpoint rates
                 dt = min([dt] + [U[j] / x[j] for j in run] + [t_next_start - self.t])
                 dt_fill = self._fill_time(x, m, dt)
@@ -350,7 +396,8 @@ class Engine(CacheState):
                     self.hist = None
             # jobs whose epoch end this step was aimed at (the clamps in advance may leave a crumb)
             ending = [j for j in run if U[j] <= x[j] * dt * (1.0 + 1e-9)]
-            self.advance(U, v, x, m, dt)
+            self.advance(U, v, x, m, dt, masks=masks)
+            self._advance_starts(dt)
             self.t += dt
             U, v = counted = self.counts(self.Nu, self.Nb)
             for j in run:
@@ -362,6 +409,47 @@ class Engine(CacheState):
                 self.fresh = True
         self._record(None, None)
         return list(self.finish)
+
+    def _starts(self, delays: list[float]) -> bool:
+        """Start the jobs whose time has come (their start-up, then their first epoch) and resume
+        the paused ones whose epoch start is over; True when a job began an epoch."""
+        began = False
+        for j in range(self.J):
+            st = self.status[j]
+            if st == 0 and self.cpu is not None and delays[j] <= self.t + 1e-12 and self.startup[j] > 0:
+                self.status[j] = st = 4  # its start-up is CPU work, shared with the others
+                self.starting[j] = self.startup[j]
+                self.speed[j] = [1.0, 1.0, 1.0]
+                self.fresh = True
+                self.hist = None
+            if ((st == 0 and delays[j] + (self.startup[j] if self.cpu is None else 0.0) <= self.t + 1e-12)
+                    or (st == 4 and self.starting[j] <= 1e-9 * self.startup[j])):
+                self.starting.pop(j, None)
+                self.b[j] = 0.0
+                self.m2.pop(j, None)
+                self._set_bit(j, True)
+                self._begin_epoch(j)
+                began = True
+            elif st == 3 and self.resume[j] <= self.t + 1e-12:
+                del self.resume[j]
+                self.status[j] = 1
+                self.fresh = True
+                self.hist = None
+        return began
+
+    def _next_start(self, delays: list[float]) -> float:
+        """When the next job starts, ends its start-up, or ends a pause (inf: none left)."""
+        out = min(self.resume.values(), default=math.inf)
+        for j in range(self.J):
+            if self.status[j] == 0:
+                out = min(out, delays[j] + (self.startup[j] if self.cpu is None else 0.0))
+            elif self.status[j] == 4:
+                out = min(out, self.t + self.starting[j] / self.speed[j][2])
+        return out
+
+    def _advance_starts(self, dt: float) -> None:
+        for j in self.starting:
+            self.starting[j] = max(0.0, self.starting[j] - self.speed[j][2] * dt)
 
     def _end_epoch(self, j: int) -> None:
         self.epoch[j] += 1

@@ -55,6 +55,11 @@ class Shape(NamedTuple):
         """Main-process seconds per step (all ranks' batches): receiving and computing."""
         return self.R * self.B * self.t + self.handoff
 
+    def at_speed(self, main: float, worker: float) -> Shape:
+        """The shape with its main process's CPU work at speed ``main`` and its workers' at
+        ``worker`` (0 < speed <= 1; the node's cores shared, :mod:`._cpu`)."""
+        return Shape(self.R, self.W, self.B, self.depth, self.handoff / main, self.prep / worker, self.t / main)
+
 
 def shapes(sc: Scenario) -> list[Shape]:
     """Every job's loader shape."""

@@ -16,6 +16,8 @@ valid keys with their defaults. The format::
     initial = 0.0              # fraction of the dataset cached when the run starts (default 0: cold)
     [loader]                   # optional
     prefetch = 2               # default prefetch of the jobs' loaders (a job's own value wins)
+    [node]                     # optional
+    cores = 2                  # CPU cores the jobs share; 0 (the default): CPU time is not shared
     [[job]]
     name = "resnet"
     sample_time = 0.002        # seconds per sample of the training loop with data in memory (whole job)
@@ -28,6 +30,7 @@ valid keys with their defaults. The format::
     prep_time = 0.0001         # seconds per sample a worker spends besides reading (decode, augment)
     startup = 1.5              # seconds from the job's start to its loop's first batch request
     epoch_start = 0.0          # seconds each later epoch's loader takes to start (workers not persistent)
+    order = ""                 # jobs with the same order read the same permutation each epoch ("": its own)
 
 The semantics every model of a scenario follows are stated in :mod:`hpcstagger.model`.
 """
@@ -43,7 +46,7 @@ from collections.abc import Mapping, Sequence
 from .. import _schema as S
 from ..errors import ConfigError
 
-__all__ = ["Dataset", "Storage", "Cache", "Loader", "Job", "Scenario", "POLICIES"]
+__all__ = ["Dataset", "Storage", "Cache", "Loader", "Node", "Job", "Scenario", "POLICIES"]
 
 POLICIES = ("minio", "lru", "none")
 
@@ -91,6 +94,18 @@ class Loader:
 
 
 @dataclass(frozen=True)
+class Node:
+    """The node the jobs share: ``cores`` CPU cores (0: unlimited, CPU time is not shared).
+
+    With cores, every CPU task (a rank's step, a worker's preparation of a sample, a rank's
+    start-up) uses one core at full speed; while k tasks run on the node, each runs at
+    ``min(1, cores / k)`` of its speed.
+    """
+
+    cores: float = 0.0
+
+
+@dataclass(frozen=True)
 class Job:
     """One training job: its loop's seconds per sample with data in memory, its epochs, and its loader.
 
@@ -102,8 +117,10 @@ class Job:
     scenario's ``[loader] prefetch``. The job's loop asks for its first batch ``startup`` seconds
     after the job starts (its backend, model and loader workers), and every later epoch's loader
     takes ``epoch_start`` seconds to start (workers spawned again when they are not persistent).
-    The defaults (one worker, batches of one, no start-up) are one prefetching reader fetching one
-    sample at a time.
+    Jobs with the same non-empty ``order`` read the same permutation in each epoch (samplers with
+    the same seed, PyTorch's default); "" gives the job an order of its own. The defaults (one
+    worker, batches of one, no start-up, an order of its own) are one prefetching reader fetching
+    one sample at a time.
     """
 
     name: str
@@ -117,6 +134,7 @@ class Job:
     prep_time: float = 0.0
     startup: float = 0.0
     epoch_start: float = 0.0
+    order: str = ""
 
     def fetchers(self) -> int:
         """How many reads the job can have in flight: one per worker (or per rank without workers)."""
@@ -141,6 +159,7 @@ _CACHE = S.Table("cache", [
     S.Field("initial", S.number(minimum=0), 0.0, shown="0 (cold)"),
 ])
 _LOADER = S.Table("loader", [S.Field("prefetch", S.integer(minimum=1), 2)])
+_NODE = S.Table("node", [S.Field("cores", S.number(minimum=0), 0.0, shown="0 (CPU not shared)")])
 _JOB = S.Table("job", [S.Field("name", _job_name), S.Field("sample_time", _POSITIVE),
                        S.Field("epochs", S.integer(minimum=1), 1),
                        S.Field("ranks", S.integer(minimum=1, maximum=1024), 1),
@@ -149,9 +168,10 @@ _JOB = S.Table("job", [S.Field("name", _job_name), S.Field("sample_time", _POSIT
                        S.Field("prefetch", S.optional(S.integer(minimum=1, maximum=1024)), None,
                                shown="[loader] prefetch"),
                        S.Field("handoff", _DELAY, 0.0), S.Field("prep_time", _DELAY, 0.0),
-                       S.Field("startup", _DELAY, 0.0), S.Field("epoch_start", _DELAY, 0.0)])
+                       S.Field("startup", _DELAY, 0.0), S.Field("epoch_start", _DELAY, 0.0),
+                       S.Field("order", S.string(allow_empty=True), "", shown='"" (its own)')])
 _TOP = {"dataset": "required", "storage": "required", "cache": "optional (no cache)",
-        "loader": "optional", "job": "required, one [[job]] table per job"}
+        "loader": "optional", "node": "optional (CPU not shared)", "job": "required, one [[job]] table per job"}
 
 
 @dataclass(frozen=True)
@@ -167,6 +187,7 @@ class Scenario:
     jobs: tuple[Job, ...]
     cache: Cache = field(default_factory=Cache)
     loader: Loader = field(default_factory=Loader)
+    node: Node = field(default_factory=Node)
 
     def __post_init__(self) -> None:
         # Validate the parts too when the scenario is built directly rather than from a dict.
@@ -256,13 +277,14 @@ class Scenario:
         storage = Storage(_STORAGE.parse("storage", data["storage"])["bandwidth"])
         cache = Cache(**_CACHE.parse("cache", data.get("cache")))
         loader = Loader(**_LOADER.parse("loader", data.get("loader")))
+        node = Node(**_NODE.parse("node", data.get("node")))
         raw_jobs = data["job"]
         if isinstance(raw_jobs, Mapping):
             raw_jobs = [raw_jobs]
         if not isinstance(raw_jobs, (list, tuple)) or not raw_jobs:
             raise ConfigError("[[job]] must be a non-empty list of job tables (name, sample_time, epochs)")
         jobs = [Job(**_JOB.parse(f"job[{i}]", jd)) for i, jd in enumerate(raw_jobs)]
-        return cls(dataset=dataset, storage=storage, jobs=tuple(jobs), cache=cache, loader=loader)
+        return cls(dataset=dataset, storage=storage, jobs=tuple(jobs), cache=cache, loader=loader, node=node)
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str]) -> Scenario:
@@ -280,13 +302,16 @@ class Scenario:
             cache["hit_bandwidth"] = self.cache.hit_bandwidth
         if self.cache.initial:
             cache["initial"] = self.cache.initial
-        return {
+        out: dict[str, Any] = {
             "dataset": {"samples": self.dataset.samples, "sample_bytes": self.dataset.sample_bytes},
             "storage": {"bandwidth": list(self.storage.bandwidth)},
             "cache": cache,
             "loader": {"prefetch": self.loader.prefetch},
-            "job": [_job_dict(j) for j in self.jobs],
         }
+        if self.node.cores:
+            out["node"] = {"cores": self.node.cores}
+        out["job"] = [_job_dict(j) for j in self.jobs]
+        return out
 
     def to_toml(self, comments: Mapping[str, str] | None = None) -> str:
         """The scenario as TOML text that :meth:`from_toml` reads back.
@@ -297,7 +322,9 @@ class Scenario:
         comments = dict(comments or {})
         d = self.to_dict()
         out: list[str] = []
-        for table in ("dataset", "storage", "cache", "loader"):
+        for table in ("dataset", "storage", "cache", "loader", "node"):
+            if table not in d:
+                continue
             out.append(f"[{table}]")
             for key, value in d[table].items():
                 note = comments.get(f"{table}.{key}")
@@ -317,7 +344,7 @@ class Scenario:
 def _job_dict(j: Job) -> dict[str, Any]:
     """A job as a dict, its loader fields only where they differ from the defaults."""
     out: dict[str, Any] = {"name": j.name, "sample_time": j.sample_time, "epochs": j.epochs}
-    for key in ("ranks", "workers", "batch", "prefetch", "handoff", "prep_time", "startup", "epoch_start"):
+    for key in ("ranks", "workers", "batch", "prefetch", "handoff", "prep_time", "startup", "epoch_start", "order"):
         value = getattr(j, key)
         if value != _JOB.fields[key].default:
             out[key] = value
@@ -344,7 +371,7 @@ def _toml_value(value: Any) -> str:
 
 def _validate(s: Scenario) -> None:
     """Check a scenario built from its parts, with the checkers that from_dict uses."""
-    for table, part in ((_DATASET, s.dataset), (_CACHE, s.cache), (_LOADER, s.loader)):
+    for table, part in ((_DATASET, s.dataset), (_CACHE, s.cache), (_LOADER, s.loader), (_NODE, s.node)):
         for name, f in table.fields.items():
             f.check(f"{table.name}.{name}", getattr(part, name))
     _STORAGE.fields["bandwidth"].check("storage.bandwidth", s.storage.bandwidth)

@@ -3,7 +3,8 @@
 It follows the semantics stated in :mod:`hpcstagger.model` literally, sample by sample:
 
 - job j starts at ``delay + startup`` (its first batch request); every job draws a fresh random
-  permutation of the n samples for each epoch (seeded); step k of an epoch takes the next
+  permutation of the n samples for each epoch (seeded), the same one in its k-th epoch as every
+  job with the same non-empty ``order``; step k of an epoch takes the next
   ``ranks * batch`` samples of it, split between the ranks;
 - each job's loader works like PyTorch's DataLoader. At the start of every epoch each rank
   dispatches its first ``workers * prefetch`` batches, batch k to worker ``k % workers``; a
@@ -16,6 +17,12 @@ It follows the semantics stated in :mod:`hpcstagger.model` literally, sample by 
   step is done;
 - the source is processor-shared: while r misses are in flight (over all jobs and workers),
   each progresses at ``bandwidth[r-1] / r`` bytes/s, recomputed at every arrival and completion;
+- with ``[node] cores = C``, the CPU is processor-shared too. Its tasks are each rank's step
+  (handoff and compute), each sample's CPU work in whoever fetches it (a hit's time and
+  ``prep_time``, or a miss's ``prep_time`` after its read), and each rank's start-up (the job's
+  ``startup`` begins at its delay). A task of a job with R ranks that all run it counts R times.
+  While tasks totalling k are running, each runs at ``min(1, C / k)`` of its speed; the next
+  epoch's ``epoch_start`` is a plain delay. Without cores, every task runs at full speed;
 - a miss is inserted into the cache when its read completes: minio inserts until the cache is
   full and never changes after; lru inserts and evicts the least recently used sample (a hit
   refreshes it); none never caches. Two readers missing the same sample at once both read it.
@@ -33,7 +40,7 @@ import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 from .scenario import Scenario
 
@@ -95,13 +102,18 @@ class _Cache:
                     self.lru.popitem(last=False)
 
 
-class _Source:
-    """Processor sharing of the reads in flight: each of r gets ``per_reader[r]`` bytes/s."""
+class _Shared:
+    """A processor-shared resource: every task in progress advances at ``speed(load)`` units of its
+    work per second, ``load`` the sum of the tasks' demands, recomputed at every start and end.
+    The source (bytes; each read demands 1) and the node's cores (seconds at full speed; a task
+    of R ranks demands R) are two."""
 
-    def __init__(self, per_reader: list[float], size: float):
-        self.per_reader = per_reader
-        self.size = size
-        self.rem: dict[int, float] = {}   # fetcher -> bytes left
+    def __init__(self, speed: Callable[[int], float]):
+        self.speed = speed
+        self.rem: dict[Hashable, float] = {}    # task -> work left
+        self.work: dict[Hashable, float] = {}   # task -> its whole work
+        self.demand: dict[Hashable, int] = {}
+        self.load = 0
         self.t = 0.0
         self.rate = 0.0
         self.next_done = INF
@@ -109,32 +121,34 @@ class _Source:
     def _advance(self, now: float) -> None:
         if self.rem:
             dec = self.rate * (now - self.t)
-            for f in self.rem:
-                self.rem[f] -= dec
+            for key in self.rem:
+                self.rem[key] -= dec
         self.t = now
 
     def _reschedule(self, now: float) -> None:
         if self.rem:
-            self.rate = self.per_reader[min(len(self.rem), len(self.per_reader) - 1)]
+            self.rate = self.speed(self.load)
             self.next_done = now + min(self.rem.values()) / self.rate
         else:
             self.rate, self.next_done = 0.0, INF
 
-    def start(self, fetcher: int, now: float) -> None:
+    def start(self, key: Hashable, work: float, now: float, demand: int = 1) -> None:
         self._advance(now)
-        self.rem[fetcher] = self.size
+        self.rem[key] = self.work[key] = work
+        self.demand[key] = demand
+        self.load += demand
         self._reschedule(now)
 
-    def complete(self) -> tuple[float, list[int]]:
-        """Advance to the next completion; the time and the fetchers whose reads ended."""
+    def complete(self) -> tuple[float, list[Any]]:
+        """Advance to the next completion; the time and the tasks that ended."""
         now = self.next_done
         self._advance(now)
-        eps = 1e-9 * self.size
-        done = [f for f, r in self.rem.items() if r <= eps]
+        done = [key for key, r in self.rem.items() if r <= 1e-9 * self.work[key]]
         if not done:  # rounding: the smallest remainder is the one that finished
             done = [min(self.rem, key=self.rem.__getitem__)]
-        for f in done:
-            del self.rem[f]
+        for key in done:
+            del self.rem[key], self.work[key]
+            self.load -= self.demand.pop(key)
         self._reschedule(now)
         return now, done
 
@@ -149,7 +163,9 @@ class _Job:
         self.depth = job.workers * sc.prefetch_of(job)  # batches in flight per rank (0: no workers)
         self.t, self.handoff, self.prep = job.sample_time, job.handoff, job.prep_time
         self.epochs, self.epoch = job.epochs, -1
+        self.delay, self.startup = delay, job.startup
         self.start = delay + job.startup
+        self.busy = False                       # a step is running on the CPU (with cores)
         self.epoch_start = job.epoch_start
         # fetcher id -> (rank, worker): one per worker of each rank, or one per rank without workers
         per_rank = max(1, self.W)
@@ -193,11 +209,17 @@ class _Sim:
         self.per_reader = [0.0] + [sc.storage.per_reader(k) for k in range(1, total + 1)]
         self.hit_time = sc.hit_time
         self.cache = _Cache(sc, np.random.default_rng([int(seed), 1 << 20]))
-        self.source = _Source(self.per_reader, float(sc.dataset.sample_bytes))
+        per_reader, top = self.per_reader, len(self.per_reader) - 1
+        self.size = float(sc.dataset.sample_bytes)
+        self.source = _Shared(lambda reads: per_reader[min(reads, top)])  # bytes/s each of the reads gets
+        cores = float(sc.node.cores)
+        self.cpu = _Shared(lambda load: min(1.0, cores / load)) if cores > 0 else None
         self.jobs: list[_Job] = []
+        names = sorted({job.order for job in sc.jobs if job.order})  # shared orders: one generator each
         first = 0
         for j in range(J):
-            self.jobs.append(_Job(sc, j, delays[j], np.random.default_rng([int(seed), j]), first))
+            key = j if not sc.jobs[j].order else len(sc.jobs) + names.index(sc.jobs[j].order)
+            self.jobs.append(_Job(sc, j, delays[j], np.random.default_rng([int(seed), key]), first))
             first += sc.jobs[j].fetchers()
         self.owner = [job for job in self.jobs for _ in job.fetchers]
         # per fetcher: FIFO of (available time, step, rank), the batch in progress, position in it
@@ -207,7 +229,10 @@ class _Sim:
         self.heap: list[tuple[float, int, int, int]] = []
         self.seq = 0
         for job in self.jobs:
-            self._push(job.start, 0, job.j)  # kind 0: a job starts an epoch
+            if self.cpu is not None and job.startup > 0:
+                self._push(job.delay, 4, job.j)  # kind 4: a job's start-up begins (CPU work)
+            else:
+                self._push(job.start, 0, job.j)  # kind 0: a job starts an epoch
 
     def _push(self, t: float, kind: int, what: int) -> None:
         heapq.heappush(self.heap, (t, self.seq, kind, what))
@@ -251,10 +276,14 @@ class _Sim:
         x = batch[self.pos[f]]
         if self.cache.lookup(x):
             job.hits += 1
-            self.fetched(f, now + self.hit_time + job.prep)
+            work = self.hit_time + job.prep
+            if self.cpu is not None and work > 0:
+                self.cpu.start((2, f), work, now)  # kind 2: the fetcher has prepared the sample
+            else:
+                self.fetched(f, now + work)
         else:
             job.misses += 1
-            self.source.start(f, now)
+            self.source.start(f, self.size, now)
 
     def fetched(self, f: int, done: float) -> None:
         """Fetcher f has its current sample (and prepared it) at time ``done``."""
@@ -275,7 +304,9 @@ class _Sim:
         assert cur is not None
         k, r = cur
         self.cache.insert(job.steps[k][r][self.pos[f]])
-        if job.prep > 0:
+        if job.prep > 0 and self.cpu is not None:
+            self.cpu.start((2, f), job.prep, now)
+        elif job.prep > 0:
             self._push(now + job.prep, 2, f)  # kind 2: the fetcher has prepared the sample
         else:
             self.fetched(f, now)
@@ -284,19 +315,31 @@ class _Sim:
     def batch_ready(self, job: _Job, k: int, when: float) -> None:
         job.ready[k] += 1
         job.ready_at[k] = max(job.ready_at[k], when)
-        while job.next_step < len(job.steps) and job.ready[job.next_step] == job.R:
+        self.run_ready(job)
+
+    def run_ready(self, job: _Job) -> None:
+        """Start the job's next steps while their batches are ready (one at a time on the CPU)."""
+        while not job.busy and job.next_step < len(job.steps) and job.ready[job.next_step] == job.R:
             self.run_step(job, job.next_step)
 
     def run_step(self, job: _Job, k: int) -> None:
         s = max(job.ready_at[k], job.c_prev)
         size = sum(len(part) for part in job.steps[k])
-        job.c_prev = c = s + job.handoff + size * job.t
         job.next_step += 1
+        if job.W and k + job.depth < len(job.steps):
+            self.dispatch(job, k + job.depth, s)
+        work = job.handoff + size * job.t
+        if self.cpu is not None and work > 0:
+            job.busy = True
+            self.cpu.start((3, job.j), work, max(s, self.cpu.t), job.R)  # kind 3: the job's step is done
+        else:
+            self.step_done(job, k, s + work)
+
+    def step_done(self, job: _Job, k: int, c: float) -> None:
+        job.busy = False
+        job.c_prev = c
         last = job.next_step == len(job.steps)
-        if job.W:
-            if k + job.depth < len(job.steps):
-                self.dispatch(job, k + job.depth, s)
-        elif not last:
+        if not job.W and not last:
             self.dispatch(job, k + 1, c)
         if last:
             job.epoch_ends.append(c)
@@ -305,10 +348,26 @@ class _Sim:
             else:
                 job.finish = c
 
+    def cpu_done(self, kind: int, what: int, now: float) -> None:
+        if kind == 2:
+            self.fetched(what, now)
+        elif kind == 3:
+            job = self.jobs[what]
+            self.step_done(job, job.next_step - 1, now)
+            self.run_ready(job)
+        else:
+            self.start_epoch(self.jobs[what], now)
+
     def run(self) -> None:
-        heap, source = self.heap, self.source
-        while heap or source.next_done < INF:
-            if source.next_done <= (heap[0][0] if heap else INF):
+        heap, source, cpu = self.heap, self.source, self.cpu
+        while heap or source.next_done < INF or (cpu is not None and cpu.next_done < INF):
+            top = heap[0][0] if heap else INF
+            if cpu is not None and cpu.next_done < min(top, source.next_done):
+                now, tasks = cpu.complete()
+                for kind, what in tasks:
+                    self.cpu_done(kind, what, now)
+                continue
+            if source.next_done <= top:
                 now, done = source.complete()
                 for f in done:
                     self.read_done(f, now)
@@ -318,8 +377,12 @@ class _Sim:
                 self.start_epoch(self.jobs[what], now)
             elif kind == 1:
                 self.lookup(what, now)
-            else:
+            elif kind == 2:
                 self.fetched(what, now)
+            else:  # 4: a start-up begins on the CPU
+                assert cpu is not None
+                job = self.jobs[what]
+                cpu.start((4, what), job.startup, now, job.R)
 
 
 def simulate(scenario: Scenario, delays: Mapping[str, float] | Sequence[float] | None = None,

@@ -1,0 +1,105 @@
+"""Jobs that read the same order (private to :mod:`hpcstagger.model`; a mixin of the engine).
+
+Jobs with the same ``order`` read the same permutation in the same epoch (PyTorch samplers with
+the same seed). Within an epoch such a job's position fixes which samples it has read: the
+first ones of the permutation. A job behind another of its order in the same epoch (its
+*leader*: of those ahead, the nearest) therefore reads next exactly what the leader has read and
+it has not, rather than a random one of its unread samples: its draws come from that class of
+the class state, and its hit fraction is that class's cached fraction. Jobs level with each other
+(started together) follow in job order.
+
+Unless it is *racing*: a follower looks its samples up a window ahead of its position (its
+loader's batches in flight, ``workers * prefetch * ranks * batch`` samples). When the leader is
+less ahead than that, the follower looks samples up before the leader has read them, and both
+read them from the source: the follower then misses as often as its leader does. Between half a
+window and one and a half windows of lead the two cases are blended linearly, so that rates move
+continuously as the lead changes. A follower that has read all its leader has read overtakes it
+and reads on among its own unread samples (it is the leader from then on).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class OrderState:
+    """Leaders, racing shares and draw masks of the jobs that share an order."""
+
+    # The engine's attributes these methods use.
+    J: int
+    status: list[int]
+    epoch: list[int]
+    bit1: list[Any]
+    maskmat: Any
+    orders: list[str]
+    window: list[float]
+    grouped: bool
+
+    def leads(self, U: list[float]) -> dict[int, tuple[int, float]]:
+        """Each running follower's leader and how much it races (0: reads the leader's samples,
+        1: looks them up before the leader has read them), from the unread counts ``U``."""
+        if not self.grouped:
+            return {}
+        out = {}
+        for j in range(self.J):
+            if self.status[j] != 1 or not self.orders[j]:
+                continue
+            best = -1
+            tie = 1e-9 * (U[j] + 1.0)
+            for k in range(self.J):
+                # ahead of j, or level with it and first in job order (the two then race)
+                ahead = U[k] < U[j] - tie or (abs(U[k] - U[j]) <= tie and k < j)
+                if (k != j and ahead and self.orders[k] == self.orders[j] and self.status[k] == 1
+                        and self.epoch[k] == self.epoch[j] and (best < 0 or U[k] > U[best])):
+                    best = k
+            if best >= 0:
+                w = self.window[j]
+                out[j] = (best, min(1.0, max(0.0, (1.5 * w - (U[j] - U[best])) / w)))
+        return out
+
+    def catch_up(self, x: list[float], U: list[float]) -> float:
+        """The longest step before a faster follower closes half its lead on its leader (at least
+        the time to read one window): its rates depend on the lead, and past the leader its reads
+        are new samples, which the rates must see (inf: no follower is faster)."""
+        out = float("inf")
+        for j, (k, _) in self.leads(U).items():
+            if x[j] > x[k]:
+                out = min(out, max(0.5 * (U[j] - U[k]), self.window[j]) / (x[j] - x[k]))
+        return out
+
+    def pairs_running(self) -> bool:
+        """Whether two running jobs of one order are in the same epoch (their rates then change as
+        their positions do, even when the cache does not)."""
+        if not self.grouped:
+            return False
+        seen = set()
+        for j in range(self.J):
+            if self.status[j] == 1 and self.orders[j]:
+                key = (self.orders[j], self.epoch[j])
+                if key in seen:
+                    return True
+                seen.add(key)
+        return False
+
+    def masks(self, lead: dict[int, tuple[int, float]]) -> list[Any]:
+        """Per job, the classes it draws from (flat 0/1): unread by it, and read by its leader."""
+        return [self.bit1[j] * (1.0 - self.bit1[lead[j][0]]) if j in lead else self.bit1[j] for j in range(self.J)]
+
+    def rate_counts(self, U: list[float], v: list[float], Nu: Any, Nb: Any) -> tuple[list[float], list[float]]:
+        """(U, v) whose ratio v/U is each job's miss fraction for the rates: a follower's is its
+        draw class's uncached share, blended with its leader's by how much it races."""
+        lead = self.leads(U)
+        if not lead:
+            return U, v
+        Ur, vr = list(U), list(v)
+        nu = Nu.reshape(-1)
+        nb = Nb.reshape(len(Nb), -1).sum(axis=0)
+        for j in sorted(lead, key=lambda i: U[i]):   # leaders (fewer unread) before their followers
+            k, race = lead[j]
+            mask = self.bit1[j] * (1.0 - self.bit1[k])
+            vp = float(nu @ mask)
+            up = vp + float(nb @ mask)
+            own = vp / up if up > 1e-9 else (v[j] / U[j] if U[j] > 0 else 0.0)
+            theirs = vr[k] / Ur[k] if Ur[k] > 0 else 0.0
+            Ur[j], vr[j] = 1.0, race * theirs + (1.0 - race) * own
+        return Ur, vr

@@ -1,0 +1,89 @@
+"""Jobs that read the same order (``order``, samplers with the same seed): in the simulator
+(exact counts) and the fluid model (the same, and the simulator)."""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+
+from hpcstagger.errors import ConfigError
+from hpcstagger.model import Scenario, predict, simulate
+
+from support.model_scenarios import B, S
+
+MISS = S / B
+
+
+def _sc(n, jobs, *, capacity=1.0, bandwidth=(B,)):
+    return Scenario.from_dict({"dataset": {"samples": n, "sample_bytes": S}, "storage": {"bandwidth": list(bandwidth)},
+                               "cache": {"capacity": capacity * n * S},
+                               "job": [dict(name=f"j{i}", **j) for i, j in enumerate(jobs)]})
+
+
+def test_order_field_round_trips(tmp_path):
+    sc = _sc(10, [dict(sample_time=0.001, order="DistributedSampler(seed=0)"), dict(sample_time=0.001)])
+    assert [j.order for j in sc.jobs] == ["DistributedSampler(seed=0)", ""]
+    path = tmp_path / "s.toml"
+    path.write_text(sc.to_toml())
+    assert Scenario.from_toml(path) == sc
+    with pytest.raises(ConfigError, match=r"job\[0\]\.order must be a string"):
+        _sc(10, [dict(sample_time=0.001, order=3)])
+
+
+def test_same_order_started_together_reads_everything_twice():
+    # two identical jobs, one order, started together: they look every sample up at the same
+    # moment, so both read all of it from the source in the first epoch (no hits), and hit
+    # everything in the second (the cache holds the dataset)
+    n = 300
+    job = dict(sample_time=0.0002, epochs=2, order="seed0")
+    res = simulate(_sc(n, [job, job]), [0, 0])
+    assert res.misses == {"j0": n, "j1": n} and res.hits == {"j0": n, "j1": n}
+    own = simulate(_sc(n, [dict(job, order=""), dict(job, order="")]), [0, 0])
+    assert own.misses["j0"] + own.misses["j1"] < 1.8 * n  # independent orders share some reads
+    # the model: a first epoch of 2n reads at the source's pace, then one of hits
+    pred = predict(_sc(n, [job, job]), [0, 0]).makespan
+    exact = res.makespan
+    assert pred == pytest.approx(exact, rel=0.03)
+    assert predict(_sc(n, [dict(job, order=""), dict(job, order="")]), [0, 0]).makespan < 0.9 * pred
+
+
+def test_a_follower_of_the_same_order_hits_what_its_leader_read():
+    # j1 starts once j0 has read a third of its first epoch and is slower: it reads only samples
+    # j0 has read before it, so it never misses; with an order of its own it misses the rest
+    n = 600
+    lead = dict(sample_time=0.0001, epochs=1, order="seed0")          # loader-bound: 1 ms a sample
+    follow = dict(sample_time=0.003, epochs=1, order="seed0")          # compute-bound: 3 ms a sample
+    delay = n / 3 * MISS
+    res = simulate(_sc(n, [lead, follow]), [0, delay])
+    assert res.misses["j1"] == 0 and res.hits["j1"] == n
+    own = simulate(_sc(n, [lead, dict(follow, order="")]), [0, delay])
+    assert own.misses["j1"] > 20  # about 50: the samples j0 had not read yet when j1 asked
+    exact = delay + n * 0.003  # all hits, compute-bound from its start
+    assert res.finish["j1"] == pytest.approx(exact, rel=0.01)
+    assert predict(_sc(n, [lead, follow]), [0, delay]).finish["j1"] == pytest.approx(exact, rel=0.02)
+
+
+def _random_order_scenario(rng):
+    n = rng.choice([400, 800])
+    jobs = []
+    for i in range(rng.choice([2, 3])):
+        jobs.append(dict(name=f"j{i}", sample_time=rng.uniform(0.1, 2.0) * 1e-3, epochs=rng.choice([1, 2]),
+                         workers=rng.choice([0, 1, 2]), batch=rng.choice([1, 8, 16]),
+                         prep_time=rng.uniform(0, 0.3) * 1e-3, order=rng.choice(["a", "a", ""])))
+    return Scenario.from_dict({"dataset": {"samples": n, "sample_bytes": S},
+                               "storage": {"bandwidth": [B * f for f in (1.0, rng.uniform(0.6, 1.6))]},
+                               "cache": {"capacity": rng.choice([0.5, 1.0]) * n * S}, "job": jobs})
+
+
+def test_fluid_model_tracks_the_simulator_with_shared_orders():
+    rng = random.Random(11)
+    errors = []
+    for _ in range(12):
+        sc = _random_order_scenario(rng)
+        delays = [0.0] + [rng.choice([0.0, rng.uniform(0, 1.0)]) for _ in sc.jobs[1:]]
+        sim = statistics.mean(simulate(sc, delays, seed=k).makespan for k in range(2))
+        errors.append(abs(predict(sc, delays).makespan / sim - 1))
+    assert statistics.median(errors) < 0.04, errors
+    assert max(errors) < 0.15, errors
