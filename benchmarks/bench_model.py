@@ -17,7 +17,11 @@ averages them. The generator was written before the figures were looked at and i
   rest of scenario i does not change with it: workers 0, 1, 2 or 4; batch 1, 8, 16, 32, 64 or
   128; 1 or 2 ranks; prefetch 1, 2 or 4 batches per worker; a hand-off of 0 to 30% of the step's
   compute; and for half the jobs a worker-side prep time of up to half a miss. ``--legacy-loaders``
-  gives every job the one-sample prefetching reader of earlier issues instead.
+  gives every job the one-sample prefetching reader of earlier issues instead;
+- with ``--contention``, from a third stream (``[SEED_BASE, i, 11]``): the node's cores, 1, 2 or
+  4 (``[node] cores``), shared by the jobs' steps, worker preps and start-ups; each job's start-up,
+  0 to 0.5 s; and each job's order, shared with the others that draw it (probability 1/2) or its
+  own.
 
 Sections:
 1. accuracy: predict vs simulate at simultaneous start and at the plan's delays;
@@ -53,6 +57,7 @@ SIM_SEEDS = (0, 1)
 
 
 LEGACY_LOADERS = False
+CONTENTION = False
 
 
 def _loader_fields(i: int, J: int, sample_times: list[float], miss: float) -> list[dict[str, Any]]:
@@ -91,10 +96,17 @@ def make_scenario(i: int, prefetch: int = 2, legacy: bool | None = None) -> Scen
     if not (LEGACY_LOADERS if legacy is None else legacy):
         for job, extra in zip(jobs, _loader_fields(i, J, [jb["sample_time"] for jb in jobs], miss), strict=True):
             job.update(extra)
+    node = {}
+    if CONTENTION:
+        crng = np.random.default_rng([SEED_BASE, i, 11])
+        node = {"cores": int(crng.choice([1, 2, 4]))}
+        for job in jobs:
+            job["startup"] = float(crng.uniform(0.0, 0.5))
+            job["order"] = "shared" if crng.random() < 0.5 else ""
     return Scenario.from_dict({
         "dataset": {"samples": n, "sample_bytes": s}, "storage": {"bandwidth": bw},
         "cache": {"capacity": capacity, "policy": policy, "hit_bandwidth": hit_bw},
-        "loader": {"prefetch": prefetch}, "job": jobs})
+        "loader": {"prefetch": prefetch}, "job": jobs, **({"node": node} if node else {})})
 
 
 def _sim_task(args: tuple) -> float:
@@ -161,19 +173,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="20 scenarios, no ablations (a smoke run)")
     ap.add_argument("--scenarios", type=int, default=None, help="number of scenarios (default 60; quick 20)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="simulator processes")
+    ap.add_argument("--contention", action="store_true",
+                    help="also random node cores, start-ups and shared sample orders (see the docstring)")
     ap.add_argument("--legacy-loaders", action="store_true",
                     help="every job a one-sample prefetching reader (the scenarios of earlier issues)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out",
                                                   "bench_model.json"))
     args = ap.parse_args(argv)
-    global LEGACY_LOADERS
+    global LEGACY_LOADERS, CONTENTION
     LEGACY_LOADERS = args.legacy_loaders
+    CONTENTION = args.contention
     N = args.scenarios or (20 if args.quick else 60)
     ids = list(range(N))
     t_start = time.perf_counter()
     ctx = get_context("fork")
     out: dict[str, Any] = {"scenarios": N, "seed_base": SEED_BASE, "sim_seeds": list(SIM_SEEDS),
                            "loaders": "legacy (one-sample reader)" if LEGACY_LOADERS else "random shapes",
+                           "contention": CONTENTION,
                            "workers": args.workers, "date": time.strftime("%Y-%m-%d %H:%M"),
                            "load_before": os.getloadavg()}
 

@@ -95,6 +95,7 @@ def test_calibrate_spec_measures_every_job_from_its_own_command(tmp_path, shm_di
     assert (ddp.name, ddp.ranks, ddp.workers, ddp.batch, ddp.prefetch, ddp.epochs) == ("ddp", 2, 1, 16, 2, 2)
     assert (plain.name, plain.ranks, plain.workers, plain.batch, plain.prefetch, plain.epochs) == \
         ("plain", 1, 2, 8, 2, 3)
+    assert ddp.order == plain.order == "DistributedSampler(seed=0)"  # the same seed: the same order
     for job in sc.jobs:
         assert 0 < job.sample_time < 0.01 and 0 < job.handoff < 0.05 and 0 < job.prep_time < 0.01, job
         assert 0 < job.startup < 30, job  # backend, model and starting the loader's workers
@@ -291,6 +292,23 @@ def test_loader_shape_reads_the_dataloader():
     shape = C.loader_shape(torch.utils.data.DataLoader(data, batch_size=5), 1)
     assert (shape["workers"], shape["batch"], shape["prefetch"], shape["dataloader"]) == (0, 5, None, True)
     assert C.loader_shape(iter(data), 1)["dataloader"] is False
+
+
+def test_sampler_order_names_what_decides_the_permutation():
+    import torch
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    data = list(range(10))
+    assert C.sampler_order(DataLoader(data, batch_size=4)) == "sequential"
+    assert C.sampler_order(DataLoader(data, batch_size=4, shuffle=True)) == ""  # the process's own RNG
+    dist = DistributedSampler(data, num_replicas=2, rank=1, seed=3)
+    assert C.sampler_order(DataLoader(data, batch_size=4, sampler=dist)) == "DistributedSampler(seed=3)"
+    assert C.sampler_order(DataLoader(data, sampler=DistributedSampler(data, num_replicas=1, rank=0,
+                                                                     shuffle=False))) == "sequential"
+    gen = torch.Generator()
+    gen.manual_seed(5)
+    assert C.sampler_order(DataLoader(data, batch_size=4, shuffle=True, generator=gen)) == "RandomSampler(seed=5)"
+    assert C.sampler_order(iter(data)) == ""
 
 
 MEMINFO = """MemTotal:       24683520 kB

@@ -87,3 +87,19 @@ def test_fluid_model_tracks_the_simulator_with_shared_orders():
         errors.append(abs(predict(sc, delays).makespan / sim - 1))
     assert statistics.median(errors) < 0.04, errors
     assert max(errors) < 0.15, errors
+
+
+def test_coalescing_reads_let_a_racing_follower_wait_instead_of_reading_again():
+    # the page cache: a reader of a sample being read waits for that read. Two identical jobs of
+    # one order started together then read the dataset once between them, not twice
+    n = 300
+    job = dict(sample_time=0.00002, epochs=1, order="seed0")
+    base = _sc(n, [job, job]).to_dict()
+    base["cache"]["coalesce"] = True
+    sc = Scenario.from_dict(base)
+    alone = simulate(_sc(n, [job])).makespan
+    twice = simulate(_sc(n, [job, job]), [0, 0]).makespan
+    once = simulate(sc, [0, 0]).makespan
+    assert twice == pytest.approx(2 * alone, rel=0.05)
+    assert once == pytest.approx(alone, rel=0.05)
+    assert predict(sc, [0, 0]).makespan == pytest.approx(once, rel=0.05)

@@ -166,5 +166,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {cal.path}: {sc.dataset.samples} samples of {sc.dataset.sample_bytes:.0f} B; source "
               + ", ".join(f"{b / 1e6:.1f}" for b in sc.storage.bandwidth) + " MB/s with 1, 2, ... readers; "
               + ", ".join(f"{j.name} {j.sample_time * 1e3:.3f} ms/sample ({j.ranks} rank(s) x {j.workers} "
-                          f"worker(s), batch {j.batch})" for j in sc.jobs))
+                          f"worker(s), batch {j.batch})" for j in sc.jobs)
+              + (f"; {sc.node.cores:g} cores shared" if sc.node.cores else ""))
+        for order, names in _shared_orders(sc).items():
+            print(f"jobs {', '.join(names)} read the same sample order ({order}): started together they read "
+                  "every sample from the source twice, and a follower hits what its leader read; the model "
+                  "accounts for both")
     return 0
+
+
+def _shared_orders(sc: Any) -> dict[str, list[str]]:
+    """Orders that more than one job of the scenario reads, and those jobs."""
+    by: dict[str, list[str]] = {}
+    for j in sc.jobs:
+        if j.order:
+            by.setdefault(j.order, []).append(j.name)
+    return {o: names for o, names in by.items() if len(names) > 1}

@@ -44,7 +44,7 @@ from ..errors import ModelError
 from . import env as E
 
 __all__ = ["calibration_dir", "calibration_spec", "no_plan", "wrap_loader", "LoopMeter", "SampleMeter",
-           "TimedCollate", "loader_shape", "read_reports", "job_fields", "quantile"]
+           "TimedCollate", "loader_shape", "sampler_order", "read_reports", "job_fields", "quantile"]
 
 TARGET_BATCHES = 64     # batches measured after the warm-up that are enough
 MIN_BATCHES = 16        # batches measured before the job's share of time may stop it

@@ -6,8 +6,9 @@ it, :func:`optimal_plan` picks the start delays, and :func:`calibrate` measures 
 
 Semantics (followed by the model and the simulator alike; docs/model.md has them in full):
 
-- Each job runs its epochs; each epoch reads a fresh, independent random permutation of the n
-  samples, ``ranks * batch`` samples per step, split between the job's ranks.
+- Each job runs its epochs; each epoch reads a fresh random permutation of the n samples,
+  ``ranks * batch`` samples per step, split between the job's ranks. Jobs with the same
+  non-empty ``order`` read the same permutation in the same epoch; others are independent.
 - Each rank's loader is a DataLoader: ``workers`` worker processes (0: the main process reads
   each batch itself) fetch whole batches one sample at a time (a lookup, then ``prep_time``), up
   to ``workers * prefetch`` batches in flight; a step starts when every rank's batch is ready and

@@ -137,7 +137,7 @@ class CacheState:
             # its share of the step from the source, so that it reads x * dt samples in all
             self._read_uncached(Nu, uncached, fresh_flat, j, extra, ins_share, masks[j])
         for j in follow:  # leaders first, so a follower may read what its leader read this step
-            self._follow(Nu, uncached, blocks, dest, fresh_flat, j, x[j] * dt, ins_share, masks[j])
+            self._follow(Nu, uncached, blocks, dest, fresh_flat, j, x[j] * dt, masks[j])
         dest += fresh_flat
         if self.lru:
             Nb = self._evict(Nb, Nu, float(total_of(Nb, None)) - self.cap)
@@ -148,7 +148,7 @@ class CacheState:
         return Nu, Nb
 
     def _follow(self, Nu: Any, uncached: Any, blocks: Any, dest: Any, fresh: Any, j: int, want: float,
-                ins_share: float, mask: Any) -> None:
+                mask: Any) -> None:
         """Job j, a follower (:mod:`._order`), reads ``want`` samples of its class ``mask``, cached
         (in any block, or inserted this step) and uncached in proportion; past the end of that
         class it overtakes its leader and reads on among all it has yet to read."""
@@ -167,7 +167,10 @@ class CacheState:
             fresh -= moved
             fresh[:d] += moved[-d:]
             if pu > 0.0:
-                self._read_uncached(Nu, uncached, fresh, j, frac * pu, ins_share, pool_mask)
+                reads = frac * pu
+                free = self.cap - (self.n - float(np.add.reduce(uncached, None)))  # what the others left
+                share = 1.0 if self.lru else min(1.0, max(free, 0.0) / reads)
+                self._read_uncached(Nu, uncached, fresh, j, reads, share, pool_mask)
             want -= frac * (pu + pc)
 
     def _read_uncached(self, Nu: Any, uncached: Any, fresh: Any, j: int, want: float,

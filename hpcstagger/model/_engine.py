@@ -112,6 +112,7 @@ class Engine(CacheState, OrderState):
         self.orders = [j.order for j in sc.jobs]
         self.grouped = any(o and self.orders.count(o) > 1 for o in self.orders)
         self.window = [float(max(1, L.depth) * L.R * L.B) for L in self.loaders]
+        self.coalesce = sc.cache.coalesce
         # the node's cores (None: CPU time not shared; a job then starts ``startup`` after its delay)
         most = sum(j.ranks * (1 + j.workers) for j in sc.jobs)
         self.cpu = _cpu.CpuShare(sc.node.cores, most) if sc.node.cores > 0 else None
@@ -342,6 +343,8 @@ class Engine(CacheState, OrderState):
             changing = self.changing() or self.pairs_running()
             if self.fresh or not changing:
                 self.x, self.m = self.rates(*self.rate_counts(U, v, self.Nu, self.Nb))
+                if lead and self.coalesce:
+                    self.convoy(self.x, U)
                 self.fresh = False
             x, m = self.x, self.m
             t_next_start = self._next_start(delays)
@@ -365,6 +368,8 @@ class Engine(CacheState, OrderState):
                     U2 = [U[j] - x[j] * dt / 2 for j in range(J)]
                     v2 = [min(max(v[j] + dv[j] * dt / 2, 0.0), max(U2[j], 0.0)) for j in range(J)]
                 x2, miss2 = self.rates(U2, v2)
+                if lead and self.coalesce:
+                    self.convoy(x2, U)
                 # Step control. The midpoint rule is exact while a job's time per sample changes
                 # linearly in time, so what limits the step is the change of that slope: the
                 # second difference of the midpoint times per sample over the last steps. After
@@ -389,6 +394,8 @@ class Engine(CacheState, OrderState):
                 t_next_start = self._next_start(delays)
                 # re-aim at the nearest event with the midpoint rates
                 dt = min([dt] + [U[j] / x[j] for j in run] + [t_next_start - self.t])
+                if lead:
+                    dt = min(dt, max(self.catch_up(x, U), 1e-9))
                 dt_fill = self._fill_time(x, m, dt)
                 if dt_fill < dt:
                     dt = dt_fill

@@ -13,7 +13,9 @@ loader's batches in flight, ``workers * prefetch * ranks * batch`` samples). Whe
 less ahead than that, the follower looks samples up before the leader has read them, and both
 read them from the source: the follower then misses as often as its leader does. Between half a
 window and one and a half windows of lead the two cases are blended linearly, so that rates move
-continuously as the lead changes. A follower that has read all its leader has read overtakes it
+continuously as the lead changes. Where concurrent misses of a sample are one read (``[cache]
+coalesce``: the page cache), a racing follower waits for its leader's reads instead: it reads
+nothing from the source and goes at its leader's pace. A follower that has read all its leader has read overtakes it
 and reads on among its own unread samples (it is the leader from then on).
 """
 
@@ -34,6 +36,7 @@ class OrderState:
     orders: list[str]
     window: list[float]
     grouped: bool
+    coalesce: bool
 
     def leads(self, U: list[float]) -> dict[int, tuple[int, float]]:
         """Each running follower's leader and how much it races (0: reads the leader's samples,
@@ -56,6 +59,15 @@ class OrderState:
                 w = self.window[j]
                 out[j] = (best, min(1.0, max(0.0, (1.5 * w - (U[j] - U[best])) / w)))
         return out
+
+    def convoy(self, x: list[float], U: list[float]) -> None:
+        """With coalescing reads, hold each racing follower to its leader's pace (in place): it
+        waits for the reads its leader has in flight."""
+        lead = self.leads(U)
+        for j in sorted(lead, key=lambda i: U[i]):  # leaders first
+            k, race = lead[j]
+            if race > 0.0 and x[j] > x[k]:
+                x[j] = x[k]
 
     def catch_up(self, x: list[float], U: list[float]) -> float:
         """The longest step before a faster follower closes half its lead on its leader (at least
@@ -100,6 +112,7 @@ class OrderState:
             vp = float(nu @ mask)
             up = vp + float(nb @ mask)
             own = vp / up if up > 1e-9 else (v[j] / U[j] if U[j] > 0 else 0.0)
-            theirs = vr[k] / Ur[k] if Ur[k] > 0 else 0.0
+            # racing, it reads what its leader reads: again, or (coalescing reads) by waiting for it
+            theirs = 0.0 if self.coalesce else (vr[k] / Ur[k] if Ur[k] > 0 else 0.0)
             Ur[j], vr[j] = 1.0, race * theirs + (1.0 - race) * own
         return Ur, vr

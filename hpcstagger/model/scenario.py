@@ -14,6 +14,7 @@ valid keys with their defaults. The format::
     policy = "minio"           # minio | lru | none
     hit_bandwidth = 5.0e9      # bytes/s per reader; optional, default unlimited
     initial = 0.0              # fraction of the dataset cached when the run starts (default 0: cold)
+    coalesce = false           # concurrent misses of one sample are one read (the page cache); default false
     [loader]                   # optional
     prefetch = 2               # default prefetch of the jobs' loaders (a job's own value wins)
     [node]                     # optional
@@ -77,13 +78,16 @@ class Storage:
 
 @dataclass(frozen=True)
 class Cache:
-    """The node-local cache: ``capacity`` bytes, a policy, per-reader hit bandwidth, and the
-    fraction of the dataset it holds when the run starts (``initial``; at most what it can hold)."""
+    """The node-local cache: ``capacity`` bytes, a policy, per-reader hit bandwidth, the fraction
+    of the dataset it holds when the run starts (``initial``; at most what it can hold), and
+    whether concurrent misses of one sample are one read (``coalesce``: the page cache, whose
+    readers wait for a page being read; a ShmCache does not, and each reader reads it)."""
 
     capacity: float = 0.0
     policy: str = "minio"
     hit_bandwidth: float = math.inf
     initial: float = 0.0
+    coalesce: bool = False
 
 
 @dataclass(frozen=True)
@@ -157,6 +161,7 @@ _CACHE = S.Table("cache", [
     S.Field("policy", S.choice(*POLICIES), "minio"),
     S.Field("hit_bandwidth", S.number(minimum=0, exclusive=True, allow_inf=True), math.inf, shown="unlimited"),
     S.Field("initial", S.number(minimum=0), 0.0, shown="0 (cold)"),
+    S.Field("coalesce", S.boolean(), False),
 ])
 _LOADER = S.Table("loader", [S.Field("prefetch", S.integer(minimum=1), 2)])
 _NODE = S.Table("node", [S.Field("cores", S.number(minimum=0), 0.0, shown="0 (CPU not shared)")])
@@ -302,6 +307,8 @@ class Scenario:
             cache["hit_bandwidth"] = self.cache.hit_bandwidth
         if self.cache.initial:
             cache["initial"] = self.cache.initial
+        if self.cache.coalesce:
+            cache["coalesce"] = True
         out: dict[str, Any] = {
             "dataset": {"samples": self.dataset.samples, "sample_bytes": self.dataset.sample_bytes},
             "storage": {"bandwidth": list(self.storage.bandwidth)},

@@ -25,7 +25,8 @@ It follows the semantics stated in :mod:`hpcstagger.model` literally, sample by 
   epoch's ``epoch_start`` is a plain delay. Without cores, every task runs at full speed;
 - a miss is inserted into the cache when its read completes: minio inserts until the cache is
   full and never changes after; lru inserts and evicts the least recently used sample (a hit
-  refreshes it); none never caches. Two readers missing the same sample at once both read it.
+  refreshes it); none never caches. Two readers missing the same sample at once both read it,
+  unless ``cache.coalesce``: a reader missing a sample that is being read then waits for that read.
   ``cache.initial`` of the dataset (a random subset) is cached at the start.
 
 Everything is explicit (permutations, cache contents, in-flight reads, each worker's queue), so it
@@ -214,6 +215,8 @@ class _Sim:
         self.source = _Shared(lambda reads: per_reader[min(reads, top)])  # bytes/s each of the reads gets
         cores = float(sc.node.cores)
         self.cpu = _Shared(lambda load: min(1.0, cores / load)) if cores > 0 else None
+        # with coalescing reads: sample -> the fetchers waiting for its read in flight
+        self.inflight: dict[int, list[int]] | None = {} if sc.cache.coalesce else None
         self.jobs: list[_Job] = []
         names = sorted({job.order for job in sc.jobs if job.order})  # shared orders: one generator each
         first = 0
@@ -283,6 +286,11 @@ class _Sim:
                 self.fetched(f, now + work)
         else:
             job.misses += 1
+            if self.inflight is not None:
+                if x in self.inflight:  # being read: wait for that read
+                    self.inflight[x].append(f)
+                    return
+                self.inflight[x] = []
             self.source.start(f, self.size, now)
 
     def fetched(self, f: int, done: float) -> None:
@@ -303,7 +311,16 @@ class _Sim:
         cur = self.current[f]
         assert cur is not None
         k, r = cur
-        self.cache.insert(job.steps[k][r][self.pos[f]])
+        x = job.steps[k][r][self.pos[f]]
+        self.cache.insert(x)
+        if self.inflight is not None:
+            for waiting in self.inflight.pop(x, []):
+                self.sample_read(waiting, now)
+        self.sample_read(f, now)
+
+    def sample_read(self, f: int, now: float) -> None:
+        """Fetcher f has its sample's bytes: it prepares it, then has it."""
+        job = self.owner[f]
         if job.prep > 0 and self.cpu is not None:
             self.cpu.start((2, f), job.prep, now)
         elif job.prep > 0:
