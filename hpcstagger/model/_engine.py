@@ -108,10 +108,10 @@ class Engine(CacheState, OrderState):
         self.epochs = [j.epochs for j in sc.jobs]
         self.startup = [j.startup for j in sc.jobs]
         self.epoch_start = [j.epoch_start for j in sc.jobs]
-        # jobs that read the same order (:mod:`._order`), and how far ahead each looks samples up
+        # jobs that read the same order (:mod:`._order`), and the window their lookups are spread over
         self.orders = [j.order for j in sc.jobs]
         self.grouped = any(o and self.orders.count(o) > 1 for o in self.orders)
-        self.window = [float(max(1, L.depth) * L.R * L.B) for L in self.loaders]
+        self.window = [float(max(1, L.W) * L.R * L.B) for L in self.loaders]
         self.coalesce = sc.cache.coalesce
         # the node's cores (None: CPU time not shared; a job then starts ``startup`` after its delay)
         most = sum(j.ranks * (1 + j.workers) for j in sc.jobs)

@@ -8,12 +8,11 @@ it has not, rather than a random one of its unread samples: its draws come from 
 the class state, and its hit fraction is that class's cached fraction. Jobs level with each other
 (started together) follow in job order.
 
-Unless it is *racing*: a follower looks its samples up a window ahead of its position (its
-loader's batches in flight, ``workers * prefetch * ranks * batch`` samples). When the leader is
-less ahead than that, the follower looks samples up before the leader has read them, and both
-read them from the source: the follower then misses as often as its leader does. Between half a
-window and one and a half windows of lead the two cases are blended linearly, so that rates move
-continuously as the lead changes. Where concurrent misses of a sample are one read (``[cache]
+Unless it is *racing*: a follower's lookups are spread over a window ahead of its position (the
+batches its workers are fetching, ``ranks * batch * max(workers, 1)`` samples). A lookup further
+ahead than the leader's lead comes before the leader has read that sample, and both read it from
+the source: such lookups miss as often as the leader's do. With the lookups spread evenly over
+the window, a share ``max(0, 1 - lead / window)`` of them races. Where concurrent misses of a sample are one read (``[cache]
 coalesce``: the page cache), a racing follower waits for its leader's reads instead: it reads
 nothing from the source and goes at its leader's pace. A follower that has read all its leader has read overtakes it
 and reads on among its own unread samples (it is the leader from then on).
@@ -57,7 +56,7 @@ class OrderState:
                     best = k
             if best >= 0:
                 w = self.window[j]
-                out[j] = (best, min(1.0, max(0.0, (1.5 * w - (U[j] - U[best])) / w)))
+                out[j] = (best, min(1.0, max(0.0, 1.0 - (U[j] - U[best]) / w)))
         return out
 
     def convoy(self, x: list[float], U: list[float]) -> None:
@@ -76,7 +75,7 @@ class OrderState:
         out = float("inf")
         for j, (k, _) in self.leads(U).items():
             if x[j] > x[k]:
-                out = min(out, max(0.5 * (U[j] - U[k]), self.window[j]) / (x[j] - x[k]))
+                out = min(out, max(0.5 * (U[j] - U[k]), 0.5 * self.window[j]) / (x[j] - x[k]))
         return out
 
     def pairs_running(self) -> bool:
