@@ -12,10 +12,11 @@ Unless it is *racing*: a follower's lookups are spread over a window ahead of it
 batches its workers are fetching, ``ranks * batch * max(workers, 1)`` samples). A lookup further
 ahead than the leader's lead comes before the leader has read that sample, and both read it from
 the source: such lookups miss as often as the leader's do. With the lookups spread evenly over
-the window, a share ``max(0, 1 - lead / window)`` of them races. Where concurrent misses of a sample are one read (``[cache]
-coalesce``: the page cache), a racing follower waits for its leader's reads instead: it reads
-nothing from the source and goes at its leader's pace. A follower that has read all its leader has read overtakes it
-and reads on among its own unread samples (it is the leader from then on).
+the window, a share ``max(0, 1 - lead / window)`` of them races. Where concurrent misses of a
+sample are one read (``[cache] coalesce``: the page cache), a racing follower waits for its
+leader's reads instead: it reads nothing from the source and goes at its leader's pace. A
+follower that has read all its leader has read overtakes it and reads on among its own unread
+samples (it is the leader from then on).
 """
 
 from __future__ import annotations
