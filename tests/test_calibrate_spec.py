@@ -357,3 +357,18 @@ def test_drop_pages_on_file_sources(tmp_path, shm_root):
     assert drop_pages(DirectorySource(files), [0, 3]) == 2 and drop_pages(DirectorySource(files)) == 5
     assert drop_pages(["not", "files"]) == 0 and source_files(["x"])[0] == "other"
     throttled.unlink()
+
+
+def test_a_level_read_over_too_short_a_window_is_not_trusted():
+    from hpcstagger.model.calibrate_source import trusted_bandwidth
+
+    levels = [{"readers": 1, "bandwidth": 3.1e6, "window_s": 0.98, "elapsed_s": 0.99},
+              {"readers": 2, "bandwidth": 3.9e6, "window_s": 0.49, "elapsed_s": 0.86},
+              # the real-fs calibration of 2026-11-24: 665 reads of pages still cached, in 3 ms
+              {"readers": 4, "bandwidth": 2.79e8, "window_s": 0.003, "elapsed_s": 0.35}]
+    bw, note = trusted_bandwidth(levels)
+    assert bw == [3.1e6, 3.9e6, 3.9e6]
+    assert "not trusted" in note and "4 reader(s) (279.0 MB/s over 0.003 s)" in note
+    assert trusted_bandwidth(levels[:2]) == ([3.1e6, 3.9e6], "")
+    # the first level always counts: there is nothing before it to hold
+    assert trusted_bandwidth([dict(levels[2], readers=1)])[0] == [2.79e8]

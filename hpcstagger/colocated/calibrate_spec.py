@@ -39,7 +39,7 @@ from ..errors import CacheError, ConfigError, LaunchError, ModelError
 from ..model.calibrate import (Calibration, capacity_bytes, reader_levels, source_comment, source_length,
                                time_steps, write_scenario)
 from ..model.calibrate_source import (MAX_READERS, SamplePool, hit_bandwidth, measure_levels, mem_available,
-                                      page_cache_holds, preload, reread_bandwidth, source_files)
+                                      page_cache_holds, preload, reread_bandwidth, source_files, trusted_bandwidth)
 from ..model.scenario import POLICIES, Cache, Dataset, Job, Loader, Node, Scenario, Storage
 from . import env as E
 from .calibration import GRACE_S, calibration_spec, job_fields, read_reports
@@ -317,14 +317,15 @@ def _scenario(meas: dict[str, Any], spec: Spec, epochs: int | Mapping[str, int] 
               capacity: float | str | None, policy: str | None) -> tuple[Scenario, dict[str, str]]:
     """The scenario of the measurements, and a comment per value saying how it was measured."""
     size = meas["sample_bytes"]
-    measured = tuple(m["bandwidth"] for m in meas["source"])
+    trusted, held = trusted_bandwidth(meas["source"])
+    measured = tuple(trusted)
     overheads = [m["miss_overhead"] for m in meas["jobs"].values()
                  if m["route"] == "command" and m["misses"] and m["miss_overhead"] > 0]
     overhead = sum(overheads) / len(overheads) if overheads else 0.0
     meas["miss_overhead"] = overhead
     cache, comments = _cache(meas, spec, capacity, policy)
     comments["dataset.sample_bytes"] = f"mean of {meas['preloaded']} samples read"
-    comments["storage.bandwidth"] = source_comment(meas["source"]) + (
+    comments["storage.bandwidth"] = source_comment(meas["source"]) + held + (
         "; in file order, each reader a contiguous run (the page cache keeps what readahead brings in)"
         if meas["page_cache"]["holds"] else "") + (
         f"; a miss costs the jobs {overhead * 1e3:.3f} ms more (lookup and insert), folded in" if overhead else "") + (

@@ -38,7 +38,7 @@ from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
 from ..errors import ConfigError, ModelError
-from .calibrate_source import SamplePool, hit_bandwidth, measure_levels, preload
+from .calibrate_source import SamplePool, hit_bandwidth, measure_levels, preload, trusted_bandwidth
 from .scenario import POLICIES, Cache, Dataset, Job, Loader, Scenario, Storage
 
 __all__ = ["Calibration", "calibrate", "capacity_bytes", "source_length", "reader_levels", "time_steps",
@@ -194,7 +194,7 @@ def _build_scenario(meas: dict[str, Any], jobs: Mapping[str, Any], known: dict[s
     """The scenario of the measurements ``meas``: one job per entry of ``epoch_map`` (name -> epochs),
     in its order; those in ``known`` take their given sample time."""
     n, sample_bytes = meas["samples"], meas["sample_bytes"]
-    bandwidth = tuple(m["bandwidth"] for m in meas["source"])
+    bandwidth = tuple(trusted_bandwidth(meas["source"])[0])
     hit_bw = meas["hits"]["hit_bandwidth"]
     return Scenario(
         dataset=Dataset(samples=n, sample_bytes=sample_bytes),
@@ -233,7 +233,7 @@ def _comments(meas: dict[str, Any], jobs: Mapping[str, Any], known: dict[str, fl
     """How each value of the factory route's scenario was measured."""
     comments = {
         "dataset.sample_bytes": f"mean of {meas['preloaded']} samples read",
-        "storage.bandwidth": source_comment(meas["source"]),
+        "storage.bandwidth": source_comment(meas["source"]) + trusted_bandwidth(meas["source"])[1],
         "cache.hit_bandwidth": f"measured per reader with {meas['hits']['how']}",
     }
     for name in jobs:

@@ -28,12 +28,13 @@ import shutil
 import tempfile
 import time
 from typing import Any
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ..errors import ConfigError, ModelError
 
-__all__ = ["SamplePool", "measure_readers", "hit_bandwidth", "reread_bandwidth", "preload", "source_files",
-           "drop_pages", "parse_meminfo", "mem_available", "page_cache_holds", "PAGE_CACHE_SHARE", "MAX_READERS"]
+__all__ = ["SamplePool", "trusted_bandwidth", "measure_readers", "hit_bandwidth", "reread_bandwidth", "preload",
+           "source_files", "drop_pages", "parse_meminfo", "mem_available", "page_cache_holds", "PAGE_CACHE_SHARE",
+           "MAX_READERS"]
 
 PAGE_CACHE_SHARE = 0.5   # a dataset below this share of MemAvailable stays in the page cache
 MAX_READERS = 16         # most concurrent readers a calibration measures (the last level holds beyond)
@@ -395,3 +396,25 @@ def measure_levels(source: Any, pool: SamplePool, levels: Sequence[int], seconds
         out.append(m)
         bar.update(1)
     return out
+
+
+MIN_WINDOW_S = 0.05  # a level measured over less than this, or a tenth of its run, is not trusted
+
+
+def trusted_bandwidth(levels: Sequence[Mapping[str, Any]]) -> tuple[list[float], str]:
+    """Each level's bandwidth, with any level after the first whose readers overlapped for too
+    short a window (under :data:`MIN_WINDOW_S`, or under a tenth of its run: its samples came
+    from somewhere faster than the source, such as pages still cached) replaced by the level
+    before it; and a note naming the levels replaced ("" when none was)."""
+    out: list[float] = []
+    held = []
+    for k, m in enumerate(levels):
+        window, elapsed = float(m.get("window_s", 1.0)), float(m.get("elapsed_s", 0.0))
+        if k and (window < MIN_WINDOW_S or window < 0.1 * elapsed):
+            out.append(out[-1])
+            held.append(f"{m['readers']} reader(s) ({m['bandwidth'] / 1e6:.1f} MB/s over {window:.3f} s)")
+        else:
+            out.append(float(m["bandwidth"]))
+    note = (f"; not trusted, too short a window, so the level before holds: {', '.join(held)}" if held else "")
+    return out, note
+
