@@ -11,7 +11,7 @@ job, 2 and 3 jobs, a cache of 50% and 100% of the dataset, a source whose bandwi
 concurrency and one whose bandwidth rises, and the emulated source against a real file system
 (an ext4 image on a loop device whose reads a cgroup v1 blkio throttle limits; root only).
 
-    python benchmarks/bench_userjobs.py [--only NAME,...] [--staggers 0,1,2,3,4,6,8] [--list]
+    python benchmarks/bench_userjobs.py [--only NAME,...] [--staggers 0,1,2,3,4,6,8] [--repeat N] [--list]
 
 Writes benchmarks/out/bench_userjobs.json and prints one row per configuration.
 """
@@ -134,7 +134,8 @@ def real_fs(data: Path, bps: float, work: Path) -> Iterator[tuple[Path, str]]:
             os.rmdir(cg)
 
 
-def run_config(name: str, cfg: dict[str, Any], data: Path, work: Path, staggers: str, budget: float) -> dict[str, Any]:
+def run_config(name: str, cfg: dict[str, Any], data: Path, work: Path, staggers: str, budget: float,
+               repeat: int = 1) -> dict[str, Any]:
     work.mkdir(parents=True)
     log = work / "log.txt"
     spec = work / "spec.toml"
@@ -155,7 +156,8 @@ def run_config(name: str, cfg: dict[str, Any], data: Path, work: Path, staggers:
             return out
         out["scenario"] = (work / "scenario.toml").read_text()
         t0 = time.monotonic()
-        rc = _run(hs + ["sweep", str(spec), "--staggers", staggers, "--json", str(work / "sweep.json")], log, cgroup=cg)
+        rc = _run(hs + ["sweep", str(spec), "--staggers", staggers, "--repeat", str(repeat), "--json",
+                        str(work / "sweep.json")], log, cgroup=cg)
         out["sweep_s"] = time.monotonic() - t0
         if rc != 0 or not (work / "sweep.json").exists():
             out["error"] = f"sweep exited {rc}; see {log}"
@@ -168,13 +170,19 @@ def run_config(name: str, cfg: dict[str, Any], data: Path, work: Path, staggers:
 
 
 def summarise(res: dict[str, Any]) -> dict[str, Any]:
-    """Plan gap and prediction errors from a sweep's JSON (its ``runs``: label, measured, predicted)."""
+    """Plan gap and prediction errors from a sweep's JSON (its ``runs``: label, measured, predicted).
+
+    With repetitions, each point is the median of its runs (the plan's too) and the best is the
+    lowest such median; every run's error counts."""
     sw = res.get("sweep") or {}
     runs = [r for r in sw.get("runs", []) if r.get("measured")]
     errs = [r["predicted"] / r["measured"] - 1 for r in runs if r.get("predicted")]
     plan = [r["measured"] for r in runs if r.get("mode") == "plan"]
-    fixed = [r["measured"] for r in runs if r.get("mode") in ("fixed", "simultaneous")]
-    best = min(fixed + plan) if fixed or plan else None
+    points: dict[str, list[float]] = {}
+    for r in runs:
+        if r.get("mode") in ("fixed", "simultaneous", "plan"):
+            points.setdefault(r.get("label", ""), []).append(r["measured"])
+    best = min(statistics.median(v) for v in points.values()) if points else None
     return {"runs": len(runs), "plan": statistics.median(plan) if plan else None, "best": best,
             "plan_gap": statistics.median(plan) / best - 1 if plan and best else None,
             "errors": errs, "median_abs_err": statistics.median(abs(e) for e in errs) if errs else None,
@@ -190,6 +198,8 @@ def main() -> int:
     p.add_argument("--budget", type=float, default=60.0, help="calibration budget per spec, seconds")
     p.add_argument("--out", default=str(HERE / "out" / "bench_userjobs.json"))
     p.add_argument("--keep", action="store_true", help="keep the work directory (specs, scenarios, logs)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs per point (sweep --repeat); points are then medians (default 1)")
     args = p.parse_args()
     if args.list:
         for name, cfg in CONFIGS.items():
@@ -207,7 +217,7 @@ def main() -> int:
         make_dataset(str(data), args.samples, (3, 32, 32))
         for name in names:
             print(f"[bench_userjobs] {name} ...", file=sys.stderr, flush=True)
-            res = run_config(name, CONFIGS[name], data, root / name, args.staggers, args.budget)
+            res = run_config(name, CONFIGS[name], data, root / name, args.staggers, args.budget, args.repeat)
             res["summary"] = summarise(res)
             results.append(res)
             s = res["summary"]
