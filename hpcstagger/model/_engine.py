@@ -11,7 +11,8 @@ expectation: a sample a job inserted is one it has already read.
 Rates. :meth:`Engine.rates` solves, at a state, the fixed point between each job's prefetch
 pipeline (its read rate given the bandwidth its misses get, :mod:`._pipeline`) and the shared
 source (the bandwidth each reader's misses get given every job's think time between misses, by
-the product-form law of processor sharing, :meth:`Engine.share_product`).
+the product-form law of processor sharing, :meth:`Engine.share_product`), with ``[node] cores``
+also the CPU speeds (:mod:`._cpu`); jobs of one order draw from their leaders' classes (:mod:`._order`).
 
 Steps. Between events (job starts, epoch ends, the cache filling up) the rates are constant when
 the cache contents do not change, and the engine jumps to the next event. Otherwise it takes
@@ -114,8 +115,7 @@ class Engine(CacheState, OrderState):
         self.window = [float(max(1, L.W) * L.R * L.B) for L in self.loaders]
         self.coalesce = sc.cache.coalesce
         # the node's cores (None: CPU time not shared; a job then starts ``startup`` after its delay)
-        most = sum(j.ranks * (1 + j.workers) for j in sc.jobs)
-        self.cpu = _cpu.CpuShare(sc.node.cores, most) if sc.node.cores > 0 else None
+        self.cpu = _cpu.CpuShare(sc.node.cores, sum(j.fetchers() + j.ranks for j in sc.jobs)) if sc.node.cores else None
         self.speed = [[1.0, 1.0, 1.0] for _ in range(J)]
         # a job's time per sample if it missed everything alone: the scale of step errors
         self.t_ref = [self.job_time(j, 1.0, self.read_time[self.F[j]], self.read_time[self.F[j]] ** 2)
