@@ -316,7 +316,8 @@ class Scenario:
             "loader": {"prefetch": self.loader.prefetch},
         }
         if self.node.cores:
-            out["node"] = {"cores": self.node.cores}
+            cores = self.node.cores
+            out["node"] = {"cores": int(cores) if float(cores).is_integer() else cores}  # "2", not "2.0"
         out["job"] = [_job_dict(j) for j in self.jobs]
         return out
 
