@@ -342,16 +342,16 @@ class Engine(CacheState, OrderState):
             masks = self.masks(lead) if lead else None
             changing = self.changing() or self.pairs_running()
             if self.fresh or not changing:
-                self.x, self.m = self.rates(*self.rate_counts(U, v, self.Nu, self.Nb))
+                self.x, self.m = self.rates(*self.rate_counts(U, v, self.Nu, self.Nb, lead))
                 if lead and self.coalesce:
-                    self.convoy(self.x, U)
+                    self.convoy(self.x, U, lead)
                 self.fresh = False
             x, m = self.x, self.m
             t_next_start = self._next_start(delays)
             self._record(x, m)
             dt = min(min(U[j] / x[j] for j in run), t_next_start - self.t)
             if lead:
-                dt = min(dt, max(self.catch_up(x, U), 1e-9))
+                dt = min(dt, max(self.catch_up(x, U, lead), 1e-9))
             if changing:
                 # midpoint rule; the predictor uses the last midpoint rates (still second order)
                 frac = self.step_frac
@@ -369,7 +369,7 @@ class Engine(CacheState, OrderState):
                     v2 = [min(max(v[j] + dv[j] * dt / 2, 0.0), max(U2[j], 0.0)) for j in range(J)]
                 x2, miss2 = self.rates(U2, v2)
                 if lead and self.coalesce:
-                    self.convoy(x2, U)
+                    self.convoy(x2, U, lead)
                 # Step control. The midpoint rule is exact while a job's time per sample changes
                 # linearly in time, so what limits the step is the change of that slope: the
                 # second difference of the midpoint times per sample over the last steps. After
@@ -395,7 +395,7 @@ class Engine(CacheState, OrderState):
                 # re-aim at the nearest event with the midpoint rates
                 dt = min([dt] + [U[j] / x[j] for j in run] + [t_next_start - self.t])
                 if lead:
-                    dt = min(dt, max(self.catch_up(x, U), 1e-9))
+                    dt = min(dt, max(self.catch_up(x, U, lead), 1e-9))
                 dt_fill = self._fill_time(x, m, dt)
                 if dt_fill < dt:
                     dt = dt_fill

@@ -60,21 +60,21 @@ class OrderState:
                 out[j] = (best, min(1.0, max(0.0, 1.0 - (U[j] - U[best]) / w)))
         return out
 
-    def convoy(self, x: list[float], U: list[float]) -> None:
-        """With coalescing reads, hold each racing follower to its leader's pace (in place): it
-        waits for the reads its leader has in flight."""
-        lead = self.leads(U)
+    def convoy(self, x: list[float], U: list[float], lead: dict[int, tuple[int, float]]) -> None:
+        """With coalescing reads, hold each racing follower (``lead``: :meth:`leads` at ``U``) to
+        its leader's pace (in place): it waits for the reads its leader has in flight."""
         for j in sorted(lead, key=lambda i: U[i]):  # leaders first
             k, race = lead[j]
             if race > 0.0 and x[j] > x[k]:
                 x[j] = x[k]
 
-    def catch_up(self, x: list[float], U: list[float]) -> float:
-        """The longest step before a faster follower closes half its lead on its leader (at least
-        the time to read one window): its rates depend on the lead, and past the leader its reads
-        are new samples, which the rates must see (inf: no follower is faster)."""
+    def catch_up(self, x: list[float], U: list[float], lead: dict[int, tuple[int, float]]) -> float:
+        """The longest step before a faster follower (``lead``: :meth:`leads` at ``U``) closes half
+        its lead on its leader (at least the time to read one window): its rates depend on the
+        lead, and past the leader its reads are new samples, which the rates must see (inf: no
+        follower is faster)."""
         out = float("inf")
-        for j, (k, _) in self.leads(U).items():
+        for j, (k, _) in lead.items():
             if x[j] > x[k]:
                 out = min(out, max(0.5 * (U[j] - U[k]), 0.5 * self.window[j]) / (x[j] - x[k]))
         return out
@@ -93,14 +93,21 @@ class OrderState:
                 seen.add(key)
         return False
 
-    def masks(self, lead: dict[int, tuple[int, float]]) -> list[Any]:
-        """Per job, the classes it draws from (flat 0/1): unread by it, and read by its leader."""
-        return [self.bit1[j] * (1.0 - self.bit1[lead[j][0]]) if j in lead else self.bit1[j] for j in range(self.J)]
+    def follow_mask(self, j: int, k: int) -> Any:
+        """The classes follower j draws from (flat 0/1): unread by it, and read by its leader k."""
+        return self.bit1[j] * (1.0 - self.bit1[k])
 
-    def rate_counts(self, U: list[float], v: list[float], Nu: Any, Nb: Any) -> tuple[list[float], list[float]]:
-        """(U, v) whose ratio v/U is each job's miss fraction for the rates: a follower's is its
-        draw class's uncached share, blended with its leader's by how much it races."""
-        lead = self.leads(U)
+    def masks(self, lead: dict[int, tuple[int, float]]) -> list[Any]:
+        """Per job, the classes it draws from: :meth:`follow_mask` for a follower, else its unread ones."""
+        return [self.follow_mask(j, lead[j][0]) if j in lead else self.bit1[j] for j in range(self.J)]
+
+    def rate_counts(self, U: list[float], v: list[float], Nu: Any, Nb: Any,
+                    lead: dict[int, tuple[int, float]] | None = None) -> tuple[list[float], list[float]]:
+        """(U, v) whose ratio v/U is each job's miss fraction for the rates: a follower's (``lead``:
+        :meth:`leads` at ``U``, found when not given) is its draw class's uncached share, blended
+        with its leader's by how much it races."""
+        if lead is None:
+            lead = self.leads(U)
         if not lead:
             return U, v
         Ur, vr = list(U), list(v)
@@ -108,7 +115,7 @@ class OrderState:
         nb = Nb.reshape(len(Nb), -1).sum(axis=0)
         for j in sorted(lead, key=lambda i: U[i]):   # leaders (fewer unread) before their followers
             k, race = lead[j]
-            mask = self.bit1[j] * (1.0 - self.bit1[k])
+            mask = self.follow_mask(j, k)
             vp = float(nu @ mask)
             up = vp + float(nb @ mask)
             own = vp / up if up > 1e-9 else (v[j] / U[j] if U[j] > 0 else 0.0)
