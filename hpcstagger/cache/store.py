@@ -31,7 +31,7 @@ from ._layout import (ENTRY, ENTRY_HDR, ENTRY_MAGIC, H_ENTRIES, H_GEN, H_INDEX_U
 from ._ledger import Ledger
 from .policy import Policy, Space, get_policy
 
-__all__ = ["ShmCache", "key_hash"]
+__all__ = ["ShmCache", "key_hash", "default_max_entries"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,12 @@ def key_hash(key: str | int) -> tuple[int, int]:
             raise TypeError(f"cache keys are str or int, not {type(key).__name__}") from None
     hi, lo = _unpack_hash(d)
     return hi, lo if (hi or lo) else 1
+
+
+def default_max_entries(capacity_bytes: int) -> int:
+    """The entries a cache of ``capacity_bytes`` indexes when not told: one per
+    ``cache_min_sample_bytes`` (4 KiB), at least 64."""
+    return max(64, capacity_bytes // max(1, int(config.get("cache_min_sample_bytes"))))
 
 
 class ShmCache:
@@ -92,8 +98,7 @@ class ShmCache:
             if max_entries is not None and (isinstance(max_entries, bool) or not isinstance(max_entries, int)
                                             or max_entries < 1):
                 raise CacheError(f"max_entries must be a positive int, not {max_entries!r}")
-            per = max(1, int(config.get("cache_min_sample_bytes")))
-            create_max = max_entries or max(64, capacity_bytes // per)
+            create_max = max_entries or default_max_entries(capacity_bytes)
         # An existing cache is checked against an explicit max_entries only: the default derived
         # from the knob applies when the cache is created.
         self._led: Any = Ledger(self.root, self.name, capacity=capacity_bytes, policy_code=pol.code,

@@ -326,9 +326,9 @@ class Spec:
         ds = self.dataset
         if not ds.path:
             raise ConfigError("the spec has no [dataset] path; set it, or build your own source")
-        from ..cache import DirectorySource, HDF5Source, ThrottledSource
+        from ..cache import ThrottledSource
 
-        base: Any = HDF5Source(ds.path, ds.name) if ds.format == "hdf5" else DirectorySource(ds.path, ds.pattern)
+        base = self._base_source()
         if ds.throttle:
             return ThrottledSource(base, list(ds.throttle), shared_name=shared_name or f"{self.run.name}-source",
                                    latency=ds.latency)
@@ -351,20 +351,16 @@ class Spec:
         c = self.cache
         if c.max_entries:
             return c.max_entries
-        from .. import config
+        from ..cache.store import default_max_entries
 
-        auto = max(64, c.capacity // max(1, int(config.get("cache_min_sample_bytes"))))
-        return max(auto, self.dataset_samples() or 0)
+        return max(default_max_entries(c.capacity), self.dataset_samples() or 0)
 
     def dataset_samples(self) -> int | None:
         """The ``[dataset]``'s sample count (None without a path, or when it cannot be opened)."""
-        ds = self.dataset
-        if not ds.path:
+        if not self.dataset.path:
             return None
-        from ..cache import DirectorySource, HDF5Source
-
         try:
-            base: Any = HDF5Source(ds.path, ds.name) if ds.format == "hdf5" else DirectorySource(ds.path, ds.pattern)
+            base = self._base_source()
         except (OSError, ValueError, ConfigError, CacheError):
             return None
         try:
@@ -373,6 +369,13 @@ class Spec:
             close = getattr(base, "close", None)
             if close is not None:
                 close()
+
+    def _base_source(self) -> Any:
+        """The ``[dataset]``'s files as a source, unthrottled: an HDF5Source or a DirectorySource."""
+        from ..cache import DirectorySource, HDF5Source
+
+        ds = self.dataset
+        return HDF5Source(ds.path, ds.name) if ds.format == "hdf5" else DirectorySource(ds.path, ds.pattern)
 
     def layout(self) -> list[tuple[JobSpec, int]]:
         """Each job with its first world rank, in launch order (MPMD places jobs consecutively)."""
