@@ -170,23 +170,19 @@ def run_config(name: str, cfg: dict[str, Any], data: Path, work: Path, staggers:
 
 
 def summarise(res: dict[str, Any]) -> dict[str, Any]:
-    """Plan gap and prediction errors from a sweep's JSON (its ``runs``: label, measured, predicted).
-
-    With repetitions, each point is the median of its runs (the plan's too) and the best is the
-    lowest such median; every run's error counts."""
+    """Plan gap and prediction errors, from the sweep's own summary (each point the median of its
+    runs). The best counts the plan too, so the gap is never negative: plan / min(best, plan) - 1.
+    ``errors`` lists every run's signed error."""
     sw = res.get("sweep") or {}
+    summary = sw.get("summary") or {}
     runs = [r for r in sw.get("runs", []) if r.get("measured")]
     errs = [r["predicted"] / r["measured"] - 1 for r in runs if r.get("predicted")]
-    plan = [r["measured"] for r in runs if r.get("mode") == "plan"]
-    points: dict[str, list[float]] = {}
-    for r in runs:
-        if r.get("mode") in ("fixed", "simultaneous", "plan"):
-            points.setdefault(r.get("label", ""), []).append(r["measured"])
-    best = min(statistics.median(v) for v in points.values()) if points else None
-    return {"runs": len(runs), "plan": statistics.median(plan) if plan else None, "best": best,
-            "plan_gap": statistics.median(plan) / best - 1 if plan and best else None,
-            "errors": errs, "median_abs_err": statistics.median(abs(e) for e in errs) if errs else None,
-            "max_abs_err": max(abs(e) for e in errs) if errs else None}
+    plan = summary.get("plan")
+    candidates = [x for x in ((summary.get("best") or {}).get("measured"), plan) if x is not None]
+    best = min(candidates) if candidates else None
+    return {"runs": len(runs), "plan": plan, "best": best,
+            "plan_gap": plan / best - 1 if plan and best else None,
+            "errors": errs, "median_abs_err": summary.get("error_median"), "max_abs_err": summary.get("error_max")}
 
 
 def main() -> int:
