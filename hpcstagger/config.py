@@ -100,6 +100,9 @@ _KNOB_LIST: list[Knob] = [
     Knob("calibrate_budget", float, 60.0, "seconds hpcstagger calibrate spends measuring, all steps together"),
     Knob("plan_min_gain", float, 0.01,
          "least predicted gain (fraction of the makespan) for which optimal_plan recommends a stagger"),
+    Knob("plan_jitter", float, 0.25,
+         "how far a job's real start may stray from its planned delay, as a fraction of the jobs' mean "
+         "start-up; optimal_plan minimises the mean predicted makespan over that spread (0: exact starts)"),
 ]
 
 KNOBS: dict[str, Knob] = {k.name: k for k in _KNOB_LIST}

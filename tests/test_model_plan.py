@@ -137,3 +137,70 @@ def test_different_jobs_gain_from_staggering_without_cache_or_loss():
         return statistics.fmean(simulate(sc, delays, seed=k).makespan for k in range(2))
 
     assert sim([plan.delays[j] for j in sc.job_names]) < 0.93 * sim([0.0] * 4)
+
+
+def _spread_mean(sc, stagger, jitter):
+    """The mean predicted makespan, as the test sees it, over the 2-job spread around ``stagger``:
+    the stagger itself once and +-jitter/2, +-jitter twice each (one job or the other moved)."""
+    def f(s):
+        d = {"j0": 0.0, "j1": s} if s >= 0 else {"j0": -s, "j1": 0.0}
+        return predict(sc, d, series=False).makespan
+
+    around = [stagger + u * jitter for u in (-1.0, -0.5, 0.5, 1.0)]
+    return (f(stagger) + 2 * sum(f(s) for s in around)) / 9
+
+
+def test_start_jitter_defaults_to_a_share_of_the_start_ups_and_rejects_bad_values():
+    from dataclasses import replace
+
+    from hpcstagger import config
+    from hpcstagger.model.plan import start_jitter
+
+    sc = scenario(jobs=((0.0004, 2), (0.0005, 2)), bandwidth=(B, 0.6 * B), capacity=1.0)
+    assert start_jitter(sc) == 0.0  # no start-ups: exact starts
+    sc = replace(sc, jobs=(replace(sc.jobs[0], startup=1.0), replace(sc.jobs[1], startup=2.0)))
+    assert start_jitter(sc) == pytest.approx(0.25 * 1.5)
+    assert start_jitter(sc, 0.7) == 0.7
+    with config.override(plan_jitter=0.0):
+        assert start_jitter(sc) == 0.0
+    with config.override(plan_jitter=-1.0), pytest.raises(ConfigError, match="plan_jitter"):
+        start_jitter(sc)
+    for bad in (-0.1, math.inf, math.nan, True, "1"):
+        with pytest.raises(ConfigError, match="jitter"):
+            optimal_plan(sc, jitter=bad)
+
+
+def test_a_wait_before_a_cliff_is_padded_by_the_start_jitter():
+    # two identical I/O-bound jobs, no cache, a source that loses 60% under concurrency: the best
+    # exact stagger is the first job's whole run, where the curve has a kink. Starting a little
+    # early costs about three times what starting a little late does, so with uncertain starts
+    # the plan waits longer, and its mean makespan over the spread is lower than the exact plan's.
+    n, t = 1000, 0.0003
+    sc = scenario(n, jobs=((t, 2), (t, 2)), bandwidth=(B, 0.4 * B), policy="none")
+    exact = optimal_plan(sc, jitter=0.0)
+    jitter = 0.2
+    robust = optimal_plan(sc, jitter=jitter)
+    s_exact = exact.delays["j1"] - exact.delays["j0"]
+    s_robust = robust.delays["j1"] - robust.delays["j0"]
+    assert abs(s_robust) > abs(s_exact) + 0.05
+    assert robust.makespan >= exact.makespan * (1 - 1e-6)  # it pays for exact starts...
+    mean_exact, mean_robust = _spread_mean(sc, s_exact, jitter), _spread_mean(sc, s_robust, jitter)
+    assert mean_robust < mean_exact * 0.99  # ...and wins over the spread
+    # the reported makespans are for the planned delays themselves
+    d = {"j0": robust.delays["j0"], "j1": robust.delays["j1"]}
+    assert robust.makespan == pytest.approx(predict(sc, d, series=False).makespan, rel=1e-9)
+
+
+@pytest.mark.parametrize("jobs, bandwidth, capacity", [
+    (((0.0004, 3), (0.0005, 2)), (B, 0.6 * B), 1.0),
+    (((0.0003, 2), (0.0006, 2)), (B, 0.5 * B), 0.5),
+])
+def test_plans_with_a_start_jitter_are_no_worse_over_the_spread(jobs, bandwidth, capacity):
+    sc = scenario(jobs=jobs, bandwidth=bandwidth, capacity=capacity)
+    jitter = 0.15
+    exact, robust = optimal_plan(sc, jitter=0.0), optimal_plan(sc, jitter=jitter)
+    s_exact = exact.delays["j1"] - exact.delays["j0"]
+    s_robust = robust.delays["j1"] - robust.delays["j0"]
+    # the search runs the model coarser than this check: allow half a percent
+    assert _spread_mean(sc, s_robust, jitter) <= _spread_mean(sc, s_exact, jitter) * 1.005
+    assert _spread_mean(sc, s_robust, jitter) <= _spread_mean(sc, 0.0, jitter) * 1.005

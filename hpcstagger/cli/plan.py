@@ -28,6 +28,10 @@ def register(sub: Any) -> None:
     p.add_argument("--min-gain", type=float, default=None, metavar="F",
                    help="recommend a stagger only if it saves more than this fraction of the makespan "
                         "(default: the plan_min_gain knob, 0.01)")
+    p.add_argument("--jitter", type=float, default=None, metavar="S",
+                   help="seconds a job's real start may stray from its planned delay; the plan "
+                        "minimises the mean makespan over that spread (default: the plan_jitter "
+                        "knob, 0.25, times the jobs' mean start-up; 0: exact starts)")
     p.set_defaults(func=run)
 
 
@@ -103,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     from ..model import Scenario, optimal_plan
 
     sc = Scenario.from_toml(args.scenario)
-    plan = optimal_plan(sc, max_delay=args.max_delay, min_gain=args.min_gain)
+    plan = optimal_plan(sc, max_delay=args.max_delay, min_gain=args.min_gain, jitter=args.jitter)
     if args.plot:
         plot_plan(sc, plan, args.plot)
     if args.json:

@@ -74,7 +74,7 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
     if cache_state is not None:
         out["cache"].update(fraction=scenario.cache.initial, samples=scenario.dataset.samples,
                             initial_samples=scenario.initial_samples)
-    p = optimal_plan(scenario, max_delay=spec.plan.max_delay)
+    p = optimal_plan(scenario, max_delay=spec.plan.max_delay, jitter=spec.plan.jitter)
     if mode == "plan":
         out["delays"] = {n: float(p.delays.get(n, 0.0)) for n in order}
     out["predicted"] = {"plan": float(p.makespan), "simultaneous": float(p.simultaneous),

@@ -112,13 +112,15 @@ class CheckpointSpec:
 
 @dataclass(frozen=True)
 class PlanSpec:
-    """How start delays are chosen: ``mode``, an optional ``scenario`` file, fixed ``delays``."""
+    """How start delays are chosen: ``mode``, an optional ``scenario`` file, fixed ``delays``,
+    the longest ``max_delay``, and ``jitter``: seconds a job's real start may stray from its plan."""
 
     mode: str = "plan"
     scenario: str = ""
     delays: Mapping[str, float] = field(default_factory=dict)
     max_delay: float | None = None
     calibrate: bool = True
+    jitter: float | None = None
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,8 @@ _PLAN = S.Table("plan", [
     S.Field("delays", S.table, {}, shown="{}"),
     S.Field("max_delay", S.optional(S.number(minimum=0)), None),
     S.Field("calibrate", S.boolean(), True),
+    S.Field("jitter", S.optional(S.number(minimum=0)), None,
+            shown="unset (the plan_jitter knob times the jobs' mean start-up)"),
 ])
 _SLURM = S.Table("slurm", [
     S.Field("partition", S.string(allow_empty=True), "", shown="the cluster default"),

@@ -22,6 +22,15 @@ typical error being a fraction of a percent), and a job whose delay can return t
 without raising the makespan starts at 0. So compute-bound jobs, and sources that lose nothing
 under concurrency with a cache that cannot help a late starter, get delays of exactly 0.
 
+Starts are not exact. A job's start-up (imports, its model, its loader's workers) varies from run
+to run, so the stagger a run gets strays from the planned one; on a 2-core VM the same job's
+start-up ranged over 1.2 to 2.1 s. A stagger on the edge of a cliff in the curve (a little less
+and both jobs miss together) then loses much more often than it wins. With ``jitter`` J > 0 the
+plan minimises the mean predicted makespan over each job's start moved by up to J either way
+(2 jobs: the stagger at -J, -J/2, J/2 and J as well; more jobs: each job's start at -J and +J).
+By default J is the ``plan_jitter`` knob (0.25) times the jobs' mean start-up, so a scenario
+without start-ups plans for exact starts. The reported makespans are for the planned delays.
+
 The search runs the model at a coarser integration tolerance (the scan of start points coarser
 still) and, for 3 or more jobs, stops refining after a time budget; the plan's makespans are
 recomputed at full accuracy, and a stagger that does not pay then is dropped.
@@ -38,6 +47,7 @@ from collections.abc import Callable
 
 from ..errors import ConfigError
 from . import _engine
+from ._spread import OFFSETS_MANY, OFFSETS_TWO, Spread, robust_scale, robust_two, start_jitter
 from .scenario import Scenario
 
 __all__ = ["Plan", "optimal_plan"]
@@ -183,7 +193,7 @@ _SIMULTANEOUS_ONLY = "simultaneous start only"
 
 
 def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain: float | None = None,
-                 grid: int | None = None, budget: float = 0.45) -> Plan:
+                 grid: int | None = None, budget: float = 0.45, jitter: float | None = None) -> Plan:
     """The start delays that minimise the predicted makespan (see the module docstring).
 
     ``max_delay`` bounds every job's delay (default: the sum of the other jobs' solo run times,
@@ -192,7 +202,9 @@ def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain
     ``grid`` sets the grid points of the 1-D searches. For 3 or more jobs the search keeps to
     ``budget`` seconds: the scan of start points is as fine as a quarter of it affords, coordinate
     descent stops at 70% of it, and a last search along the plan's delays scaled together uses the
-    rest; this bounds the time on slow scenarios (lru, many epochs).
+    rest; this bounds the time on slow scenarios (lru, many epochs). ``jitter`` is how far, in
+    seconds, a job's real start may stray from its planned delay (default: the ``plan_jitter``
+    knob times the jobs' mean start-up; 0 plans for exact starts).
     Raises ConfigError for a bad argument and ModelError when the model cannot answer.
     """
     t0 = time.perf_counter()
@@ -200,13 +212,15 @@ def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain
     sc = scenario
     J = len(sc.jobs)
     ev = _Evaluator(sc, _engine.COARSE)
+    spread = Spread(ev, start_jitter(sc, jitter), OFFSETS_TWO if J == 2 else OFFSETS_MANY)
     simultaneous_coarse = ev([0.0] * J)
     if J >= 2:
-        best_d, curve, label = _search(sc, ev, simultaneous_coarse, max_delay=max_delay, min_gain=min_gain,
-                                       grid=grid, budget=budget, t0=t0)
+        best_d, curve, label = _search(sc, ev, spread, simultaneous_coarse, max_delay=max_delay,
+                                       min_gain=min_gain, grid=grid, budget=budget, t0=t0)
     else:
         best_d, curve, label = [0.0] * J, [(0.0, simultaneous_coarse)], _SIMULTANEOUS_ONLY
-    return _final_plan(sc, best_d, curve, label, min_gain, evaluations=ev.count, t0=t0)
+    return _final_plan(sc, best_d, curve, label, min_gain, evaluations=ev.count, t0=t0,
+                       checked=spread.jitter > 0)
 
 
 def _check_args(max_delay: float | None, min_gain: float | None) -> float:
@@ -223,17 +237,18 @@ def _check_args(max_delay: float | None, min_gain: float | None) -> float:
     return min_gain
 
 
-def _search(sc: Scenario, ev: _Evaluator, simultaneous: float, *, max_delay: float | None, min_gain: float,
-            grid: int | None, budget: float,
+def _search(sc: Scenario, ev: _Evaluator, spread: Spread, simultaneous: float, *, max_delay: float | None,
+            min_gain: float, grid: int | None, budget: float,
             t0: float) -> tuple[list[float], list[tuple[float, float]], str]:
-    """2 or more jobs: the searched delays (all 0 unless they gain more than ``min_gain`` over the
-    coarse ``simultaneous`` makespan), the makespan-versus-delay curve and its label."""
+    """2 or more jobs: the searched delays (all 0 unless they gain more than ``min_gain`` over a
+    simultaneous start, both over the start-time spread), the makespan-versus-delay curve and its label."""
     J = len(sc.jobs)
     names = sc.job_names
     solo = _solo_times(sc)
-    bound = [float(max_delay) if max_delay is not None else sum(solo) - solo[j] for j in range(J)]
+    # enough to run the others first (and the jitter beyond, so that such a wait can be padded)
+    bound = [float(max_delay) if max_delay is not None else sum(solo) - solo[j] + spread.jitter for j in range(J)]
     if J == 2:
-        best_d, best, curve = _plan_two(ev, bound, grid or 24)
+        best_d, best, curve = _plan_two(ev, spread, bound, grid or 24)
         label = f"stagger of {names[1]} after {names[0]} (s; negative: {names[0]} starts later)"
     else:
         best_d, best = _plan_many(sc, ev, bound, grid or 6, solo, t0 + 0.25 * budget, t0 + 0.7 * budget)
@@ -241,10 +256,14 @@ def _search(sc: Scenario, ev: _Evaluator, simultaneous: float, *, max_delay: flo
         curve, label = [(0.0, simultaneous)], _SIMULTANEOUS_ONLY
         if max(best_d) > 0:
             best_d, best, curve, label = _plan_scaled(ev, best_d, best, t0 + budget)
+            if spread.jitter > 0:
+                best_d, best = robust_scale(spread, best_d)
+    if spread.jitter > 0:
+        simultaneous = spread([0.0] * J)
     if best > simultaneous * (1.0 - min_gain):
         best_d = [0.0] * J
     elif J == 2:
-        best_d, best = _tie_break(ev, best_d, best, min_gain)
+        best_d, best = _tie_break(spread, best_d, best, min_gain)
     return best_d, curve, label
 
 
@@ -279,16 +298,17 @@ def _plan_scaled(ev: _Evaluator, base: list[float], best: float,
 
 
 def _final_plan(sc: Scenario, best_d: list[float], curve: list[tuple[float, float]], label: str,
-                min_gain: float, *, evaluations: int, t0: float) -> Plan:
+                min_gain: float, *, evaluations: int, t0: float, checked: bool = False) -> Plan:
     """The plan of delays ``best_d`` with its makespans recomputed at full accuracy (back to a
-    simultaneous start if the stagger then gains less than ``min_gain``)."""
+    simultaneous start if the stagger then gains less than ``min_gain``, unless the search
+    ``checked`` that over the start-time spread already)."""
     J = len(sc.jobs)
     names = sc.job_names
     zero = [0.0] * J
     final_eng = _engine.Engine(sc, _engine.FINE)
     finish = final_eng.run(best_d)
     simultaneous = max(final_eng.run(zero)) if any(best_d) else max(finish)
-    if any(best_d) and max(finish) > simultaneous * (1.0 - min_gain):
+    if any(best_d) and not checked and max(finish) > simultaneous * (1.0 - min_gain):
         # the stagger does not pay at full accuracy: start together
         best_d = list(zero)
         finish = final_eng.run(best_d)
@@ -300,8 +320,9 @@ def _final_plan(sc: Scenario, best_d: list[float], curve: list[tuple[float, floa
                 curve_label=label, evaluations=evaluations, seconds=time.perf_counter() - t0)
 
 
-def _plan_two(ev: _Evaluator, bound: list[float], points: int):
-    """2 jobs: signed stagger s in [-bound[0], bound[1]] (job 1 delayed when s < 0)."""
+def _plan_two(ev: _Evaluator, spread: Spread, bound: list[float], points: int):
+    """2 jobs: signed stagger s in [-bound[0], bound[1]] (job 1 delayed when s < 0); with a
+    start-time spread, the stagger whose mean makespan over the spread is least, and that mean."""
     def delays(s: float) -> list[float]:
         return [0.0, s] if s >= 0 else [-s, 0.0]
 
@@ -312,6 +333,9 @@ def _plan_two(ev: _Evaluator, bound: list[float], points: int):
     ev.cutoff = math.inf  # the grid is the reported curve: every point runs to the end
     vals = [f(x) for x in xs]
     ev.cutoff = _CUTOFF
+    if spread.jitter > 0:
+        best_s, best = robust_two(spread, delays, xs, vals, -bound[0], bound[1])
+        return delays(best_s), best, sorted(set(zip(xs, vals, strict=True)) | {(best_s, f(best_s))})
     k = min(range(len(xs)), key=lambda i: (vals[i], abs(xs[i])))
     best_s, best = xs[k], vals[k]
     a = xs[k - 1] if k > 0 else xs[k]
@@ -394,7 +418,8 @@ def _plan_many(sc: Scenario, ev: _Evaluator, bound: list[float], points: int,
     return best_d, best
 
 
-def _tie_break(ev: _Evaluator, d: list[float], best: float, min_gain: float) -> tuple[list[float], float]:
+def _tie_break(ev: Callable[[list[float]], float], d: list[float], best: float,
+               min_gain: float) -> tuple[list[float], float]:
     """Start at 0 every job whose delay does not matter (within min_gain / 10 of the makespan)."""
     d = list(d)
     for j in sorted(range(len(d)), key=lambda i: -d[i]):
