@@ -83,3 +83,14 @@ def test_missing_file_and_usage_errors(tmp_path):
     assert out.returncode == 1 and "nope.toml does not exist" in out.stderr
     out = run_cli("plan")
     assert out.returncode == 2 and "required: scenario" in out.stderr
+
+
+def test_jitter_option_matches_the_library_and_bad_values_exit_1(scenario_file):
+    from hpcstagger.model import Scenario, optimal_plan
+
+    out = run_cli("plan", str(scenario_file), "--json", "--jitter", "0.3")
+    assert out.returncode == 0, out.stderr
+    plan = optimal_plan(Scenario.from_toml(scenario_file), jitter=0.3)
+    assert json.loads(out.stdout)["delays"] == pytest.approx(plan.delays)
+    out = run_cli("plan", str(scenario_file), "--jitter", "-1")
+    assert out.returncode == 1 and "jitter must be a finite number of seconds >= 0" in out.stderr

@@ -156,3 +156,24 @@ def test_a_fully_warm_cache_plans_a_simultaneous_start(tmp_path):
     assert max(cold["delays"].values()) > 1.0 and cold["cache"]["fraction"] == 0.0
     assert warm["delays"] == {"a": 0.0, "b": 0.0} and warm["cache"]["fraction"] == 1.0
     assert warm["predicted"]["plan"] < cold["predicted"]["plan"]
+
+
+def test_the_specs_jitter_reaches_the_planner(tmp_path):
+    from hpcstagger.model import optimal_plan
+
+    (tmp_path / "s.toml").write_text(SCENARIO)
+    base = {"run": {"name": "p"}, "job": [{"name": "a", "command": "python a.py", "epochs": 3},
+                                          {"name": "b", "command": "python b.py", "epochs": 2}]}
+    calib = {"a": {"sample_time": 0.0004}, "b": {"sample_time": 0.0002}}
+    planned = []
+    for jitter in (0.0, 0.1):  # exact starts start together here; a spread of 0.1 s delays b
+        spec = Spec.from_dict({**base, "plan": {"mode": "plan", "scenario": "s.toml", "jitter": jitter}},
+                              base_dir=tmp_path)
+        assert spec.plan.jitter == jitter
+        out = plan_delays(spec, ["a", "b"], calib, "plan")
+        expected = optimal_plan(Scenario.from_dict(out["scenario"]), jitter=jitter)
+        assert out["delays"] == pytest.approx(expected.delays)
+        planned.append(out["delays"])
+    assert planned[0] != planned[1]
+    with pytest.raises(ConfigError, match="plan.jitter"):
+        Spec.from_dict({**base, "plan": {"jitter": -1}}, base_dir=tmp_path)
