@@ -32,7 +32,8 @@ By default J is the ``plan_jitter`` knob (0.25) times the jobs' mean start-up, s
 without start-ups plans for exact starts. The reported makespans are for the planned delays.
 
 The search runs the model at a coarser integration tolerance (the scan of start points coarser
-still) and, for 3 or more jobs, stops refining after a time budget; the plan's makespans are
+still) and, for 3 or more jobs, stops refining after a budget of CPU time (its own thread's, so
+that other work on the node does not change the plan); the plan's makespans are
 recomputed at full accuracy, and a stagger that does not pay then is dropped.
 """
 
@@ -200,14 +201,16 @@ def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain
     enough to run them all first). ``min_gain`` is the least relative gain over a simultaneous
     start for which a stagger is recommended (default: the ``plan_min_gain`` knob, 0.01).
     ``grid`` sets the grid points of the 1-D searches. For 3 or more jobs the search keeps to
-    ``budget`` seconds: the scan of start points is as fine as a quarter of it affords, coordinate
-    descent stops at 70% of it, and a last search along the plan's delays scaled together uses the
-    rest; this bounds the time on slow scenarios (lru, many epochs). ``jitter`` is how far, in
+    ``budget`` seconds of its thread's CPU time: the scan of start points is as fine as a quarter
+    of it affords, coordinate descent stops at 70% of it, and a last search along the plan's
+    delays scaled together uses the rest; this bounds the time on slow scenarios (lru, many
+    epochs). ``jitter`` is how far, in
     seconds, a job's real start may stray from its planned delay (default: the ``plan_jitter``
     knob times the jobs' mean start-up; 0 plans for exact starts).
     Raises ConfigError for a bad argument and ModelError when the model cannot answer.
     """
     t0 = time.perf_counter()
+    c0 = _cpu_clock()
     min_gain = _check_args(max_delay, min_gain)
     sc = scenario
     J = len(sc.jobs)
@@ -216,11 +219,18 @@ def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain
     simultaneous_coarse = ev([0.0] * J)
     if J >= 2:
         best_d, curve, label = _search(sc, ev, spread, simultaneous_coarse, max_delay=max_delay,
-                                       min_gain=min_gain, grid=grid, budget=budget, t0=t0)
+                                       min_gain=min_gain, grid=grid, budget=budget, t0=c0)
     else:
         best_d, curve, label = [0.0] * J, [(0.0, simultaneous_coarse)], _SIMULTANEOUS_ONLY
     return _final_plan(sc, best_d, curve, label, min_gain, evaluations=ev.count, t0=t0,
                        checked=spread.jitter > 0)
+
+
+def _cpu_clock() -> float:
+    """The search's budget clock: this thread's CPU time. Other processes on the node (other
+    users' work, the jobs' own processes starting up) do not shorten the search, so a spec plans
+    alike on a busy and a quiet node."""
+    return time.thread_time()
 
 
 def _check_args(max_delay: float | None, min_gain: float | None) -> float:
@@ -280,7 +290,7 @@ def _plan_scaled(ev: _Evaluator, base: list[float], best: float,
     ev.cutoff = _CUTOFF
     k = min(range(len(scales)), key=lambda i: (vals[i], abs(scales[i] - 1.0)))
     lam_best, val_best = scales[k], vals[k]
-    if 0 < k < len(scales) - 1 and time.perf_counter() < deadline:
+    if 0 < k < len(scales) - 1 and _cpu_clock() < deadline:
         from scipy.optimize import minimize_scalar
 
         res = minimize_scalar(lambda lam: ev([lam * x for x in base]),
@@ -356,11 +366,11 @@ def _plan_many(sc: Scenario, ev: _Evaluator, bound: list[float], points: int,
     """N jobs: scan one-parameter families (cheaply) for a start point, then coordinate descent."""
     J = len(bound)
     scan = _Evaluator(sc, _engine.SEARCH)
-    t_eval = time.perf_counter()
+    t_eval = _cpu_clock()
     scan([0.0] * J)
-    t_eval = time.perf_counter() - t_eval
+    t_eval = _cpu_clock() - t_eval
     # as many family points as the scan's share of the budget affords (a slow model: coarse scan)
-    remaining = max(scan_until - time.perf_counter(), 0.0)
+    remaining = max(scan_until - _cpu_clock(), 0.0)
     fam = int(min(max(remaining / max(J * t_eval, 1e-9), 3), 2 * points))
     candidates: list[list[float]] = [[0.0] * J]
     for first in range(J):  # this job first, every other one a common delay later
@@ -387,7 +397,7 @@ def _plan_many(sc: Scenario, ev: _Evaluator, bound: list[float], points: int,
     for sweep in range(2):
         before = best
         for j in sorted(range(J), key=lambda i: -best_d[i]):
-            if time.perf_counter() > deadline:
+            if _cpu_clock() > deadline:
                 break
 
             def f(x: float, j: int = j, base: list[float] = best_d) -> float:
