@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 from collections.abc import Callable
 
 from ..errors import ModelError
-from . import _cpu, _loader, _pipeline
+from . import _cpu, _fixed, _loader, _pipeline
 from ._cachestate import CacheState
 from ._order import OrderState
 from .scenario import Scenario
@@ -208,8 +208,7 @@ class Engine(CacheState, OrderState):
         variance = SHARING == "product" and MISS_VARIANCE
         tol = self.q.fixed_point_tol
         F = self.F
-        last = math.inf
-        damp = 1.0
+        relax = _fixed.Relax()
         m2 = self.m2  # second moment of each reader's miss time (sharing makes it vary)
         for _ in range(60):
             Z = []
@@ -226,22 +225,14 @@ class Engine(CacheState, OrderState):
             if variance and readers:
                 for j, m2j in zip(readers, self.last_m2, strict=True):
                     m2[j] = m2j
-            change = 0.0
-            for j, nbj in zip(readers, nb, strict=True):
-                c = abs(nbj - b[j]) / b[j]
-                if c > change:
-                    change = c
             speeds = self.cpu_speeds(running, x, m) if cpu else []
-            for _, _, old, new in speeds:
-                c = abs(new - old) / old
-                if c > change:
-                    change = c
-            if change > 0.7 * last:  # slow or oscillating: damp
-                damp = max(0.25, damp * 0.5)
-            last = change
+            steps = [(nbj - b[j]) / b[j] for j, nbj in zip(readers, nb, strict=True)]
+            steps += [(new - old) / old for _, _, old, new in speeds]
+            change = max(map(abs, steps), default=0.0)
+            damp = relax.update(change, steps)
             for j, nbj in zip(readers, nb, strict=True):
                 b[j] += damp * (nbj - b[j])
-            self.set_speeds(speeds, damp)
+            self.set_speeds(speeds, min(damp, 1.0))
             if change < tol:
                 break
         return x, m
