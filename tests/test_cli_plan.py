@@ -91,6 +91,11 @@ def test_jitter_option_matches_the_library_and_bad_values_exit_1(scenario_file):
     out = run_cli("plan", str(scenario_file), "--json", "--jitter", "0.3")
     assert out.returncode == 0, out.stderr
     plan = optimal_plan(Scenario.from_toml(scenario_file), jitter=0.3)
-    assert json.loads(out.stdout)["delays"] == pytest.approx(plan.delays)
+    d = json.loads(out.stdout)
+    assert d["delays"] == pytest.approx(plan.delays) and d["jitter"] == 0.3
+    out = run_cli("plan", str(scenario_file), "--jitter", "0.3")
+    assert out.returncode == 0 and "planned for starts within 0.3 s of their delays" in out.stdout
+    out = run_cli("plan", str(scenario_file))  # no start-ups in the scenario: exact starts, not mentioned
+    assert out.returncode == 0 and "planned for starts" not in out.stdout
     out = run_cli("plan", str(scenario_file), "--jitter", "-1")
     assert out.returncode == 1 and "jitter must be a finite number of seconds >= 0" in out.stderr

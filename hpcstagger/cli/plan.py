@@ -61,6 +61,9 @@ def format_plan(path: str, sc: Any, plan: Any) -> str:
     saved = f"   (the plan saves {plan.gain:.1%})" if plan.gain > 0 else "   (start together)"
     lines.append(f"  simultaneous  {_seconds(plan.simultaneous):>12}{saved}")
     lines.append(f"  sequential    {_seconds(plan.sequential):>12}")
+    if plan.jitter > 0:
+        lines.append(f"(planned for starts within {plan.jitter:.2g} s of their delays: the least mean "
+                     "makespan over that spread)")
     return "\n".join(lines)
 
 

@@ -82,6 +82,7 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
                         mode: float(p.makespan) if mode == "plan" else float(predict(scenario, out["delays"]).makespan)}
     out["scenario"] = scenario.to_dict()
     out["curve"] = p.to_dict()["curve"]
+    out["jitter"] = float(p.jitter)  # the start-time spread the plan was made for (seconds)
     return out
 
 

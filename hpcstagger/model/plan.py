@@ -62,7 +62,7 @@ class Plan:
     ``finish`` per job with those delays, and the predicted makespans of a simultaneous start
     (``simultaneous``) and of fully sequential runs in job order (``sequential``). ``order`` is the
     start order. ``curve_stagger``/``curve_makespan`` is the predicted makespan-versus-delay curve
-    described by ``curve_label``.
+    described by ``curve_label``. ``jitter`` is the start-time spread planned for (seconds).
     """
 
     delays: dict[str, float]
@@ -76,6 +76,7 @@ class Plan:
     curve_label: str = ""
     evaluations: int = 0
     seconds: float = 0.0
+    jitter: float = 0.0
 
     @property
     def gain(self) -> float:
@@ -89,7 +90,7 @@ class Plan:
                 "order": list(self.order),
                 "curve": {"label": self.curve_label, "stagger": list(self.curve_stagger),
                           "makespan": list(self.curve_makespan)},
-                "evaluations": self.evaluations, "seconds": self.seconds}
+                "evaluations": self.evaluations, "seconds": self.seconds, "jitter": self.jitter}
 
 
 # A search run stops once it passes the best makespan so far by this fraction (it cannot win).
@@ -223,7 +224,7 @@ def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain
     else:
         best_d, curve, label = [0.0] * J, [(0.0, simultaneous_coarse)], _SIMULTANEOUS_ONLY
     return _final_plan(sc, best_d, curve, label, min_gain, evaluations=ev.count, t0=t0,
-                       checked=spread.jitter > 0)
+                       jitter=spread.jitter)
 
 
 def _cpu_clock() -> float:
@@ -308,17 +309,17 @@ def _plan_scaled(ev: _Evaluator, base: list[float], best: float,
 
 
 def _final_plan(sc: Scenario, best_d: list[float], curve: list[tuple[float, float]], label: str,
-                min_gain: float, *, evaluations: int, t0: float, checked: bool = False) -> Plan:
+                min_gain: float, *, evaluations: int, t0: float, jitter: float = 0.0) -> Plan:
     """The plan of delays ``best_d`` with its makespans recomputed at full accuracy (back to a
-    simultaneous start if the stagger then gains less than ``min_gain``, unless the search
-    ``checked`` that over the start-time spread already)."""
+    simultaneous start if the stagger then gains less than ``min_gain``, unless the search checked
+    that over a start-time spread of ``jitter`` seconds already)."""
     J = len(sc.jobs)
     names = sc.job_names
     zero = [0.0] * J
     final_eng = _engine.Engine(sc, _engine.FINE)
     finish = final_eng.run(best_d)
     simultaneous = max(final_eng.run(zero)) if any(best_d) else max(finish)
-    if any(best_d) and not checked and max(finish) > simultaneous * (1.0 - min_gain):
+    if any(best_d) and not jitter and max(finish) > simultaneous * (1.0 - min_gain):
         # the stagger does not pay at full accuracy: start together
         best_d = list(zero)
         finish = final_eng.run(best_d)
@@ -327,7 +328,7 @@ def _final_plan(sc: Scenario, best_d: list[float], curve: list[tuple[float, floa
     return Plan(delays=dict(zip(names, best_d, strict=True)), makespan=max(finish), simultaneous=simultaneous,
                 sequential=sequential, finish=dict(zip(names, finish, strict=True)), order=order,
                 curve_stagger=tuple(c[0] for c in curve), curve_makespan=tuple(c[1] for c in curve),
-                curve_label=label, evaluations=evaluations, seconds=time.perf_counter() - t0)
+                curve_label=label, evaluations=evaluations, seconds=time.perf_counter() - t0, jitter=jitter)
 
 
 def _plan_two(ev: _Evaluator, spread: Spread, bound: list[float], points: int):
