@@ -99,3 +99,23 @@ def test_jitter_option_matches_the_library_and_bad_values_exit_1(scenario_file):
     assert out.returncode == 0 and "planned for starts" not in out.stdout
     out = run_cli("plan", str(scenario_file), "--jitter", "-1")
     assert out.returncode == 1 and "jitter must be a finite number of seconds >= 0" in out.stderr
+
+
+def test_a_stagger_that_pays_only_over_the_spread_says_so(tmp_path):
+    # exact starts would start these two together; with starts 0.1 s uncertain, a simultaneous
+    # start is a random small stagger either way, and a deliberate one beats it on average
+    from hpcstagger.model import Scenario, optimal_plan
+
+    path = tmp_path / "s.toml"
+    path.write_text("[dataset]\nsamples = 200\nsample_bytes = 1000\n[storage]\nbandwidth = [1.0e6, 1.5e6]\n"
+                    "[cache]\ncapacity = 2.0e5\n[[job]]\nname = \"a\"\nsample_time = 0.0004\nepochs = 3\n"
+                    "[[job]]\nname = \"b\"\nsample_time = 0.0002\nepochs = 2\n")
+    sc = Scenario.from_toml(path)
+    assert not any(optimal_plan(sc, jitter=0.0).delays.values())
+    plan = optimal_plan(sc, jitter=0.1)
+    assert any(plan.delays.values()) and plan.gain <= 0
+    out = run_cli("plan", str(path), "--jitter", "0.1")
+    assert out.returncode == 0, out.stderr
+    assert "no gain if starts were exact; the stagger pays over the start-time spread" in out.stdout
+    out = run_cli("plan", str(path), "--jitter", "0")
+    assert out.returncode == 0 and "(start together)" in out.stdout

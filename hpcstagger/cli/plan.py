@@ -58,7 +58,12 @@ def format_plan(path: str, sc: Any, plan: Any) -> str:
     lines.append("")
     lines.append("predicted makespan")
     lines.append(f"  plan          {_seconds(plan.makespan):>12}")
-    saved = f"   (the plan saves {plan.gain:.1%})" if plan.gain > 0 else "   (start together)"
+    if not any(plan.delays.values()):
+        saved = "   (start together)"
+    elif plan.gain > 0:
+        saved = f"   (the plan saves {plan.gain:.1%})"
+    else:  # chosen for its mean over the start-time spread
+        saved = "   (no gain if starts were exact; the stagger pays over the start-time spread)"
     lines.append(f"  simultaneous  {_seconds(plan.simultaneous):>12}{saved}")
     lines.append(f"  sequential    {_seconds(plan.sequential):>12}")
     if plan.jitter > 0:
