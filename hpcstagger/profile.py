@@ -203,7 +203,8 @@ def estimate_gains(summary: dict[str, Any], scenario: Any = None, job: str | Non
     Without a scenario: an upper bound for caching (every wait removed) and no estimate for
     staggering. With a scenario: the job's measured seconds per sample (compute plus marked prep)
     replaces the scenario's, and the model predicts the makespan with no cache, with the
-    scenario's cache at a simultaneous start, and with the cache and the planned delays.
+    scenario's cache at a simultaneous start, and with the cache and the delays planned for
+    exact starts (the gain staggering can give).
     """
     out: dict[str, Any] = {"caching_upper_bound": summary["wait_share"]}
     if scenario is None:
@@ -223,7 +224,7 @@ def estimate_gains(summary: dict[str, Any], scenario: Any = None, job: str | Non
     sc = replace(scenario, jobs=jobs)
     no_cache = predict(replace(sc, cache=Cache(0.0, "none")), series=False)
     cached = predict(sc, series=False)
-    plan = optimal_plan(sc)
+    plan = optimal_plan(sc, jitter=0.0)  # what staggering can gain: exact starts
     out.update({
         "job": name, "sample_time": per_sample,
         "no_cache": no_cache.makespan, "cache": cached.makespan, "planned": plan.makespan,
