@@ -201,13 +201,14 @@ def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain
     ``max_delay`` bounds every job's delay (default: the sum of the other jobs' solo run times,
     enough to run them all first). ``min_gain`` is the least relative gain over a simultaneous
     start for which a stagger is recommended (default: the ``plan_min_gain`` knob, 0.01).
-    ``grid`` sets the grid points of the 1-D searches. For 3 or more jobs the search keeps to
-    ``budget`` seconds of its thread's CPU time: the scan of start points is as fine as a quarter
-    of it affords, coordinate descent stops at 70% of it, and a last search along the plan's
-    delays scaled together uses the rest; this bounds the time on slow scenarios (lru, many
-    epochs). ``jitter`` is how far, in
-    seconds, a job's real start may stray from its planned delay (default: the ``plan_jitter``
-    knob times the jobs' mean start-up; 0 plans for exact starts).
+    ``grid`` sets the grid points of the 1-D searches. For 3 or more jobs the search (after the
+    jobs' solo runs) keeps to ``budget`` seconds of its thread's CPU time: the scan of start points
+    is as fine as a quarter of it affords, coordinate descent stops at 70% of it (its first sweep
+    over every job runs to the end unless it passes twice the budget), and a last search along
+    the plan's delays scaled together uses the rest; this bounds the time on slow scenarios (lru,
+    many epochs). ``jitter`` is how far, in seconds, a job's real start may stray from its
+    planned delay (default: the ``plan_jitter`` knob times the jobs' mean start-up; 0 plans for
+    exact starts).
     Raises ConfigError for a bad argument and ModelError when the model cannot answer.
     """
     t0 = time.perf_counter()
@@ -262,7 +263,8 @@ def _search(sc: Scenario, ev: _Evaluator, spread: Spread, simultaneous: float, *
         best_d, best, curve = _plan_two(ev, spread, bound, grid or 24)
         label = f"stagger of {names[1]} after {names[0]} (s; negative: {names[0]} starts later)"
     else:
-        best_d, best = _plan_many(sc, ev, bound, grid or 6, solo, t0 + 0.25 * budget, t0 + 0.7 * budget)
+        t0 = _cpu_clock()  # the budget is the search's: the solo runs above are not part of it
+        best_d, best = _plan_many(sc, ev, bound, grid or 6, solo, t0, budget)
         best_d, best = _tie_break(ev, best_d, best, min_gain)
         curve, label = [(0.0, simultaneous)], _SIMULTANEOUS_ONLY
         if max(best_d) > 0:
@@ -363,9 +365,12 @@ def _plan_two(ev: _Evaluator, spread: Spread, bound: list[float], points: int):
 
 
 def _plan_many(sc: Scenario, ev: _Evaluator, bound: list[float], points: int,
-               solo: list[float], scan_until: float, deadline: float) -> tuple[list[float], float]:
-    """N jobs: scan one-parameter families (cheaply) for a start point, then coordinate descent."""
+               solo: list[float], t0: float, budget: float) -> tuple[list[float], float]:
+    """N jobs: scan one-parameter families (cheaply) for a start point, then coordinate descent.
+    The scan takes a quarter of ``budget`` (CPU seconds from ``t0``); the descent stops at 70% of
+    it, except that its first sweep visits every job unless it passes twice the budget."""
     J = len(bound)
+    scan_until, deadline = t0 + 0.25 * budget, t0 + 0.7 * budget
     scan = _Evaluator(sc, _engine.SEARCH)
     t_eval = _cpu_clock()
     scan([0.0] * J)
@@ -398,7 +403,8 @@ def _plan_many(sc: Scenario, ev: _Evaluator, bound: list[float], points: int,
     for sweep in range(2):
         before = best
         for j in sorted(range(J), key=lambda i: -best_d[i]):
-            if _cpu_clock() > deadline:
+            # the first sweep visits every job: the scan alone is too coarse to stop at
+            if _cpu_clock() > (t0 + 2 * budget if sweep == 0 else deadline):
                 break
 
             def f(x: float, j: int = j, base: list[float] = best_d) -> float:
