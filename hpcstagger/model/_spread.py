@@ -1,9 +1,10 @@
 """The start-time spread of a plan (private to :mod:`hpcstagger.model`; see :mod:`.plan`).
 
 A job's real start strays from its planned delay by its start-up's run-to-run variation. With a
-jitter J > 0 the planner minimises the mean predicted makespan over each job's start moved by up
+jitter J > 0 the planner weighs the mean predicted makespan over each job's start moved by up
 to J either way: for 2 jobs the stagger at -J, -J/2, 0, J/2 and J (the nonzero ones twice, one
-job or the other moved), for more jobs each job's start at -J and +J.
+job or the other moved), which it minimises; for more jobs each job's start at -J and +J, with
+which it checks the plan against a simultaneous start.
 """
 
 from __future__ import annotations
@@ -97,9 +98,3 @@ def robust_two(spread: Spread, delays: Callable[[float], list[float]], xs: list[
         step /= 2
     return best_s, best
 
-
-def robust_scale(spread: Spread, base: list[float]) -> tuple[list[float], float]:
-    """N jobs with a start-time spread: of the plan's delays scaled by 0.75, 1 and 1.25, the one
-    with the least mean makespan over the spread (the plan itself on a tie), and that mean."""
-    best, _, lam = min((spread([lam * x for x in base]), abs(lam - 1.0), lam) for lam in (1.0, 0.75, 1.25))
-    return [lam * x for x in base], best

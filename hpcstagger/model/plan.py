@@ -25,9 +25,10 @@ under concurrency with a cache that cannot help a late starter, get delays of ex
 Starts are not exact. A job's start-up (imports, its model, its loader's workers) varies from run
 to run, so the stagger a run gets strays from the planned one; on a 2-core VM the same job's
 start-up ranged over 1.2 to 2.1 s. A stagger on the edge of a cliff in the curve (a little less
-and both jobs miss together) then loses much more often than it wins. With ``jitter`` J > 0 the
-plan minimises the mean predicted makespan over each job's start moved by up to J either way
-(2 jobs: the stagger at -J, -J/2, J/2 and J as well; more jobs: each job's start at -J and +J).
+and both jobs miss together) then loses much more often than it wins. With ``jitter`` J > 0, for
+2 jobs the plan minimises the mean predicted makespan over the stagger moved by -J, -J/2, J/2
+and J as well; for more jobs the search is the exact-start one, and its plan is kept only if its
+mean over each job's start moved by -J and +J beats a simultaneous start's mean.
 By default J is the ``plan_jitter`` knob (0.25) times the jobs' mean start-up, so a scenario
 without start-ups plans for exact starts. The reported makespans are for the planned delays.
 
@@ -48,7 +49,7 @@ from collections.abc import Callable
 
 from ..errors import ConfigError
 from . import _engine
-from ._spread import OFFSETS_MANY, OFFSETS_TWO, Spread, robust_scale, robust_two, start_jitter
+from ._spread import OFFSETS_MANY, OFFSETS_TWO, Spread, robust_two, start_jitter
 from .scenario import Scenario
 
 __all__ = ["Plan", "optimal_plan"]
@@ -204,7 +205,7 @@ def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain
     ``grid`` sets the grid points of the 1-D searches. For 3 or more jobs the search (after the
     jobs' solo runs) keeps to ``budget`` seconds of its thread's CPU time: the scan of start points
     is as fine as a quarter of it affords, coordinate descent stops at 70% of it (its first sweep
-    over every job runs to the end unless it passes twice the budget), and a last search along
+    still visits every job, on a coarse grid once late), and a last search along
     the plan's delays scaled together uses the rest; this bounds the time on slow scenarios (lru,
     many epochs). ``jitter`` is how far, in seconds, a job's real start may stray from its
     planned delay (default: the ``plan_jitter`` knob times the jobs' mean start-up; 0 plans for
@@ -217,7 +218,9 @@ def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain
     sc = scenario
     J = len(sc.jobs)
     ev = _Evaluator(sc, _engine.COARSE)
-    spread = Spread(ev, start_jitter(sc, jitter), OFFSETS_TWO if J == 2 else OFFSETS_MANY)
+    # more jobs: the spread only checks the plan against a simultaneous start, at the scan's accuracy
+    spread = (Spread(ev, start_jitter(sc, jitter), OFFSETS_TWO) if J == 2 else
+              Spread(_Evaluator(sc, _engine.SEARCH), start_jitter(sc, jitter), OFFSETS_MANY))
     simultaneous_coarse = ev([0.0] * J)
     if J >= 2:
         best_d, curve, label = _search(sc, ev, spread, simultaneous_coarse, max_delay=max_delay,
@@ -269,9 +272,9 @@ def _search(sc: Scenario, ev: _Evaluator, spread: Spread, simultaneous: float, *
         curve, label = [(0.0, simultaneous)], _SIMULTANEOUS_ONLY
         if max(best_d) > 0:
             best_d, best, curve, label = _plan_scaled(ev, best_d, best, t0 + budget)
-            if spread.jitter > 0:
-                best_d, best = robust_scale(spread, best_d)
-    if spread.jitter > 0:
+            if spread.jitter > 0:  # is the plan still worth it when the starts stray?
+                best = spread(best_d)
+    if spread.jitter > 0 and any(best_d):
         simultaneous = spread([0.0] * J)
     if best > simultaneous * (1.0 - min_gain):
         best_d = [0.0] * J
@@ -368,7 +371,7 @@ def _plan_many(sc: Scenario, ev: _Evaluator, bound: list[float], points: int,
                solo: list[float], t0: float, budget: float) -> tuple[list[float], float]:
     """N jobs: scan one-parameter families (cheaply) for a start point, then coordinate descent.
     The scan takes a quarter of ``budget`` (CPU seconds from ``t0``); the descent stops at 70% of
-    it, except that its first sweep visits every job unless it passes twice the budget."""
+    it, except that its first sweep visits every job (past that, on a grid of 3 points)."""
     J = len(bound)
     scan_until, deadline = t0 + 0.25 * budget, t0 + 0.7 * budget
     scan = _Evaluator(sc, _engine.SEARCH)
@@ -403,8 +406,8 @@ def _plan_many(sc: Scenario, ev: _Evaluator, bound: list[float], points: int,
     for sweep in range(2):
         before = best
         for j in sorted(range(J), key=lambda i: -best_d[i]):
-            # the first sweep visits every job: the scan alone is too coarse to stop at
-            if _cpu_clock() > (t0 + 2 * budget if sweep == 0 else deadline):
+            late = _cpu_clock() > deadline
+            if late and sweep:
                 break
 
             def f(x: float, j: int = j, base: list[float] = best_d) -> float:
@@ -412,8 +415,9 @@ def _plan_many(sc: Scenario, ev: _Evaluator, bound: list[float], points: int,
                 d[j] = x
                 return ev(d)
 
-            if sweep == 0:  # a grid over the whole range, then Brent around the best point
-                x, val, _ = _line_search(f, 0.0, bound[j], best_d[j], best, points, 5)
+            if sweep == 0:  # a grid over the whole range, then Brent around the best point; past
+                # the deadline a coarse grid only, but every job: the scan alone is too coarse to stop at
+                x, val, _ = _line_search(f, 0.0, bound[j], best_d[j], best, 3 if late else points, 0 if late else 5)
             else:  # Brent in a bracket around the current point
                 lo, hi = max(0.0, best_d[j] - width[j]), min(bound[j], best_d[j] + width[j])
                 x, val = best_d[j], best
