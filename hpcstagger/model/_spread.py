@@ -97,4 +97,3 @@ def robust_two(spread: Spread, delays: Callable[[float], list[float]], xs: list[
                     best_s, best = x, v
         step /= 2
     return best_s, best
-

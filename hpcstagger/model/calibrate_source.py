@@ -417,4 +417,3 @@ def trusted_bandwidth(levels: Sequence[Mapping[str, Any]]) -> tuple[list[float],
             out.append(float(m["bandwidth"]))
     note = (f"; not trusted, too short a window, so the level before holds: {', '.join(held)}" if held else "")
     return out, note
-

@@ -213,18 +213,19 @@ def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain
     Raises ConfigError for a bad argument and ModelError when the model cannot answer.
     """
     t0 = time.perf_counter()
-    c0 = _cpu_clock()
     min_gain = _check_args(max_delay, min_gain)
     sc = scenario
     J = len(sc.jobs)
     ev = _Evaluator(sc, _engine.COARSE)
-    # more jobs: the spread only checks the plan against a simultaneous start, at the scan's accuracy
-    spread = (Spread(ev, start_jitter(sc, jitter), OFFSETS_TWO) if J == 2 else
-              Spread(_Evaluator(sc, _engine.SEARCH), start_jitter(sc, jitter), OFFSETS_MANY))
+    spread_s = start_jitter(sc, jitter)
+    if J == 2:
+        spread = Spread(ev, spread_s, OFFSETS_TWO)
+    else:  # the spread only checks the plan against a simultaneous start, at the scan's accuracy
+        spread = Spread(_Evaluator(sc, _engine.SEARCH) if spread_s > 0 else ev, spread_s, OFFSETS_MANY)
     simultaneous_coarse = ev([0.0] * J)
     if J >= 2:
         best_d, curve, label = _search(sc, ev, spread, simultaneous_coarse, max_delay=max_delay,
-                                       min_gain=min_gain, grid=grid, budget=budget, t0=c0)
+                                       min_gain=min_gain, grid=grid, budget=budget)
     else:
         best_d, curve, label = [0.0] * J, [(0.0, simultaneous_coarse)], _SIMULTANEOUS_ONLY
     return _final_plan(sc, best_d, curve, label, min_gain, evaluations=ev.count, t0=t0,
@@ -253,8 +254,7 @@ def _check_args(max_delay: float | None, min_gain: float | None) -> float:
 
 
 def _search(sc: Scenario, ev: _Evaluator, spread: Spread, simultaneous: float, *, max_delay: float | None,
-            min_gain: float, grid: int | None, budget: float,
-            t0: float) -> tuple[list[float], list[tuple[float, float]], str]:
+            min_gain: float, grid: int | None, budget: float) -> tuple[list[float], list[tuple[float, float]], str]:
     """2 or more jobs: the searched delays (all 0 unless they gain more than ``min_gain`` over a
     simultaneous start, both over the start-time spread), the makespan-versus-delay curve and its label."""
     J = len(sc.jobs)
@@ -266,12 +266,12 @@ def _search(sc: Scenario, ev: _Evaluator, spread: Spread, simultaneous: float, *
         best_d, best, curve = _plan_two(ev, spread, bound, grid or 24)
         label = f"stagger of {names[1]} after {names[0]} (s; negative: {names[0]} starts later)"
     else:
-        t0 = _cpu_clock()  # the budget is the search's: the solo runs above are not part of it
-        best_d, best = _plan_many(sc, ev, bound, grid or 6, solo, t0, budget)
+        c0 = _cpu_clock()  # the budget is the search's: the solo runs above are not part of it
+        best_d, best = _plan_many(sc, ev, bound, grid or 6, solo, c0, budget)
         best_d, best = _tie_break(ev, best_d, best, min_gain)
         curve, label = [(0.0, simultaneous)], _SIMULTANEOUS_ONLY
         if max(best_d) > 0:
-            best_d, best, curve, label = _plan_scaled(ev, best_d, best, t0 + budget)
+            best_d, best, curve, label = _plan_scaled(ev, best_d, best, c0 + budget)
             if spread.jitter > 0:  # is the plan still worth it when the starts stray?
                 best = spread(best_d)
     if spread.jitter > 0 and any(best_d):
