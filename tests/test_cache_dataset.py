@@ -39,6 +39,9 @@ def test_dataloader_with_workers_reads_through_the_cache(shm_root, data_dir, tmp
         assert torch.equal(got, expected), f"epoch {epoch}: wrong samples"
     s = cache.stats()
     assert (s["misses"], s["hits"], s["inserts"], s["lookups"]) == (N, N, N, 2 * N)
+    # every source read was counted, in the workers, with its bytes and a positive time
+    assert s["read_bytes"] == sum(len(source[i]) for i in range(N)) == s["insert_bytes"]
+    assert s["read_seconds"] > 0
     lines = hook_log.read_text().split("\n")[:-1]
     # the hook wrapped every source read (the N misses of epoch 1), in the worker processes; two
     # workers read at once, so only each worker's own calls strictly alternate
@@ -81,3 +84,30 @@ def test_cached_dataset_hook_exits_when_the_source_fails(shm_root):
         ds[0]
     assert hook.calls == ["enter", "exit"]
     assert len(ds) == 1
+
+
+def test_source_reads_are_counted_with_their_bytes_and_time(shm_root):
+    class Slow:
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, i):
+            import time
+
+            time.sleep(0.02)
+            return bytes(100 * (i + 1))
+
+        def key(self, i):
+            return i
+
+    cache = ShmCache("reads", 1 << 20)
+    ds = CachedDataset(Slow(), cache)
+    for i in (0, 1, 2, 0, 1):  # three misses, then two hits
+        ds[i]
+    s = cache.stats()
+    assert (s["misses"], s["hits"]) == (3, 2)
+    assert s["read_bytes"] == 100 + 200 + 300
+    assert 0.06 <= s["read_seconds"] < 2.0
+    cache.count_read(50, 0.5)
+    s2 = cache.stats()
+    assert s2["read_bytes"] == 650 and abs(s2["read_seconds"] - s["read_seconds"] - 0.5) < 1e-6

@@ -16,7 +16,7 @@ __all__ = ["ALIGN", "COUNTERS", "ENTRY", "ENTRY_HDR", "ENTRY_MAGIC", "HEADER_BYT
            "H_POLICY", "H_RESERVED", "H_RESERVED_ENTRIES", "H_TOP", "H_USED", "H_VERSION",
            "H_WASTED", "LEDGER_BYTES", "LEN_MASK", "LIVE", "MAGIC", "MAX_HOLES", "NSLOTS", "SLOT",
            "SLOT_WORDS", "S_CORRUPT", "S_DUPLICATES", "S_HITS", "S_INSERTS", "S_INSERT_BYTES",
-           "S_MISSES", "S_PID", "S_REFUSED", "S_RES_GEN", "S_RES_OFF", "S_RES_PAYLOAD",
+           "S_MISSES", "S_PID", "S_READ_BYTES", "S_READ_NS", "S_REFUSED", "S_RES_GEN", "S_RES_OFF", "S_RES_PAYLOAD",
            "S_RES_SIZE", "S_START", "TOMB", "VERSION", "align", "sizes_for"]
 
 MAGIC = int.from_bytes(b"HPCSLDG1", "little")
@@ -39,9 +39,12 @@ MAX_HOLES = 128
 H_HOLES = 32  # MAX_HOLES (offset, size) pairs
 # process slot words
 (S_PID, S_START, S_HITS, S_MISSES, S_INSERTS, S_REFUSED, S_DUPLICATES, S_CORRUPT,
- S_RES_OFF, S_RES_SIZE, S_RES_PAYLOAD, S_RES_GEN, S_INSERT_BYTES) = range(13)
+ S_RES_OFF, S_RES_SIZE, S_RES_PAYLOAD, S_RES_GEN, S_INSERT_BYTES, S_READ_BYTES, S_READ_NS) = range(15)
+# S_READ_*: source reads reported with ShmCache.count_read (words that were spare in version 1: a
+# ledger made before them reads 0 there, so the version stays 1)
 COUNTERS = {"hits": S_HITS, "misses": S_MISSES, "inserts": S_INSERTS, "refused": S_REFUSED,
-            "duplicates": S_DUPLICATES, "corrupt": S_CORRUPT, "insert_bytes": S_INSERT_BYTES}
+            "duplicates": S_DUPLICATES, "corrupt": S_CORRUPT, "insert_bytes": S_INSERT_BYTES,
+            "read_bytes": S_READ_BYTES, "read_ns": S_READ_NS}
 
 SLOT = struct.Struct("<QQQQ")
 ENTRY = struct.Struct("<QQQQQQ")

@@ -77,15 +77,24 @@ class CachedDataset(torch.utils.data.Dataset):
         return self._finish(data)
 
     def _read(self, i: int) -> Any:
-        """Sample ``i`` from the source (a miss), inside the read hook if there is one."""
+        """Sample ``i`` from the source (a miss), inside the read hook if there is one; the read's
+        bytes and time go to the cache's counters (:meth:`ShmCache.count_read`)."""
         hook = self.source_read_hook
+        t = time.perf_counter()
         if hook is None:
-            return self.source[i]
-        hook.enter()
+            data = self.source[i]
+        else:
+            hook.enter()
+            try:
+                data = self.source[i]
+            finally:
+                hook.exit()
         try:
-            return self.source[i]
-        finally:
-            hook.exit()
+            n = memoryview(data).nbytes
+        except TypeError:
+            n = 0
+        self.cache.count_read(n, time.perf_counter() - t)
+        return data
 
     def _finish(self, data: Any) -> Any:
         if self.transform is not None:

@@ -25,7 +25,7 @@ from ..errors import CacheError
 from . import _fs
 from ._layout import (ENTRY, ENTRY_HDR, ENTRY_MAGIC, H_ENTRIES, H_GEN, H_INDEX_USED, H_MAX_ENTRIES,
                       H_POLICY, H_RESERVED, H_RESERVED_ENTRIES, H_TOP, H_USED, H_WASTED, LEN_MASK,
-                      LIVE, SLOT, S_CORRUPT, S_DUPLICATES, S_HITS, S_INSERTS, S_INSERT_BYTES,
+                      LIVE, SLOT, S_CORRUPT, S_DUPLICATES, S_HITS, S_INSERTS, S_INSERT_BYTES, S_READ_BYTES, S_READ_NS,
                       S_MISSES, S_REFUSED, S_RES_GEN, S_RES_OFF, S_RES_PAYLOAD, S_RES_SIZE, TOMB,
                       align)
 from ._ledger import Ledger
@@ -134,6 +134,15 @@ class ShmCache:
             w[b + field] += n
             if field2 >= 0:
                 w[b + field2] += n2
+
+    def count_read(self, nbytes: int, seconds: float) -> None:
+        """Record one read from the source behind the cache: ``nbytes`` in ``seconds``.
+
+        :class:`~hpcstagger.cache.dataset.CachedDataset` reports every miss it reads; the sums are in
+        :meth:`stats` (``read_bytes``, ``read_seconds``), so a watcher sees the bandwidth the source
+        delivers and, over an interval, the mean number of reads in flight (read seconds per second).
+        """
+        self._count(S_READ_BYTES, max(0, int(nbytes)), S_READ_NS, max(0, int(seconds * 1e9)))
 
     # ---- reading -------------------------------------------------------------------------------
 
@@ -404,13 +413,15 @@ class ShmCache:
         """Node-wide statistics: counters summed over every process, occupancy, configuration.
 
         Keys: lookups (= hits + misses: every get() is exactly one of them), hits, misses, inserts,
-        refused, duplicates (puts of keys already cached), corrupt, insert_bytes, hit_rate, bytes_used, entries,
+        refused, duplicates (puts of keys already cached), corrupt, insert_bytes, read_bytes and
+        read_seconds (source reads reported by :meth:`count_read`), hit_rate, bytes_used, entries,
         reserved_bytes, wasted_bytes, capacity_bytes, max_entries, processes (live attached),
         generation, name, policy, path.
         """
         led = self._led
         w = led.w
         out: dict[str, Any] = led.totals()
+        out["read_seconds"] = out.pop("read_ns") / 1e9
         out["hit_rate"] = out["hits"] / out["lookups"] if out["lookups"] else 0.0
         out.update(bytes_used=int(w[H_USED]), entries=int(w[H_ENTRIES]), reserved_bytes=int(w[H_RESERVED]),
                    wasted_bytes=int(w[H_WASTED]), arena_top=int(w[H_TOP]), capacity_bytes=self.capacity_bytes,

@@ -91,7 +91,8 @@ def run_stats(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
     order = ["name", "path", "policy", "capacity_bytes", "bytes_used", "entries", "max_entries", "lookups",
-             "hits", "misses", "hit_rate", "inserts", "refused", "duplicates", "corrupt", "reserved_bytes",
+             "hits", "misses", "hit_rate", "inserts", "refused", "duplicates", "corrupt", "read_bytes",
+             "read_seconds", "reserved_bytes",
              "wasted_bytes", "processes", "generation"]
     width = max(map(len, order))
     for k in order + sorted(set(stats) - set(order)):
