@@ -103,6 +103,10 @@ _KNOB_LIST: list[Knob] = [
     Knob("plan_jitter", float, 0.25,
          "how far a job's real start may stray from its planned delay, as a fraction of the jobs' mean "
          "start-up; optimal_plan minimises the mean predicted makespan over that spread (0: exact starts)"),
+    Knob("steer_interval", float, 1.0,
+         "seconds between the closed-loop watcher's re-fits of the model while jobs wait for release"),
+    Knob("progress_interval", float, 0.25,
+         "seconds between a job leader's progress records (session.loader) for the watcher"),
 ]
 
 KNOBS: dict[str, Knob] = {k.name: k for k in _KNOB_LIST}

@@ -70,31 +70,33 @@ class CachedDataset(torch.utils.data.Dataset):
         if self.meter is not None:
             return self._measured(i, self.meter)
         key = self.source.key(i)
+        t = time.perf_counter()
         data: Any = self.cache.get(key)
         if data is None:
             data = self._read(i)
             self.cache.put(key, data)
+            self._count_miss(data, time.perf_counter() - t)
         return self._finish(data)
 
-    def _read(self, i: int) -> Any:
-        """Sample ``i`` from the source (a miss), inside the read hook if there is one; the read's
-        bytes and time go to the cache's counters (:meth:`ShmCache.count_read`)."""
-        hook = self.source_read_hook
-        t = time.perf_counter()
-        if hook is None:
-            data = self.source[i]
-        else:
-            hook.enter()
-            try:
-                data = self.source[i]
-            finally:
-                hook.exit()
+    def _count_miss(self, data: Any, seconds: float) -> None:
+        """Report a miss to the cache's counters (:meth:`ShmCache.count_read`): its bytes, and the
+        seconds from the lookup to the insert (what a miss costs the loader)."""
         try:
             n = memoryview(data).nbytes
         except TypeError:
             n = 0
-        self.cache.count_read(n, time.perf_counter() - t)
-        return data
+        self.cache.count_read(n, seconds)
+
+    def _read(self, i: int) -> Any:
+        """Sample ``i`` from the source (a miss), inside the read hook if there is one."""
+        hook = self.source_read_hook
+        if hook is None:
+            return self.source[i]
+        hook.enter()
+        try:
+            return self.source[i]
+        finally:
+            hook.exit()
 
     def _finish(self, data: Any) -> Any:
         if self.transform is not None:
@@ -115,6 +117,7 @@ class CachedDataset(torch.utils.data.Dataset):
             self.cache.put(key, data)
             t3 = time.perf_counter()
             read_s, insert_s = t2 - t1, t3 - t2
+            self._count_miss(data, t3 - t0)
         t4 = time.perf_counter()
         out = self._finish(data)
         meter.sample(hit, len(data), t1 - t0, read_s, insert_s, time.perf_counter() - t4)

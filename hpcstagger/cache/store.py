@@ -136,11 +136,12 @@ class ShmCache:
                 w[b + field2] += n2
 
     def count_read(self, nbytes: int, seconds: float) -> None:
-        """Record one read from the source behind the cache: ``nbytes`` in ``seconds``.
+        """Record one miss served from the source behind the cache: ``nbytes`` in ``seconds``.
 
-        :class:`~hpcstagger.cache.dataset.CachedDataset` reports every miss it reads; the sums are in
-        :meth:`stats` (``read_bytes``, ``read_seconds``), so a watcher sees the bandwidth the source
-        delivers and, over an interval, the mean number of reads in flight (read seconds per second).
+        :class:`~hpcstagger.cache.dataset.CachedDataset` reports every miss it reads, timed from its
+        lookup to its insert; the sums are in :meth:`stats` (``read_bytes``, ``read_seconds``), so a
+        watcher sees the bandwidth the jobs get from the source and, over an interval, the mean
+        number of misses in flight (read seconds per second).
         """
         self._count(S_READ_BYTES, max(0, int(nbytes)), S_READ_NS, max(0, int(seconds * 1e9)))
 

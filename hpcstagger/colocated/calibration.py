@@ -374,17 +374,17 @@ _METERS: dict[int, LoopMeter] = {}
 
 
 def wrap_loader(session: Any, iterable: Iterable[Any], profiler: Any = None) -> Iterable[Any]:
-    """What ``session.loader(iterable)`` gives: in calibration mode the measured loop (one
-    :class:`LoopMeter` per session), else ``profiler.wrap(iterable)`` when a StallProfiler is
-    given, else ``iterable`` itself."""
+    """``session.loader(iterable)``: in calibration mode the measured loop (a :class:`LoopMeter` per
+    session), else ``iterable`` (``profiler.wrap``-ed when given), counted on a job leader by its
+    :class:`~hpcstagger.colocated.progress.ProgressMeter` for the run's watcher."""
     if session.calibrating:
         meter = _METERS.get(id(session))
         if meter is None or meter.session is not session:
             meter = _METERS[id(session)] = LoopMeter(session, session.calibrating, _until())
         return meter.wrap(iterable)
-    if profiler is not None:
-        return profiler.wrap(iterable)
-    return iterable
+    inner = profiler.wrap(iterable) if profiler is not None else iterable
+    meter = getattr(session, "progress_meter", None)  # a ProgressMeter on a job leader
+    return inner if meter is None else meter.counted(inner)
 
 
 # ---------------------------------------------------------------------------- reading the reports

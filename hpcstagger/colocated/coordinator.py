@@ -42,6 +42,8 @@ from ._rendezvous import rendezvous
 from .calibration import calibration_dir, calibration_spec, no_plan, wrap_loader
 from .cachestate import describe_start, observe_cache
 from .planning import plan_delays
+from .progress import ProgressMeter
+from .release import set_host, wait_for_release
 from .spec import Spec
 
 __all__ = ["Session", "init", "resolve_job"]
@@ -107,6 +109,8 @@ class Session:
     backend: str = "none"
     verbose: bool = True
     calibrating: str = ""  # the reports directory when `hpcstagger calibrate --spec` runs this job
+    release: dict[str, Any] = field(default_factory=dict)  # closed loop: when and why this job was released
+    progress_meter: ProgressMeter | None = None  # a job leader's, for the watcher (session.loader)
     _closed: bool = False
 
     # ---- facts ---------------------------------------------------------------------------------
@@ -165,11 +169,19 @@ class Session:
 
     # ---- stages --------------------------------------------------------------------------------
     def wait(self, idle_work: Sequence[IdleWork] = ()) -> float:
-        """Wait out this job's delay, running ``idle_work`` meanwhile; return the seconds waited."""
+        """Wait out this job's delay, running ``idle_work`` meanwhile; return the seconds waited.
+
+        In mode ``"plan"`` a waiting job is released by the run's watcher, from what the run shows,
+        instead (:mod:`hpcstagger.colocated.release`); the plan's delay is its prior."""
         start = time.time()
         until = self.t0 + self.delay
         work = list(idle_work)
-        if self.delay > 0:
+        if self.delay > 0 and self.plan.get("steer"):
+            self.say(f"waiting for release (planned +{self.delay:.1f} s; steered by the run)")
+            self.release = wait_for_release(self, work)
+            self.say(f"released at +{self.elapsed():.1f} s: {self.release.get('reason', '')}")
+            until = 0.0
+        elif self.delay > 0:
             self.say(f"waiting {self.delay:.1f} s (planned start)")
         while True:
             left = until - time.time()
@@ -183,7 +195,7 @@ class Session:
         waited = time.time() - start
         self.timings["waited"] = waited
         self.timings["started_at"] = self.elapsed()
-        self.write_status("started")
+        self.write_status("started", release=self.release or None)
         return waited
 
     def start_backend(self, backend: str | None = None) -> None:
@@ -355,10 +367,14 @@ def _init(spec: Spec | str | os.PathLike[str] | None, *, job: str | None,
     jobs, index, comm = _meet_and_split(world, spec_obj, name, limit, timings)
     decided = (no_plan(list(jobs)) if calibrating else
                _exchange_plan(world, comm, spec_obj, name, list(jobs), calibration, limit, timings))
+    if decided.get("steer"):
+        set_host(decided["steer"], jobs)  # every rank names the same one
     t0 = time.time()
     timings["init"] = time.perf_counter() - t_begin
     session = _open_session(world, comm, spec_obj, name, index, jobs, decided, t0, timings, backend, verbose)
     session.calibrating = calibrating
+    if session.run_dir and comm.rank == 0 and not calibrating:
+        session.progress_meter = ProgressMeter(session.run_dir, name)
     if fail_fast:
         _install_fail_fast(session)
     atexit.register(_record_exit, session)
@@ -437,7 +453,8 @@ def _exchange_plan(world: Comm, comm: Comm, spec: Spec | None, name: str, order:
     def plan(hellos: list[Any]) -> dict[int, Any]:
         leaders = {h["job"]: h["calibration"] for h in hellos if h["leader"]}
         # plan from the cache as it is now: a warm cache (an earlier run's) changes the plan
-        decided = plan_delays(spec, order, leaders, mode, fixed=fixed, cache_state=observe_cache(spec))
+        decided = plan_delays(spec, order, leaders, mode, fixed=fixed, cache_state=observe_cache(spec),
+                              steer_interval=float(config.get("steer_interval")))
         return {r: decided for r in range(len(hellos))}
 
     t = time.perf_counter()

@@ -12,7 +12,7 @@ from typing import Any
 from collections.abc import Mapping, Sequence
 
 from ..errors import ConfigError
-from .spec import PLAN_MODES, PLAN_MODES_IN_WORLD, Spec
+from .spec import PLAN_MODES, PLAN_MODES_IN_WORLD, PLANNED_MODES, Spec
 
 __all__ = ["plan_delays", "scenario_for", "cached_fraction", "fold_miss_overhead"]
 
@@ -31,7 +31,7 @@ def cached_fraction(entries: float, samples: float) -> float:
 
 def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[str, Mapping[str, float]],
                 mode: str, *, fixed: Mapping[str, float] | None = None,
-                cache_state: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                cache_state: Mapping[str, Any] | None = None, steer_interval: float = 1.0) -> dict[str, Any]:
     """The delays for ``mode`` (world rank 0 calls this), and what the model predicts when it can.
 
     ``order`` lists the jobs in spec order; ``calibrations`` maps a job to what its leader
@@ -44,7 +44,9 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
     With a calibrated scenario (``[plan] scenario``), every mode also reports the predicted
     makespan of its delays and of the plan, a simultaneous start and sequential runs
     (``predicted``), and the scenario it used, with each job's own calibration in it
-    (``scenario``).
+    (``scenario``). Modes ``"plan"`` and ``"open"`` take the plan's delays; ``"plan"`` also adds
+    ``steer`` when some job waits (:func:`~.release.steer_record`, with the watcher's period
+    ``steer_interval``): the run then releases waiting jobs on evidence.
     """
     if mode not in PLAN_MODES_IN_WORLD:
         if mode == "sequential":
@@ -65,7 +67,7 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
     if cache_state is not None:
         out["cache"] = dict(cache_state)
     if spec is None or not spec.plan.scenario:
-        if mode == "plan" and len(order) > 1:
+        if mode in PLANNED_MODES and len(order) > 1:
             raise _needs_scenario()
         return out
     from ..model import optimal_plan, predict
@@ -75,11 +77,19 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
         out["cache"].update(fraction=scenario.cache.initial, samples=scenario.dataset.samples,
                             initial_samples=scenario.initial_samples)
     p = optimal_plan(scenario, max_delay=spec.plan.max_delay, jitter=spec.plan.jitter)
-    if mode == "plan":
+    if mode in PLANNED_MODES:
         out["delays"] = {n: float(p.delays.get(n, 0.0)) for n in order}
     out["predicted"] = {"plan": float(p.makespan), "simultaneous": float(p.simultaneous),
                         "sequential": float(p.sequential),
-                        mode: float(p.makespan) if mode == "plan" else float(predict(scenario, out["delays"]).makespan)}
+                        mode: float(p.makespan) if mode in PLANNED_MODES
+                        else float(predict(scenario, out["delays"]).makespan)}
+    if mode == "plan" and spec is not None:
+        from .release import steer_record
+
+        steer = steer_record(out["delays"], order, None, lo=spec.plan.min_delay, hi=spec.plan.max_delay,
+                             horizon=max(float(p.sequential), 1.0), interval=steer_interval)
+        if steer:
+            out["steer"] = steer
     out["scenario"] = scenario.to_dict()
     out["curve"] = p.to_dict()["curve"]
     out["jitter"] = float(p.jitter)  # the start-time spread the plan was made for (seconds)
@@ -87,7 +97,8 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
 
 
 def scenario_for(spec: Spec | None, order: Sequence[str], calibrations: Mapping[str, Mapping[str, float]],
-                 *, cache_state: Mapping[str, Any] | None = None) -> Any:
+                 *, cache_state: Mapping[str, Any] | None = None, source_scale: float = 1.0,
+                 job_scales: Mapping[str, float] | None = None) -> Any:
     """The scenario to plan with: the spec's calibrated scenario file, with each job's epochs from
     the spec, its sample time from the job's own calibration when it sent one, and the cache's
     contents at the start when ``cache_state`` gives them: ``cache.initial`` is then its
@@ -97,6 +108,10 @@ def scenario_for(spec: Spec | None, order: Sequence[str], calibrations: Mapping[
     costs the job beyond the source's own time (its cache insert, its loader's work). The source is
     then planned with the bandwidth the jobs actually see: with ``k`` readers each read of ``S``
     bytes takes ``S * k / bandwidth[k-1] + overhead``, the mean of the reported overheads.
+
+    The closed-loop watcher (:mod:`.steer`) refits the model with ``source_scale`` (a factor on the
+    source's bandwidth, before the overhead is added) and ``job_scales`` (job -> a factor on its
+    ``sample_time``, ``prep_time`` and ``handoff``).
     """
     from ..model import Scenario
 
@@ -116,11 +131,17 @@ def scenario_for(spec: Spec | None, order: Sequence[str], calibrations: Mapping[
             raise ConfigError(f"no sample_time for job {name!r}: the scenario {spec.plan.scenario} lacks it, the spec "
                               "gives none, and the job sent no calibration")
         entry["sample_time"] = float(sample_time)
+        scale = float((job_scales or {}).get(name, 1.0))
+        for key in ("sample_time", "prep_time", "handoff"):
+            if key in entry:
+                entry[key] = float(entry[key]) * scale
         jobs.append(entry)
     base["job"] = jobs
     if cache_state is not None:
         samples = float(base["dataset"]["samples"])
         base.setdefault("cache", {})["initial"] = cached_fraction(float(cache_state.get("entries") or 0), samples)
+    if source_scale != 1.0:
+        base["storage"]["bandwidth"] = [float(b) * source_scale for b in base["storage"]["bandwidth"]]
     overheads = [float(c["miss_overhead"]) for c in calibrations.values() if c.get("miss_overhead", 0) > 0]
     if overheads:
         base["storage"]["bandwidth"] = fold_miss_overhead(base["storage"]["bandwidth"],

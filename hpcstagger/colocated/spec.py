@@ -26,7 +26,7 @@ rank, through ``HPCSTAGGER_SPEC``) all read it. The format::
     every = 100                    # steps between saves (0: at the end of each epoch)
 
     [plan]
-    mode = "plan"                  # plan | simultaneous | sequential | fixed
+    mode = "plan"                  # plan | open | simultaneous | sequential | fixed
     scenario = "scenario.toml"     # optional calibrated scenario to plan from
     delays = { vit = 30.0 }        # mode = "fixed": seconds per job (missing jobs start at 0)
 
@@ -61,8 +61,9 @@ from ..errors import CacheError, ConfigError
 __all__ = ["Spec", "RunSpec", "DatasetSpec", "CacheSpec", "CheckpointSpec", "PlanSpec", "SlurmSpec",
            "JobSpec", "PLAN_MODES", "BACKENDS"]
 
-PLAN_MODES = ("plan", "simultaneous", "sequential", "fixed")
-PLAN_MODES_IN_WORLD = ("plan", "simultaneous", "fixed")  # sequential is one launch per job
+PLAN_MODES = ("plan", "open", "simultaneous", "sequential", "fixed")
+PLAN_MODES_IN_WORLD = ("plan", "open", "simultaneous", "fixed")  # sequential is one launch per job
+PLANNED_MODES = ("plan", "open")  # the model's delays: "plan" steers them while the run goes on, "open" does not
 BACKENDS = ("ddp", "horovod", "none")
 _NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
 _NAME_HINT = "use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
@@ -113,12 +114,15 @@ class CheckpointSpec:
 @dataclass(frozen=True)
 class PlanSpec:
     """How start delays are chosen: ``mode``, an optional ``scenario`` file, fixed ``delays``,
-    the longest ``max_delay``, and ``jitter``: seconds a job's real start may stray from its plan."""
+    the bounds ``min_delay`` and ``max_delay`` on every planned wait, and ``jitter``: seconds a
+    job's real start may stray from its plan. Mode ``"plan"`` steers the waits while the run goes
+    on (closed loop); ``"open"`` keeps the plan's delays as fixed sleeps."""
 
     mode: str = "plan"
     scenario: str = ""
     delays: Mapping[str, float] = field(default_factory=dict)
     max_delay: float | None = None
+    min_delay: float = 0.0
     calibrate: bool = True
     jitter: float | None = None
 
@@ -182,6 +186,7 @@ _PLAN = S.Table("plan", [
     S.Field("scenario", S.string(allow_empty=True), "", shown="unset"),
     S.Field("delays", S.table, {}, shown="{}"),
     S.Field("max_delay", S.optional(S.number(minimum=0)), None),
+    S.Field("min_delay", S.number(minimum=0), 0.0, shown="0"),
     S.Field("calibrate", S.boolean(), True),
     S.Field("jitter", S.optional(S.number(minimum=0)), None,
             shown="unset (the plan_jitter knob times the jobs' mean start-up)"),
@@ -295,6 +300,9 @@ class Spec:
         pl["delays"] = delays
         if pl["mode"] == "fixed" and not delays:
             raise ConfigError('plan.mode = "fixed" needs plan.delays, e.g. delays = { b = 30.0 }')
+        if pl["max_delay"] is not None and pl["min_delay"] > pl["max_delay"]:
+            raise ConfigError(f"plan.min_delay ({pl['min_delay']:g} s) is above plan.max_delay "
+                              f"({pl['max_delay']:g} s): lower min_delay or raise max_delay")
 
         sl = _SLURM.parse("slurm", data.get("slurm"))
         return cls(jobs=jobs, run=RunSpec(**run), dataset=DatasetSpec(**ds), cache=CacheSpec(**ca),

@@ -40,7 +40,6 @@ recomputed at full accuracy, and a stagger that does not pay then is dropped.
 
 from __future__ import annotations
 
-import bisect
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -49,6 +48,7 @@ from collections.abc import Callable
 
 from ..errors import ConfigError
 from . import _engine
+from ._search import CUTOFF, Evaluator, grid, line_search
 from ._spread import OFFSETS_MANY, OFFSETS_TWO, Spread, robust_two, start_jitter
 from .scenario import Scenario
 
@@ -94,86 +94,6 @@ class Plan:
                 "evaluations": self.evaluations, "seconds": self.seconds, "jitter": self.jitter}
 
 
-# A search run stops once it passes the best makespan so far by this fraction (it cannot win).
-_CUTOFF = 0.05
-
-
-class _Evaluator:
-    """Predicted makespan of delay vectors, cached, resuming runs from shared prefixes."""
-
-    def __init__(self, sc: Scenario, quality: _engine.Quality, keep_runs: int = 6):
-        self.engine = _engine.Engine(sc, quality)
-        self.cache: dict[tuple[float, ...], tuple[float, list[float]]] = {}
-        self.runs: list[tuple[list[float], list[_engine.Snapshot]]] = []
-        self.keep_runs = keep_runs
-        self.count = 0
-        self.best = math.inf  # best makespan seen: runs that pass it (plus cutoff) stop early
-        self.cutoff = _CUTOFF
-
-    def _resume_point(self, d: list[float]) -> tuple[_engine.Snapshot | None, list[_engine.Snapshot]]:
-        best: _engine.Snapshot | None = None
-        best_prefix: list[_engine.Snapshot] = []
-        for delays, snaps in self.runs:
-            diff = [min(a, b) for a, b in zip(d, delays, strict=True) if a != b]
-            bound = min(diff) if diff else math.inf
-            # the last snapshot strictly before the first start time that differs
-            k = bisect.bisect_left([s.t for s in snaps], bound) - 1
-            if k >= 0 and (best is None or snaps[k].t > best.t):
-                best, best_prefix = snaps[k], snaps[:k]
-        return best, best_prefix
-
-    def finish(self, d: list[float]) -> tuple[float, list[float]]:
-        """Makespan and finish times of delays ``d``. A run that passes ``self.best`` times
-        ``1 + cutoff`` stops there (it cannot win) and reports that time as its makespan."""
-        key = tuple(d)
-        hit = self.cache.get(key)
-        if hit is not None and (math.isfinite(max(hit[1])) or hit[0] >= self.best * (1.0 + self.cutoff)):
-            return hit
-        snap, prefix = self._resume_point(d)
-        keep: list[_engine.Snapshot] = []
-        stop = self.best * (1.0 + self.cutoff)
-        finish = self.engine.run(d, resume=snap, keep=keep, stop=stop)
-        self.count += 1
-        self.runs.append((list(d), prefix + keep))
-        if len(self.runs) > self.keep_runs:
-            self.runs.pop(0)
-        makespan = max(finish)
-        if not math.isfinite(makespan):
-            makespan = max(stop, self.engine.t)  # a lower bound: good enough to rank it last
-        elif makespan < self.best:
-            self.best = makespan
-        out = (makespan, finish)
-        self.cache[key] = out
-        return out
-
-    def __call__(self, d: list[float]) -> float:
-        return self.finish(d)[0]
-
-
-def _grid(upper: float, points: int) -> list[float]:
-    """``points`` values in (0, upper], denser near 0 (quadratic spacing)."""
-    return [upper * (k / points) ** 2 for k in range(1, points + 1)]
-
-
-def _line_search(f: Callable[[float], float], lo: float, hi: float, current: float, f_current: float,
-                 points: int, refine_iter: int) -> tuple[float, float, list[tuple[float, float]]]:
-    """Minimise f over [lo, hi]: a grid (denser near ``lo``), then bounded Brent around the best."""
-    from scipy.optimize import minimize_scalar
-
-    xs = sorted({lo, current, *(lo + g for g in _grid(hi - lo, points))})
-    vals = [f_current if x == current else f(x) for x in xs]
-    k = min(range(len(xs)), key=lambda i: (vals[i], xs[i]))
-    best_x, best_v = xs[k], vals[k]
-    a = xs[k - 1] if k > 0 else xs[k]
-    b = xs[k + 1] if k + 1 < len(xs) else xs[k]
-    if b - a > 1e-9 * max(1.0, hi) and refine_iter > 0:
-        res = minimize_scalar(f, bounds=(a, b), method="bounded",
-                              options={"xatol": 1e-4 * (hi - lo) + 1e-9, "maxiter": refine_iter})
-        if float(res.fun) < best_v:
-            best_x, best_v = float(res.x), float(res.fun)
-    return best_x, best_v, list(zip(xs, vals, strict=True))
-
-
 def _solo_times(sc: Scenario) -> list[float]:
     out = []
     for job in sc.jobs:
@@ -216,12 +136,12 @@ def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain
     min_gain = _check_args(max_delay, min_gain)
     sc = scenario
     J = len(sc.jobs)
-    ev = _Evaluator(sc, _engine.COARSE)
+    ev = Evaluator(sc, _engine.COARSE)
     spread_s = start_jitter(sc, jitter)
     if J == 2:
         spread = Spread(ev, spread_s, OFFSETS_TWO)
     else:  # the spread only checks the plan against a simultaneous start, at the scan's accuracy
-        spread = Spread(_Evaluator(sc, _engine.SEARCH) if spread_s > 0 else ev, spread_s, OFFSETS_MANY)
+        spread = Spread(Evaluator(sc, _engine.SEARCH) if spread_s > 0 else ev, spread_s, OFFSETS_MANY)
     simultaneous_coarse = ev([0.0] * J)
     if J >= 2:
         best_d, curve, label = _search(sc, ev, spread, simultaneous_coarse, max_delay=max_delay,
@@ -253,7 +173,7 @@ def _check_args(max_delay: float | None, min_gain: float | None) -> float:
     return min_gain
 
 
-def _search(sc: Scenario, ev: _Evaluator, spread: Spread, simultaneous: float, *, max_delay: float | None,
+def _search(sc: Scenario, ev: Evaluator, spread: Spread, simultaneous: float, *, max_delay: float | None,
             min_gain: float, grid: int | None, budget: float) -> tuple[list[float], list[tuple[float, float]], str]:
     """2 or more jobs: the searched delays (all 0 unless they gain more than ``min_gain`` over a
     simultaneous start, both over the start-time spread), the makespan-versus-delay curve and its label."""
@@ -283,7 +203,7 @@ def _search(sc: Scenario, ev: _Evaluator, spread: Spread, simultaneous: float, *
     return best_d, curve, label
 
 
-def _plan_scaled(ev: _Evaluator, base: list[float], best: float,
+def _plan_scaled(ev: Evaluator, base: list[float], best: float,
                  deadline: float) -> tuple[list[float], float, list[tuple[float, float]], str]:
     """The delays ``base`` scaled together, 0 (simultaneous) to 1.6: the curve, and a last search
     along it (coordinate descent can stop short of a point on this ray), refined by bounded Brent
@@ -293,7 +213,7 @@ def _plan_scaled(ev: _Evaluator, base: list[float], best: float,
     scales = [0.0, 0.25, 0.5, 0.75, 0.9, 1.0, 1.25, 1.6]
     ev.cutoff = math.inf  # the reported curve: every point runs to the end
     vals = [ev([lam * x for x in base]) for lam in scales]
-    ev.cutoff = _CUTOFF
+    ev.cutoff = CUTOFF
     k = min(range(len(scales)), key=lambda i: (vals[i], abs(scales[i] - 1.0)))
     lam_best, val_best = scales[k], vals[k]
     if 0 < k < len(scales) - 1 and _cpu_clock() < deadline:
@@ -336,7 +256,7 @@ def _final_plan(sc: Scenario, best_d: list[float], curve: list[tuple[float, floa
                 curve_label=label, evaluations=evaluations, seconds=time.perf_counter() - t0, jitter=jitter)
 
 
-def _plan_two(ev: _Evaluator, spread: Spread, bound: list[float], points: int):
+def _plan_two(ev: Evaluator, spread: Spread, bound: list[float], points: int):
     """2 jobs: signed stagger s in [-bound[0], bound[1]] (job 1 delayed when s < 0); with a
     start-time spread, the stagger whose mean makespan over the spread is least, and that mean."""
     def delays(s: float) -> list[float]:
@@ -345,10 +265,10 @@ def _plan_two(ev: _Evaluator, spread: Spread, bound: list[float], points: int):
     def f(s: float) -> float:
         return ev(delays(s))
 
-    xs = sorted({0.0, *_grid(bound[1], points), *(-g for g in _grid(bound[0], points))})
+    xs = sorted({0.0, *grid(bound[1], points), *(-g for g in grid(bound[0], points))})
     ev.cutoff = math.inf  # the grid is the reported curve: every point runs to the end
     vals = [f(x) for x in xs]
-    ev.cutoff = _CUTOFF
+    ev.cutoff = CUTOFF
     if spread.jitter > 0:
         best_s, best = robust_two(spread, delays, xs, vals, -bound[0], bound[1])
         return delays(best_s), best, sorted(set(zip(xs, vals, strict=True)) | {(best_s, f(best_s))})
@@ -367,14 +287,14 @@ def _plan_two(ev: _Evaluator, spread: Spread, bound: list[float], points: int):
     return delays(best_s), best, curve
 
 
-def _plan_many(sc: Scenario, ev: _Evaluator, bound: list[float], points: int,
+def _plan_many(sc: Scenario, ev: Evaluator, bound: list[float], points: int,
                solo: list[float], t0: float, budget: float) -> tuple[list[float], float]:
     """N jobs: scan one-parameter families (cheaply) for a start point, then coordinate descent.
     The scan takes a quarter of ``budget`` (CPU seconds from ``t0``); the descent stops at 70% of
     it, except that its first sweep visits every job (past that, on a grid of 3 points)."""
     J = len(bound)
     scan_until, deadline = t0 + 0.25 * budget, t0 + 0.7 * budget
-    scan = _Evaluator(sc, _engine.SEARCH)
+    scan = Evaluator(sc, _engine.SEARCH)
     t_eval = _cpu_clock()
     scan([0.0] * J)
     t_eval = _cpu_clock() - t_eval
@@ -384,7 +304,7 @@ def _plan_many(sc: Scenario, ev: _Evaluator, bound: list[float], points: int,
     candidates: list[list[float]] = [[0.0] * J]
     for first in range(J):  # this job first, every other one a common delay later
         upper = max(bound[j] for j in range(J) if j != first)
-        for delta in _grid(upper, fam):
+        for delta in grid(upper, fam):
             d = [min(delta, bound[j]) for j in range(J)]
             d[first] = 0.0
             candidates.append(d)
@@ -417,7 +337,7 @@ def _plan_many(sc: Scenario, ev: _Evaluator, bound: list[float], points: int,
 
             if sweep == 0:  # a grid over the whole range, then Brent around the best point; past
                 # the deadline a coarse grid only, but every job: the scan alone is too coarse to stop at
-                x, val, _ = _line_search(f, 0.0, bound[j], best_d[j], best, 3 if late else points, 0 if late else 5)
+                x, val, _ = line_search(f, 0.0, bound[j], best_d[j], best, 3 if late else points, 0 if late else 5)
             else:  # Brent in a bracket around the current point
                 lo, hi = max(0.0, best_d[j] - width[j]), min(bound[j], best_d[j] + width[j])
                 x, val = best_d[j], best

@@ -1,0 +1,123 @@
+"""A job's progress, as its leader's loop sees it, published for the run's watcher.
+
+``session.loader(loader)`` (outside calibration) passes each batch through :class:`ProgressMeter`
+on the job's leader. Every ``progress_interval`` seconds, and at the end of each epoch, the meter
+writes ``<run_dir>/<job>.progress.json``:
+
+- ``loop_start``: wall time when the loop asked for its first batch (the job's real start);
+- ``epoch``: how many epochs the loop has begun (each ``session.loader(...)`` call is one);
+- ``batches`` and ``per_epoch``: batches taken in this epoch, and ``len(loader)`` (None when the
+  iterable has no length);
+- ``total_batches``, ``time``: all batches so far, and when the record was written.
+
+:func:`read_progress` reads the records back; :func:`fraction_done` turns one into the fraction
+of the job's samples done, which is what the closed-loop watcher fits the model to. Writing costs
+one clock read per batch and one small file every ``progress_interval`` seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+from collections.abc import Iterable, Iterator
+
+from .. import _io, config
+
+__all__ = ["Counted", "ProgressMeter", "progress_path", "read_progress", "fraction_done"]
+
+
+def progress_path(run_dir: str, job: str) -> str:
+    """Where job ``job``'s leader publishes its progress."""
+    return os.path.join(run_dir, f"{job}.progress.json")
+
+
+class ProgressMeter:
+    """Counts one job's batches on its leader and publishes them (see the module docstring)."""
+
+    def __init__(self, run_dir: str, job: str, *, interval: float | None = None):
+        self.path = progress_path(run_dir, job)
+        self.job = job
+        self.interval = float(config.get("progress_interval") if interval is None else interval)
+        self.loop_start: float | None = None
+        self.epoch = 0
+        self.batches = 0
+        self.per_epoch: int | None = None
+        self.total = 0
+        self._written = 0.0
+
+    def record(self) -> dict[str, Any]:
+        """The current progress record."""
+        return {"job": self.job, "pid": os.getpid(), "loop_start": self.loop_start, "epoch": self.epoch,
+                "batches": self.batches, "per_epoch": self.per_epoch, "total_batches": self.total,
+                "time": time.time()}
+
+    def publish(self) -> None:
+        """Write the record now (atomically; a failure is ignored: progress is advisory)."""
+        self._written = time.monotonic()
+        try:
+            _io.atomic_write_json(self.path, self.record(), durable=False)
+        except OSError:
+            pass
+
+    def counted(self, iterable: Iterable[Any]) -> Counted:
+        """``iterable``, counted by this meter each time it is iterated."""
+        return Counted(iterable, self)
+
+    def wrap(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        """``iterable``'s items, counted as one epoch of this job's loop."""
+        try:
+            self.per_epoch = len(iterable)  # type: ignore[arg-type]
+        except TypeError:
+            self.per_epoch = None
+        if self.loop_start is None:
+            self.loop_start = time.time()
+        self.epoch += 1
+        self.batches = 0
+        self.publish()
+        for item in iterable:
+            self.batches += 1
+            self.total += 1
+            if time.monotonic() - self._written >= self.interval:
+                self.publish()
+            yield item
+        self.publish()
+
+
+class Counted:
+    """An iterable whose iterations a :class:`ProgressMeter` counts; ``len()`` and every other
+    attribute are the wrapped iterable's (so ``session.loader(loader)`` still looks like ``loader``)."""
+
+    def __init__(self, inner: Iterable[Any], meter: ProgressMeter):
+        self.inner = inner
+        self.meter = meter
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.meter.wrap(self.inner)
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def read_progress(run_dir: str, job: str) -> dict[str, Any] | None:
+    """Job ``job``'s latest progress record, or None (none yet, or unreadable)."""
+    try:
+        record = _io.read_json(progress_path(run_dir, job))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def fraction_done(record: dict[str, Any] | None, epochs: int) -> float | None:
+    """The fraction of a job's ``epochs`` epochs its loop has done, or None when the record cannot
+    say (no record, or an iterable without a length)."""
+    if not record or not record.get("per_epoch") or epochs <= 0:
+        return None
+    begun = int(record.get("epoch") or 0)
+    if begun <= 0:
+        return 0.0
+    within = min(1.0, float(record.get("batches") or 0) / float(record["per_epoch"]))
+    return min(1.0, (begun - 1 + within) / epochs)

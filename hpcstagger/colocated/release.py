@@ -1,0 +1,253 @@
+"""Closed-loop release: the watcher that steers, and the waiting ranks that it releases.
+
+In mode ``"plan"`` with a calibrated scenario, :func:`~.planning.plan_delays` adds a ``steer``
+record to the plan (:func:`steer_record`) when some job is planned to wait. Then:
+
+- **The host** is the leader of the job planned to start last. It is idle until its own release,
+  so the watching costs no training process any Python time. While it waits it looks at the run
+  every ``steer_interval`` seconds (the shared cache's counters, each started job leader's progress
+  and status file), lets :class:`~.steer.Steering` decide, and sends each released job's ranks a
+  message (MPI point-to-point on the world communicator, tag :data:`TAG`). Its own job comes last.
+- **Every other waiting rank** blocks in :meth:`Session.wait` until that message comes, running
+  its idle work meanwhile. It starts on its own, with a warning, only if no message has come by its
+  safety deadline (``cap``: the latest release the host can choose plus ``collective_timeout``).
+
+If the model fails while steering, the host logs it and falls back to the plan's delays. The
+host writes every decision to ``<run_dir>/steer.json`` (read by ``hpcstagger launch``), and each
+released rank records its release in its status file.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+
+from .. import _io, config
+from .progress import read_progress
+
+if TYPE_CHECKING:
+    from .steer import Look, Steering
+
+__all__ = ["TAG", "release_groups", "steer_record", "set_host", "wait_for_release"]
+
+log = logging.getLogger(__name__)
+
+TAG = 27181  # release messages on the world communicator
+POLL = 0.05  # seconds between a waiting rank's looks for its message
+
+
+def release_groups(delays: Mapping[str, float], order: Sequence[str]) -> list[list[str]]:
+    """Jobs grouped by planned delay, earliest first (spec order within a group)."""
+    by: dict[float, list[str]] = {}
+    for name in order:
+        by.setdefault(round(float(delays[name]), 9), []).append(name)
+    return [by[d] for d in sorted(by)]
+
+
+def steer_record(delays: Mapping[str, float], order: Sequence[str], jobs: Mapping[str, Sequence[int]] | None, *,
+                 lo: float, hi: float | None, horizon: float, interval: float) -> dict[str, Any] | None:
+    """The plan's ``steer`` entry, or None when no job waits (pure).
+
+    It holds the release ``groups``, the ``host`` (world rank of the leader of the last group's
+    first job; None until ``jobs`` gives the ranks: :func:`set_host`), the bounds, and ``latest``:
+    each waiting job's latest possible release (seconds after time zero), which the watcher keeps
+    to: ``min(max_delay, planned + horizon)``, and at least ``min_delay``."""
+    groups = release_groups(delays, order)
+    if len(groups) < 2:
+        return None
+    latest = {}
+    for g in groups[1:]:
+        planned = float(delays[g[0]])
+        last = planned + horizon if hi is None else min(hi, planned + horizon)
+        latest.update({n: max(last, lo) for n in g})
+    out = {"groups": groups, "host": None, "min_delay": lo, "max_delay": hi, "horizon": horizon,
+           "interval": interval, "latest": latest}
+    if jobs is not None:
+        set_host(out, jobs)
+    return out
+
+
+def set_host(steer: dict[str, Any], jobs: Mapping[str, Sequence[int]]) -> None:
+    """Name the host in a ``steer`` record: the leader (lowest world rank) of the last group's first job."""
+    steer["host"] = int(min(jobs[steer["groups"][-1][0]]))
+
+
+class Watcher:
+    """What the host sees of the run: the cache's read counters, progress and status files."""
+
+    def __init__(self, spec: Any, run_dir: str, order: Sequence[str]):
+        self.spec = spec
+        self.run_dir = run_dir
+        self.order = list(order)
+        self.cache: Any = None
+
+    def _attach(self) -> Any:
+        if self.cache is None and self.spec is not None and self.spec.cache.capacity > 0:
+            from ..cache.admin import list_caches
+            from ..cache.store import ShmCache
+            from ..errors import CacheError
+
+            root = os.path.abspath(self.spec.cache.root or config.get("shm_root"))
+            try:
+                if self.spec.cache.name in list_caches(root):
+                    self.cache = ShmCache(self.spec.cache.name, None, root=root)
+            except CacheError as exc:
+                log.warning("the watcher cannot read the shared cache: %s", exc)
+        return self.cache
+
+    def look(self, t: float, started: Sequence[str]) -> Look:
+        """The run now (``t`` seconds after time zero), for the ``started`` jobs."""
+        from .steer import Look
+
+        look = Look(t=t)
+        cache = self._attach()
+        if cache is not None:
+            s = cache.stats()
+            look.read_bytes, look.read_seconds = float(s["read_bytes"]), float(s["read_seconds"])
+        for name in started:
+            rec = read_progress(self.run_dir, name)
+            if rec:
+                look.progress[name] = rec
+            try:
+                status = _io.read_json(os.path.join(self.run_dir, f"{name}.0.json"))
+                look.state[name] = str(status.get("state", ""))
+            except (OSError, ValueError, AttributeError):
+                pass
+        return look
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+            self.cache = None
+
+
+def _steering(session: Any) -> Steering:
+    from ..model import Scenario
+    from .planning import scenario_for
+    from .steer import Steering
+
+    spec, plan = session.spec, session.plan
+    steer = plan["steer"]
+    order = list(session.jobs)
+    calibrations = plan.get("calibrations", {})
+    cache_state = plan.get("cache")
+
+    def build(beta: float, alpha: Mapping[str, float]) -> Scenario:
+        return scenario_for(spec, order, calibrations, cache_state=cache_state, source_scale=beta, job_scales=alpha)
+
+    bandwidth = Scenario.from_toml(spec.plan.scenario).storage.bandwidth
+    hi = steer.get("max_delay")
+    return Steering(build, bandwidth, order, plan["delays"], {n: spec.job(n).epochs for n in order},
+                    lo=float(steer.get("min_delay") or 0.0), hi=math.inf if hi is None else float(hi),
+                    interval=float(steer["interval"]), horizon=float(steer["horizon"]))
+
+
+def _send(session: Any, jobs: Sequence[str], message: dict[str, Any]) -> None:
+    me = session.world.rank
+    for name in jobs:
+        for r in session.jobs[name]:
+            if r != me:
+                session.world.mpi.send(message, dest=r, tag=TAG)
+
+
+def _host(session: Any, idle: list[Callable[[float], bool]]) -> dict[str, Any]:
+    """The host's loop: watch, decide, release; returns its own job's release."""
+    steering = _steering(session)
+    first = steering.groups[0]
+    for n in first:
+        steering.released[n] = 0.0
+    watcher = Watcher(session.spec, session.run_dir, list(session.jobs))
+    log_path = os.path.join(session.run_dir, "steer.json") if session.run_dir else ""
+    failed = ""
+    mine: dict[str, Any] | None = None
+    try:
+        while mine is None:
+            now = session.elapsed()
+            look = watcher.look(now, list(steering.released))
+            try:
+                decisions = steering.decide(look, session.t0) if not failed else []
+            except Exception as exc:  # the model failed: fall back to the plan, and say so
+                failed = f"{type(exc).__name__}: {exc}"
+                log.warning("closed-loop steering failed, releasing at the planned delays: %s", failed)
+                decisions = []
+            if failed:
+                for group in steering.waiting:
+                    if now >= steering.planned[group[0]]:
+                        decisions.append(steering.release(group, now, f"the plan's delay (steering failed: {failed})"))
+                    else:
+                        break
+            for d in decisions:
+                msg = {"release": d.to_dict()}
+                _send(session, d.jobs, msg)
+                if session.job in d.jobs:
+                    mine = msg
+            if decisions and log_path:
+                _write_log(log_path, session, steering, failed)
+            if mine is None:
+                _idle(idle, steering.interval, steering.target, session)
+    finally:
+        watcher.close()
+    if log_path:
+        _write_log(log_path, session, steering, failed)
+    return mine
+
+
+def _write_log(path: str, session: Any, steering: Steering, failed: str) -> None:
+    record = {"host": {"job": session.job, "world_rank": session.world.rank}, "t0": session.t0,
+              "planned": steering.planned, "released": steering.released,
+              "decisions": [d.to_dict() for d in steering.decisions],
+              "fit": {"source": steering.beta, "jobs": steering.alpha}, "failed": failed or None}
+    try:
+        _io.atomic_write_json(path, record, durable=False)
+    except OSError as exc:
+        log.warning("cannot write %s: %s", path, exc)
+
+
+def _idle(idle: list[Callable[[float], bool]], interval: float, target: float | None, session: Any) -> None:
+    """Spend about ``interval`` seconds: idle work first, else sleep (shorter when the target is near)."""
+    until = time.time() + interval
+    if target is not None:
+        until = min(until, session.t0 + target)
+    until = max(until, time.time() + POLL)
+    while time.time() < until:
+        if idle:
+            if not idle[0](until - time.time()):
+                idle.pop(0)
+        else:
+            time.sleep(max(0.0, min(until - time.time(), interval)))
+
+
+def _follower(session: Any, idle: list[Callable[[float], bool]]) -> dict[str, Any]:
+    """A waiting rank that is not the host: wait for the host's message (or the safety deadline)."""
+    steer = session.plan["steer"]
+    host = int(steer["host"])
+    cap = session.t0 + float(steer["latest"][session.job]) + float(config.get("collective_timeout"))
+    mpi = session.world.mpi
+    while True:
+        if mpi.Iprobe(source=host, tag=TAG):
+            return dict(mpi.recv(source=host, tag=TAG))
+        if time.time() >= cap:
+            reason = (f"no release from the watcher (world rank {host}) by +{cap - session.t0:.1f} s; "
+                      "starting anyway")
+            log.warning(reason)
+            return {"release": {"jobs": [session.job], "at": session.elapsed(), "reason": reason,
+                                "planned": session.delay}}
+        if idle:
+            if not idle[0](POLL):
+                idle.pop(0)
+        else:
+            time.sleep(POLL)
+
+
+def wait_for_release(session: Any, idle_work: Sequence[Callable[[float], bool]] = ()) -> dict[str, Any]:
+    """Block until this rank's job is released (see the module docstring); returns the release."""
+    idle = list(idle_work)
+    if session.world.rank == int(session.plan["steer"]["host"]):
+        msg = _host(session, idle)
+    else:
+        msg = _follower(session, idle)
+    return dict(msg.get("release") or {})

@@ -1,0 +1,255 @@
+"""Closed-loop staggering: when to release each waiting job, from what the run shows (pure).
+
+The plan's delays are the prior. While jobs wait, the watcher (:mod:`.release`) looks at the run
+every ``steer_interval`` seconds and hands :class:`Steering` a :class:`Look`: the source reads
+counted by the shared cache (bytes and seconds, :meth:`ShmCache.count_read`), each started job's
+progress (:mod:`.progress`) and state. :meth:`Steering.decide` then:
+
+1. **fits the source**: the mean bandwidth one read got over the last few seconds, against the
+   calibrated curve at the mean number of reads in flight then (read seconds per second), gives a
+   factor on the source's bandwidth;
+2. **fits each running job**: the factor on its CPU costs (``sample_time``, ``prep_time``,
+   ``handoff``) under which the model, with the source fitted and the job's loop started when it
+   really did, predicts the progress the job has made (:func:`~hpcstagger.model.steer.fit_scale`);
+3. **decides**: with the fitted model, the predicted makespan as a function of when the next group
+   of waiting jobs starts (:func:`~hpcstagger.model.steer.best_release`); the group is released
+   when starting now is best. Later groups keep their planned gaps behind it in that prediction.
+
+Without evidence yet (no reads, a loop younger than ``steer_interval``) the prior holds: the
+group is released at its planned delay. ``[plan] min_delay`` and ``max_delay`` bound every
+release, and a group is released as soon as every job started before it has finished. Every
+release says why (:attr:`Decision.reason`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+
+from ..model import Scenario
+from ..model.steer import best_release, fit_scale
+from .progress import fraction_done
+from .release import release_groups
+
+__all__ = ["Look", "Decision", "Steering", "release_groups", "source_scale"]
+
+log = logging.getLogger(__name__)
+
+WINDOW = 3.0     # seconds of read counters the source fit uses
+MIN_READS = 16   # reads the window needs before the source fit counts
+MOVED = 0.02     # relative change of a fitted factor that asks for a new release curve
+
+
+def source_scale(bandwidth: Sequence[float], read_bytes: float, read_seconds: float, elapsed: float) -> float | None:
+    """The factor on the calibrated ``bandwidth`` curve (aggregate bytes/s for 1, 2, ... readers)
+    that explains ``read_bytes`` read in ``read_seconds`` of read time over ``elapsed`` seconds,
+    or None when there is nothing to go on.
+
+    The mean number of reads in flight is ``read_seconds / elapsed`` (Little's law); each of them
+    got ``read_bytes / read_seconds`` bytes/s; the curve gives ``bandwidth[k-1] / k`` per read at
+    k readers, interpolated between whole k.
+    """
+    if read_bytes <= 0 or read_seconds <= 0 or elapsed <= 0 or not bandwidth:
+        return None
+    k = max(1.0, read_seconds / elapsed)
+    lo = min(int(k), len(bandwidth))
+    hi = min(lo + 1, len(bandwidth))
+    per = [bandwidth[i - 1] / i if i <= len(bandwidth) else bandwidth[-1] / i for i in (lo, hi)]
+    w = min(1.0, k - int(k)) if hi > lo else 0.0
+    model = per[0] + w * (per[1] - per[0])
+    return (read_bytes / read_seconds) / model
+
+
+@dataclass
+class Look:
+    """One look at the run, ``t`` seconds after its time zero.
+
+    ``read_bytes``/``read_seconds``: the cache's source-read counters (None without a cache);
+    ``progress``: each started job's latest progress record (:mod:`.progress`); ``state``: each
+    started job leader's status (``started``, ``done``, ...)."""
+
+    t: float
+    read_bytes: float | None = None
+    read_seconds: float | None = None
+    progress: dict[str, dict[str, Any]] = field(default_factory=dict)
+    state: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Decision:
+    """A release: the jobs, when (seconds since time zero), why, and what the model said then."""
+
+    jobs: list[str]
+    at: float
+    planned: float
+    reason: str
+    predicted: float | None = None
+    fit: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """As plain JSON-able types."""
+        return {"jobs": list(self.jobs), "at": self.at, "planned": self.planned, "reason": self.reason,
+                "predicted": self.predicted, "fit": dict(self.fit)}
+
+
+class Steering:
+    """Decides when each waiting group is released (see the module docstring).
+
+    ``build(source_scale, job_scales)`` makes the scenario (already with the spec's jobs, the
+    cache's state and each job's calibration) with those factors applied; ``bandwidth`` is the
+    calibrated source curve the source factor multiplies; ``epochs`` each job's epochs; ``delays``
+    the plan; ``lo``/``hi`` bound every release; ``interval`` is the watcher's period.
+    """
+
+    def __init__(self, build: Callable[[float, Mapping[str, float]], Scenario], bandwidth: Sequence[float],
+                 order: Sequence[str], delays: Mapping[str, float], epochs: Mapping[str, int], *,
+                 lo: float = 0.0, hi: float = math.inf, interval: float = 1.0, horizon: float | None = None):
+        self.build = build
+        self.bandwidth = list(bandwidth)
+        self.order = list(order)
+        self.planned = {n: float(delays[n]) for n in order}
+        self.epochs = dict(epochs)
+        self.lo, self.hi, self.interval = float(lo), float(hi), float(interval)
+        self.groups = release_groups(self.planned, self.order)
+        self.released: dict[str, float] = {}
+        self.decisions: list[Decision] = []
+        self.looks: list[Look] = []
+        self.beta = 1.0
+        self.alpha: dict[str, float] = {}
+        self._curve_at: tuple[float, dict[str, float]] | None = None
+        self.target: float | None = None
+        self._sample_bytes = float(build(1.0, {}).dataset.sample_bytes)
+        plan_span = max(self.planned.values(), default=0.0)
+        self.horizon = float(horizon) if horizon else max(2.0 * plan_span, 10.0)
+
+    # ---- state ---------------------------------------------------------------------------------
+    @property
+    def waiting(self) -> list[list[str]]:
+        """The groups not yet released, in release order."""
+        return [g for g in self.groups if not all(n in self.released for n in g)]
+
+    def release(self, jobs: list[str], now: float, reason: str, predicted: float | None = None) -> Decision:
+        """Record the release of ``jobs`` at ``now``."""
+        planned = min(self.planned[n] for n in jobs)
+        fit = {"source": self.beta, "jobs": dict(self.alpha)}
+        d = Decision(list(jobs), float(now), planned, reason, predicted, fit)
+        for n in jobs:
+            self.released[n] = float(now)
+        self.decisions.append(d)
+        self._curve_at = None
+        self.target = None
+        log.info("releasing %s at +%.2f s (planned +%.2f s): %s", ", ".join(jobs), now, planned, reason)
+        return d
+
+    # ---- fitting -------------------------------------------------------------------------------
+    def _fit_source(self) -> bool:
+        looks = [lk for lk in self.looks if lk.read_bytes is not None and lk.read_seconds is not None]
+        if len(looks) < 2:
+            return False
+        last = looks[-1]
+        first = next((lk for lk in looks if lk.t >= last.t - WINDOW), looks[0])
+        if first is last:
+            first = looks[-2]
+        assert last.read_bytes is not None and first.read_bytes is not None
+        assert last.read_seconds is not None and first.read_seconds is not None
+        nbytes = last.read_bytes - first.read_bytes
+        secs = last.read_seconds - first.read_seconds
+        size = self._sample_bytes
+        if size > 0 and nbytes / size < MIN_READS:
+            return False
+        scale = source_scale(self.bandwidth, nbytes, secs, last.t - first.t)
+        if scale is None:
+            return False
+        self.beta = min(4.0, max(0.25, scale))
+        return True
+
+    def _loop_starts(self, look: Look, t0_wall: float) -> dict[str, float]:
+        out = {}
+        for n in self.released:
+            rec = look.progress.get(n)
+            if rec and rec.get("loop_start"):
+                out[n] = float(rec["loop_start"]) - t0_wall
+        return out
+
+    def scenario(self, loop_starts: Mapping[str, float]) -> tuple[Scenario, list[float]]:
+        """The fitted scenario and the start times of the started jobs (inf for the others): a job
+        whose loop has begun starts then, with no start-up left."""
+        sc = self.build(self.beta, self.alpha)
+        jobs, starts = [], []
+        for job in sc.jobs:
+            if job.name in loop_starts:
+                jobs.append(replace(job, startup=0.0))
+                starts.append(max(0.0, loop_starts[job.name]))
+            else:
+                jobs.append(job)
+                starts.append(self.released.get(job.name, math.inf))
+        return replace(sc, jobs=tuple(jobs)), starts
+
+    def _fit_jobs(self, look: Look, loop_starts: Mapping[str, float]) -> None:
+        for name, start in loop_starts.items():
+            if look.t - start < self.interval:
+                continue
+            done = fraction_done(look.progress.get(name), self.epochs.get(name, 1))
+            if done is None or done <= 0 or done >= 1:
+                continue
+
+            def make(a: float, name: str = name) -> Scenario:
+                alpha = dict(self.alpha, **{name: a})
+                sc = self.build(self.beta, alpha)
+                return replace(sc, jobs=tuple(replace(j, startup=0.0) if j.name in loop_starts else j
+                                              for j in sc.jobs))
+
+            sc0, starts = self.scenario(loop_starts)
+            index = sc0.job_index(name)
+            self.alpha[name] = fit_scale(make, starts, look.t, index, done)
+
+    # ---- deciding ------------------------------------------------------------------------------
+    def decide(self, look: Look, t0_wall: float) -> list[Decision]:
+        """The releases due at ``look.t`` (usually none or one group), recorded."""
+        self.looks.append(look)
+        self.looks = [lk for lk in self.looks if lk.t >= look.t - 4 * WINDOW] or [look]
+        out: list[Decision] = []
+        for group in self.waiting:
+            d = self._decide_group(group, look, t0_wall)
+            if d is None:
+                break
+            out.append(d)
+        return out
+
+    def _decide_group(self, group: list[str], look: Look, t0_wall: float) -> Decision | None:
+        now = look.t
+        planned = min(self.planned[n] for n in group)
+        if now < self.lo:
+            return None
+        if now >= self.hi:
+            return self.release(group, now, f"upper bound: max_delay {self.hi:g} s reached")
+        started = [n for n in self.released]
+        if started and all(look.state.get(n) in ("done", "exited") for n in started):
+            return self.release(group, now, "every job started before it has finished")
+        source_ok = self._fit_source()
+        loop_starts = self._loop_starts(look, t0_wall)
+        evidence = source_ok or any(look.t - s >= self.interval for s in loop_starts.values())
+        if not evidence:
+            if now >= planned:
+                return self.release(group, now, "the plan's delay (no evidence from the run yet)")
+            return None
+        self._fit_jobs(look, loop_starts)
+        fitted = {"source": self.beta, **{f"job:{k}": v for k, v in self.alpha.items()}}
+        moved = (self._curve_at is None
+                 or any(abs(v / self._curve_at[1].get(k, 1.0) - 1.0) > MOVED for k, v in fitted.items()))
+        if not moved and self.target is not None and now < self.target - self.interval / 2:
+            return None
+        sc, starts = self.scenario(loop_starts)
+        waiting = [n for g in self.waiting for n in g]
+        moving = {sc.job_index(n): self.planned[n] - planned for n in waiting}
+        latest = min(self.hi, max(now, planned + self.horizon))
+        r = best_release(sc, starts, moving, max(now, self.lo), latest)
+        self._curve_at = (now, fitted)
+        self.target = r.start
+        if r.start <= now + self.interval / 2:
+            return self.release(group, now, f"the fitted model: starting now is best (predicted makespan "
+                                            f"{r.if_now:.1f} s; source x{self.beta:.2f})", r.if_now)
+        return None
