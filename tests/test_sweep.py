@@ -39,9 +39,10 @@ def test_stagger_orders():
     assert planned_stagger(["a", "b", "c"], {"a": 0.0, "b": 5.0, "c": 1.0}) is None  # off the sweep's axis
 
     runs = sweep_runs(["a", "b"], [0.0, 2.0, 1.0])
-    assert [r.label for r in runs] == ["plan", "simultaneous", "b +1s", "a +1s", "b +2s", "a +2s"]
-    assert [r.stagger for r in runs] == [None, 0.0, 1.0, -1.0, 2.0, -2.0]
-    assert runs[5].mode == "fixed" and runs[5].delays == {"a": 2.0, "b": 0.0}
+    assert [r.label for r in runs] == ["plan", "open", "simultaneous", "b +1s", "a +1s", "b +2s", "a +2s"]
+    assert [r.mode for r in runs[:2]] == ["plan", "open"]  # the plan steered, and the same plan open-loop
+    assert [r.stagger for r in runs] == [None, None, 0.0, 1.0, -1.0, 2.0, -2.0]
+    assert runs[6].mode == "fixed" and runs[6].delays == {"a": 2.0, "b": 0.0}
     runs = sweep_runs(["a", "b", "c"], [3.0], plan=False, sequential=True)
     assert [r.mode for r in runs] == ["simultaneous", "fixed", "fixed", "sequential"]
     assert runs[2].delays == {"a": 6.0, "b": 3.0, "c": 0.0}
@@ -112,12 +113,16 @@ def test_a_real_sweep_writes_json_and_plot(tmp_path, shm_root):
                   cwd=tmp_path, timeout=150)
     assert out.returncode == 0, out.stderr
     progress = [line for line in out.stderr.splitlines() if line.startswith("sweep: run ")]
-    assert len(progress) == 4 and progress[-1].startswith("sweep: run 4/4 (repetition 1/1) a +0.6s: measured")
+    assert len(progress) == 5 and progress[-1].startswith("sweep: run 5/5 (repetition 1/1) a +0.6s: measured")
     assert all("cold cache" in line for line in progress)
 
     result = json.loads(out_json.read_text())
     runs = {r["label"]: r for r in result["runs"]}
-    assert list(runs) == ["plan", "simultaneous", "b +0.6s", "a +0.6s"] and result["staggers"] == [0.0, 0.6]
+    assert list(runs) == ["plan", "open", "simultaneous", "b +0.6s", "a +0.6s"] and result["staggers"] == [0.0, 0.6]
+    # the open-loop run keeps the plan's delays as fixed sleeps; the steered one records its releases
+    assert runs["open"]["delays"] == runs["plan"]["delays"] and runs["open"]["steer"] == []
+    assert runs["open"]["released"] == runs["open"]["delays"]
+    assert set(runs["plan"]["released"]) == {"a", "b"}
     assert runs["b +0.6s"]["delays"] == {"a": 0.0, "b": 0.6} and runs["a +0.6s"]["delays"] == {"a": 0.6, "b": 0.0}
     assert runs["a +0.6s"]["stagger"] == -0.6 and runs["a +0.6s"]["jobs"]["a"]["start"] >= 0.6
     assert runs["plan"]["cold_cache"]["cache"]["action"] == "removed"  # the warm cache was emptied
@@ -128,11 +133,15 @@ def test_a_real_sweep_writes_json_and_plot(tmp_path, shm_root):
     s = result["summary"]
     assert s["best"]["label"] in ("simultaneous", "b +0.6s", "a +0.6s")
     assert s["plan_vs_best"] == pytest.approx(s["plan"] / s["best"]["measured"] - 1)
+    assert s["open_vs_best"] == pytest.approx(s["open"] / s["best"]["measured"] - 1)
     assert s["error_max"] >= s["error_median"] >= 0
-    assert result["curve"]["upper"] == pytest.approx(0.6) and len(result["curve"]["stagger"]) == 41
+    # the curve covers the staggers and every run's actual stagger (a steered release may lie beyond them)
+    upper = max([0.6] + [abs(r["stagger"]) for r in result["runs"] if r["stagger"] is not None])
+    assert result["curve"]["upper"] == pytest.approx(upper) and len(result["curve"]["stagger"]) == 41
     assert result["scenario"]["job"][0]["name"] == "a"
 
-    for needle in ("RUN", "PREDICTED", "MEASURED", "b +0.6s", "best measured stagger", "prediction error: median"):
+    for needle in ("RUN", "PREDICTED", "MEASURED", "b +0.6s", "best measured stagger", "prediction error: median",
+                   "open-loop plan"):
         assert needle in out.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert list_caches(shm_root) == []  # the jobs use no cache; the sweep left none behind

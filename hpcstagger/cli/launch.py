@@ -102,14 +102,21 @@ def format_result(result: Any) -> str:
     for line in (describe_cold(result.cold_cache), "start: " + describe_start(result.cache) if result.cache else ""):
         if line:
             lines.append(line)
-    rows = [("JOB", "RANKS", "DELAY", "START", "FINISH", "STATE")]
+    steered = any(j.release for j in result.jobs.values())
+    rows = [("JOB", "RANKS", "PLANNED" if steered else "DELAY", *(("RELEASED",) if steered else ()), "START",
+             "FINISH", "STATE")]
 
     def s(x: float | None) -> str:
         return "-" if x is None else f"{x:.1f}"
 
+    why = []
     for j in result.jobs.values():
-        rows.append((j.name, str(j.ranks), s(j.delay), s(j.start), s(j.finish), j.state))
-    return "\n".join(lines) + "\n" + table(rows)
+        released = (s(j.release.get("at")) if j.release else s(0.0),) if steered else ()
+        rows.append((j.name, str(j.ranks), s(j.delay), *released, s(j.start), s(j.finish), j.state))
+        if j.release:
+            why.append(f"{j.name} released at +{j.release.get('at', 0.0):.1f} s (planned "
+                       f"+{j.release.get('planned', j.delay):.1f} s): {j.release.get('reason', '')}")
+    return "\n".join(lines) + "\n" + table(rows) + "".join("\n" + w for w in why)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -58,9 +58,13 @@ def format_sweep(result: Mapping[str, Any]) -> str:
         lines.append(f"best measured stagger: {best['label']}, {best['measured']:.2f} s")
     if summary.get("plan_vs_best") is not None:
         gap = summary["plan_vs_best"]
-        lines.append(f"plan: {summary['plan']:.2f} s, {100 * abs(gap):.1f}% {'above' if gap > 0 else 'below'} "
-                     f"the best measured stagger")
-    elif not result.get("scenario"):
+        lines.append(f"plan (steered while the run went on): {summary['plan']:.2f} s, {100 * abs(gap):.1f}% "
+                     f"{'above' if gap > 0 else 'below'} the best measured stagger")
+    if summary.get("open_vs_best") is not None:
+        gap = summary["open_vs_best"]
+        lines.append(f"open-loop plan (the plan's delays, not steered): {summary['open']:.2f} s, "
+                     f"{100 * abs(gap):.1f}% {'above' if gap > 0 else 'below'} the best measured stagger")
+    if summary.get("plan_vs_best") is None and not result.get("scenario"):
         lines.append("no plan run: the spec has no [plan] scenario (run 'hpcstagger calibrate' and set it)")
     if summary.get("error_median") is not None:
         lines.append(f"prediction error: median {100 * summary['error_median']:.1f}%, "
@@ -127,9 +131,9 @@ def _measured_points(ax: Any, runs: list[Mapping[str, Any]]) -> None:
             ax.axhline(r["measured"], color="0.4" if r["mode"] == "sequential" else "C3", ls="--", lw=0.8,
                        label=label)
             continue
-        marker = {"plan": "*", "simultaneous": "o"}.get(r["mode"], "x")
+        marker = {"plan": "*", "open": "^", "simultaneous": "o"}.get(r["mode"], "x")
         ax.scatter([r["stagger"]], [r["measured"]], marker=marker, s=110 if marker == "*" else 36, zorder=3,
-                   color="C3" if r["mode"] == "plan" else "k", label=label)
+                   color={"plan": "C3", "open": "C1"}.get(r["mode"], "k"), label=label)
 
 
 def run(args: argparse.Namespace) -> int:

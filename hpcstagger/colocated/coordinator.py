@@ -195,7 +195,7 @@ class Session:
         waited = time.time() - start
         self.timings["waited"] = waited
         self.timings["started_at"] = self.elapsed()
-        self.write_status("started", release=self.release or None)
+        self.write_status("started")
         return waited
 
     def start_backend(self, backend: str | None = None) -> None:
@@ -227,7 +227,8 @@ class Session:
         record = {"job": self.job, "rank": self.rank, "world_rank": self.world.rank, "state": state,
                   "host": socket.gethostname(), "pid": os.getpid(), "t0": self.t0, "time": time.time(),
                   "elapsed": self.elapsed(), "delay": self.delay, "mode": self.mode,
-                  "timings": self.timings, "plan": self.plan if self.rank == 0 else {}, **extra}
+                  "timings": self.timings, "plan": self.plan if self.rank == 0 else {},
+                  "release": self.release or None, **extra}
         _io.atomic_write_json(os.path.join(self.run_dir, f"{self.job}.{self.rank}.json"), record, durable=False)
 
     def loader(self, iterable: Any, *, profiler: Any = None) -> Any:

@@ -46,6 +46,7 @@ class JobResult:
     finish: float | None = None
     error: str = ""
     metrics: dict[str, Any] = field(default_factory=dict)
+    release: dict[str, Any] = field(default_factory=dict)  # closed loop: when and why it was released
 
 
 @dataclass
@@ -71,6 +72,7 @@ class RunResult:
     curve: dict[str, Any] = field(default_factory=dict)
     cache: dict[str, Any] = field(default_factory=dict)
     cold_cache: dict[str, Any] = field(default_factory=dict)
+    steer: dict[str, Any] = field(default_factory=dict)  # closed loop: the watcher's decisions (steer.json)
 
     @property
     def ok(self) -> bool:
@@ -100,7 +102,8 @@ class RunResult:
                 "delays": self.delays, "makespan": self.makespan, "predicted": self.predicted,
                 "overhead": self.overhead, "wall": self.wall, "scenario": self.scenario,
                 "calibrations": self.calibrations, "curve": self.curve, "cache": self.cache,
-                "cold_cache": self.cold_cache, "jobs": {n: vars(j) for n, j in self.jobs.items()}}
+                "cold_cache": self.cold_cache, "steer": self.steer,
+                "jobs": {n: vars(j) for n, j in self.jobs.items()}}
 
 
 _COORDINATOR_PHASES = ("rendezvous", "split", "plan_exchange")
@@ -108,11 +111,7 @@ _COLD_CACHE_FILE = "cold-cache.json"  # in the run directory: what --cold-cache 
 
 
 def _read_cold_cache(run_dir: Path) -> dict[str, Any]:
-    try:
-        value = json.loads((run_dir / _COLD_CACHE_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
+    return _read_json_or_empty(run_dir / _COLD_CACHE_FILE)
 
 
 def parse_delays(text: str) -> dict[str, float]:
@@ -206,7 +205,7 @@ def collect_results(spec: Spec, run_dir: str | os.PathLike[str], *, jobs: Sequen
             rec = json.loads(p.read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(rec, dict) and "job" in rec:
+        if isinstance(rec, dict) and "job" in rec and "state" in rec:  # a rank's status file
             statuses.setdefault(rec["job"], []).append(rec)
     results: dict[str, JobResult] = {}
     delays: dict[str, float] = {}
@@ -239,6 +238,7 @@ def collect_results(spec: Spec, run_dir: str | os.PathLike[str], *, jobs: Sequen
                     phases.setdefault(phase, []).append(float(t[phase]))
             if r.get("rank") == 0:
                 jr.metrics = r.get("metrics", {})
+                jr.release = r.get("release") or {}
                 predicted.update((r.get("plan") or {}).get("predicted") or {})
                 plan_info = plan_info or (r.get("plan") or {})
             mode = mode or r.get("mode", "")
@@ -252,7 +252,15 @@ def collect_results(spec: Spec, run_dir: str | os.PathLike[str], *, jobs: Sequen
                      makespan=makespan, predicted=predicted, overhead=overhead,
                      scenario=plan_info.get("scenario") or {}, calibrations=plan_info.get("calibrations") or {},
                      curve=plan_info.get("curve") or {}, cache=plan_info.get("cache") or {},
-                     cold_cache=_read_cold_cache(run_dir))
+                     cold_cache=_read_cold_cache(run_dir), steer=_read_json_or_empty(run_dir / "steer.json"))
+
+
+def _read_json_or_empty(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _collect_sequential(spec: Spec, run_dir: Path, returncode: int) -> RunResult:

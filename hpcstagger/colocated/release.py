@@ -200,7 +200,8 @@ def _write_log(path: str, session: Any, steering: Steering, failed: str) -> None
     record = {"host": {"job": session.job, "world_rank": session.world.rank}, "t0": session.t0,
               "planned": steering.planned, "released": steering.released,
               "decisions": [d.to_dict() for d in steering.decisions],
-              "fit": {"source": steering.beta, "jobs": steering.alpha}, "failed": failed or None}
+              "fit": {"source": steering.beta, "jobs": steering.alpha}, "fits": steering.fits,
+              "cpu_seconds": steering.cpu_seconds, "failed": failed or None}
     try:
         _io.atomic_write_json(path, record, durable=False)
     except OSError as exc:

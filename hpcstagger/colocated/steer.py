@@ -25,42 +25,24 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
 from ..model import Scenario
-from ..model.steer import best_release, fit_scale
+from ..model.steer import best_release, fit_scale, source_factor
 from .progress import fraction_done
 from .release import release_groups
 
-__all__ = ["Look", "Decision", "Steering", "release_groups", "source_scale"]
+__all__ = ["Look", "Decision", "Steering"]
 
 log = logging.getLogger(__name__)
 
 WINDOW = 3.0     # seconds of read counters the source fit uses
 MIN_READS = 16   # reads the window needs before the source fit counts
 MOVED = 0.02     # relative change of a fitted factor that asks for a new release curve
-
-
-def source_scale(bandwidth: Sequence[float], read_bytes: float, read_seconds: float, elapsed: float) -> float | None:
-    """The factor on the calibrated ``bandwidth`` curve (aggregate bytes/s for 1, 2, ... readers)
-    that explains ``read_bytes`` read in ``read_seconds`` of read time over ``elapsed`` seconds,
-    or None when there is nothing to go on.
-
-    The mean number of reads in flight is ``read_seconds / elapsed`` (Little's law); each of them
-    got ``read_bytes / read_seconds`` bytes/s; the curve gives ``bandwidth[k-1] / k`` per read at
-    k readers, interpolated between whole k.
-    """
-    if read_bytes <= 0 or read_seconds <= 0 or elapsed <= 0 or not bandwidth:
-        return None
-    k = max(1.0, read_seconds / elapsed)
-    lo = min(int(k), len(bandwidth))
-    hi = min(lo + 1, len(bandwidth))
-    per = [bandwidth[i - 1] / i if i <= len(bandwidth) else bandwidth[-1] / i for i in (lo, hi)]
-    w = min(1.0, k - int(k)) if hi > lo else 0.0
-    model = per[0] + w * (per[1] - per[0])
-    return (read_bytes / read_seconds) / model
+ALPHA = (0.5, 2.0)  # the range of a job's fitted factor (a calibration off by more is not steered but redone)
 
 
 @dataclass
@@ -117,11 +99,16 @@ class Steering:
         self.released: dict[str, float] = {}
         self.decisions: list[Decision] = []
         self.looks: list[Look] = []
+        self.fits: list[dict[str, Any]] = []  # every re-fit that asked the model for a release curve
+        self.source_seen: dict[str, Any] = {}
+        self.cpu_seconds = 0.0  # the watcher's own CPU time in decide()
         self.beta = 1.0
         self.alpha: dict[str, float] = {}
         self._curve_at: tuple[float, dict[str, float]] | None = None
         self.target: float | None = None
-        self._sample_bytes = float(build(1.0, {}).dataset.sample_bytes)
+        prior = build(1.0, {})
+        self._sample_bytes = float(prior.dataset.sample_bytes)
+        self._fetch = {j.name: j.fetchers() for j in prior.jobs}
         plan_span = max(self.planned.values(), default=0.0)
         self.horizon = float(horizon) if horizon else max(2.0 * plan_span, 10.0)
 
@@ -145,8 +132,14 @@ class Steering:
         return d
 
     # ---- fitting -------------------------------------------------------------------------------
-    def _fit_source(self) -> bool:
-        looks = [lk for lk in self.looks if lk.read_bytes is not None and lk.read_seconds is not None]
+    def _fetchers(self) -> int:
+        """Reads the started jobs can have in flight (their ranks times their workers)."""
+        return max(1, sum(self._fetch.get(n, 1) for n in self.released))
+
+    def _fit_source(self, since: float) -> bool:
+        """Fit the source from the read counters of the looks since ``since`` (the loops warmed up)."""
+        looks = [lk for lk in self.looks if lk.read_bytes is not None and lk.read_seconds is not None
+                 and lk.t >= since]
         if len(looks) < 2:
             return False
         last = looks[-1]
@@ -160,9 +153,11 @@ class Steering:
         size = self._sample_bytes
         if size > 0 and nbytes / size < MIN_READS:
             return False
-        scale = source_scale(self.bandwidth, nbytes, secs, last.t - first.t)
+        scale = source_factor(self.bandwidth, self._fetchers(), nbytes, secs, last.t - first.t)
         if scale is None:
             return False
+        self.source_seen = {"readers": secs / (last.t - first.t), "bytes_per_s": nbytes / (last.t - first.t),
+                            "per_read": nbytes / secs if secs > 0 else None, "window": last.t - first.t}
         self.beta = min(4.0, max(0.25, scale))
         return True
 
@@ -204,11 +199,18 @@ class Steering:
 
             sc0, starts = self.scenario(loop_starts)
             index = sc0.job_index(name)
-            self.alpha[name] = fit_scale(make, starts, look.t, index, done)
+            self.alpha[name] = fit_scale(make, starts, look.t, index, done, lo=ALPHA[0], hi=ALPHA[1], flat=0.1)
 
     # ---- deciding ------------------------------------------------------------------------------
     def decide(self, look: Look, t0_wall: float) -> list[Decision]:
         """The releases due at ``look.t`` (usually none or one group), recorded."""
+        cpu = time.thread_time()
+        try:
+            return self._decide(look, t0_wall)
+        finally:
+            self.cpu_seconds += time.thread_time() - cpu
+
+    def _decide(self, look: Look, t0_wall: float) -> list[Decision]:
         self.looks.append(look)
         self.looks = [lk for lk in self.looks if lk.t >= look.t - 4 * WINDOW] or [look]
         out: list[Decision] = []
@@ -229,8 +231,8 @@ class Steering:
         started = [n for n in self.released]
         if started and all(look.state.get(n) in ("done", "exited") for n in started):
             return self.release(group, now, "every job started before it has finished")
-        source_ok = self._fit_source()
         loop_starts = self._loop_starts(look, t0_wall)
+        source_ok = bool(loop_starts) and self._fit_source(max(loop_starts.values()) + self.interval)
         evidence = source_ok or any(look.t - s >= self.interval for s in loop_starts.values())
         if not evidence:
             if now >= planned:
@@ -249,6 +251,10 @@ class Steering:
         r = best_release(sc, starts, moving, max(now, self.lo), latest)
         self._curve_at = (now, fitted)
         self.target = r.start
+        done = {n: fraction_done(look.progress.get(n), self.epochs.get(n, 1)) for n in loop_starts}
+        self.fits.append({"t": now, "loops": dict(loop_starts), "done": done, "seen": dict(self.source_seen),
+                          "source": self.beta,
+                          "jobs": dict(self.alpha), "best_start": r.start, "best": r.makespan, "if_now": r.if_now})
         if r.start <= now + self.interval / 2:
             return self.release(group, now, f"the fitted model: starting now is best (predicted makespan "
                                             f"{r.if_now:.1f} s; source x{self.beta:.2f})", r.if_now)

@@ -140,9 +140,10 @@ def default_staggers(curve: Mapping[str, Any] | None, planned: Mapping[str, floa
 
 def sweep_runs(order: Sequence[str], staggers: Sequence[float], *, plan: bool = True,
                sequential: bool = False) -> list[SweepRun]:
-    """The runs of one repetition: the plan (when ``plan``), a simultaneous start, each stagger
-    above 0 in spec order and in reverse order, and sequential runs (when ``sequential``)."""
-    runs = [SweepRun("plan", "plan")] if plan else []
+    """The runs of one repetition: the plan, steered (mode ``plan``) and open-loop (mode ``open``),
+    when ``plan``; a simultaneous start, each stagger above 0 in spec order and in reverse order,
+    and sequential runs (when ``sequential``)."""
+    runs = [SweepRun("plan", "plan"), SweepRun("open", "open")] if plan else []
     runs.append(SweepRun("simultaneous", "simultaneous", 0.0))
     for s in sorted(set(float(x) for x in staggers)):
         if s > 0:
@@ -203,10 +204,13 @@ def _best_and_errors(points: list[dict[str, Any]], runs: Sequence[Mapping[str, A
     staggered = [p for p in points if p["mode"] in ("simultaneous", "fixed") and p["measured_median"] is not None]
     best = min(staggered, key=lambda p: p["measured_median"], default=None)
     plan = next((p for p in points if p["mode"] == "plan" and p["measured_median"] is not None), None)
+    open_ = next((p for p in points if p["mode"] == "open" and p["measured_median"] is not None), None)
     errors = [abs(r["error"]) for r in runs if r.get("error") is not None]
     return {"best": None if best is None else {"label": best["label"], "measured": best["measured_median"]},
             "plan": None if plan is None else plan["measured_median"],
             "plan_vs_best": (plan["measured_median"] / best["measured_median"] - 1) if plan and best else None,
+            "open": None if open_ is None else open_["measured_median"],
+            "open_vs_best": (open_["measured_median"] / best["measured_median"] - 1) if open_ and best else None,
             "error_median": _median(errors), "error_max": max(errors) if errors else None}
 
 
@@ -234,15 +238,18 @@ def _record(run: SweepRun, result: Any, repetition: int, order: Sequence[str],
     if run.mode == "sequential" and plan_result is not None:
         predicted = plan_result.predicted.get("sequential")
     measured = result.makespan
-    stagger = run.stagger if run.mode != "plan" else planned_stagger(order, result.delays)
+    released = {n: float(j.release.get("at", j.delay)) if j.release else j.delay for n, j in result.jobs.items()}
+    stagger = run.stagger if run.mode not in ("plan", "open") else planned_stagger(order, released)
     return {"repetition": repetition, "label": run.label, "mode": run.mode, "stagger": stagger,
-            "delays": result.delays, "predicted": predicted, "measured": measured,
+            "delays": result.delays, "released": released,
+            "steer": [{k: d.get(k) for k in ("jobs", "at", "planned", "reason")}
+                      for d in (result.steer or {}).get("decisions", [])], "predicted": predicted, "measured": measured,
             "error": (predicted - measured) / measured if predicted is not None and measured else None,
             "ok": result.ok, "overhead": result.overhead, "run_dir": result.run_dir, "cache": result.cache,
             "cold_cache": result.cold_cache, "predicted_all": result.predicted, "calibrations": result.calibrations,
             "scenario": result.scenario if run.mode == "plan" else {},
-            "jobs": {n: {"delay": j.delay, "start": j.start, "finish": j.finish, "state": j.state}
-                     for n, j in result.jobs.items()}}
+            "jobs": {n: {"delay": j.delay, "start": j.start, "finish": j.finish, "state": j.state,
+                         "release": j.release or None} for n, j in result.jobs.items()}}
 
 
 def _check(spec: Spec, repeat: int, staggers: Sequence[float] | None, max_stagger: float | None) -> None:

@@ -28,10 +28,11 @@ from . import _engine
 from ._search import Evaluator, line_search
 from .scenario import Scenario
 
-__all__ = ["Release", "progress_at", "fit_scale", "best_release"]
+__all__ = ["Release", "progress_at", "fit_scale", "best_release", "source_factor"]
 
 
-def progress_at(sc: Scenario, starts: Sequence[float], t: float) -> list[float]:
+def progress_at(sc: Scenario, starts: Sequence[float], t: float, *,
+                quality: _engine.Quality = _engine.SEARCH) -> list[float]:
     """Each job's predicted fraction of its samples done at time ``t`` (seconds since time zero)
     when job j starts at ``starts[j]`` (``inf``: not started by ``t``). A job's start-up (its
     ``startup``) runs from its start; give a job that has already begun its loop ``startup = 0``
@@ -40,7 +41,7 @@ def progress_at(sc: Scenario, starts: Sequence[float], t: float) -> list[float]:
         raise ModelError(f"progress_at: {len(starts)} start times for {len(sc.jobs)} jobs")
     if t <= 0:
         return [0.0] * len(sc.jobs)
-    eng = _engine.Engine(sc, _engine.FINE, record=True)
+    eng = _engine.Engine(sc, quality, record=True)
     eng.run([float(s) for s in starts], stop=t)
     # the series has the state at the top of each step; add where the last step ended
     rows = eng.series + [(eng.t, tuple(min(1.0, eng.done[j] / (eng.epochs[j] * eng.n)) for j in range(eng.J)))]
@@ -90,6 +91,52 @@ def fit_scale(make: Callable[[float], Scenario], starts: Sequence[float], t: flo
     return math.exp(0.5 * (a_lo + a_hi))
 
 
+def _per_read(bandwidth: Sequence[float], n: int) -> float:
+    """Bytes/s each of ``n`` concurrent reads gets (the last listed level holds beyond the list)."""
+    return float(bandwidth[min(n, len(bandwidth)) - 1]) / n
+
+
+def source_factor(bandwidth: Sequence[float], fetchers: int, read_bytes: float, read_seconds: float,
+                  elapsed: float) -> float | None:
+    """The factor on the source's ``bandwidth`` curve (aggregate bytes/s with 1, 2, ... readers)
+    that explains ``read_bytes`` read in ``read_seconds`` of read time over ``elapsed`` seconds by
+    ``fetchers`` fetchers, or None when there is nothing to go on.
+
+    The mean number of reads in flight is ``read_seconds / elapsed`` (Little's law), and each read
+    got ``read_bytes / read_seconds`` bytes/s on average. What a read gets depends on how many others
+    it shares the source with, so the factor compares with the mean over the law the model uses
+    (processor sharing in product form, :class:`._loader.Sharing`): the fetchers' think time is
+    chosen so that the law's mean number in flight is the observed one, and under that law a
+    read-second carries ``sum_n p_n n b_n / sum_n p_n n`` bytes (``b_n`` each read's bandwidth
+    with n in flight). Scaling the curve by a factor scales that mean by the same factor.
+    """
+    if read_bytes <= 0 or read_seconds <= 0 or elapsed <= 0 or not bandwidth or fetchers < 1:
+        return None
+    k = min(read_seconds / elapsed, fetchers * (1 - 1e-9))
+    per = [0.0] + [_per_read(bandwidth, n) for n in range(1, fetchers + 1)]
+    log_t = [0.0]  # log of the product of read times (1 / per[n]) for n = 1..N
+    for n in range(1, fetchers + 1):
+        log_t.append(log_t[-1] - math.log(per[n]))
+
+    def law(log_z: float) -> tuple[float, float]:
+        logs = [math.lgamma(fetchers + 1) - math.lgamma(n + 1) - math.lgamma(fetchers - n + 1)
+                + (fetchers - n) * log_z + log_t[n] for n in range(fetchers + 1)]
+        top = max(logs)
+        w = [math.exp(v - top) for v in logs]
+        total = sum(w)
+        busy = sum(n * w[n] for n in range(fetchers + 1))
+        return busy / total, sum(n * w[n] * per[n] for n in range(fetchers + 1)) / busy
+
+    lo, hi = -60.0, 60.0  # log think time: more thinking, fewer reads in flight
+    for _ in range(100):
+        mid = 0.5 * (lo + hi)
+        if law(mid)[0] > k:
+            lo = mid
+        else:
+            hi = mid
+    return (read_bytes / read_seconds) / law(0.5 * (lo + hi))[1]
+
+
 @dataclass(frozen=True)
 class Release:
     """When the next group of waiting jobs should start: ``start`` (seconds since time zero), the
@@ -103,7 +150,7 @@ class Release:
 
 
 def best_release(sc: Scenario, starts: Sequence[float], moving: Mapping[int, float], earliest: float,
-                 latest: float, *, points: int = 10, refine: int = 8) -> Release:
+                 latest: float, *, points: int = 6, refine: int = 5) -> Release:
     """The best start ``s`` in [earliest, latest] of the jobs in ``moving``.
 
     Job j in ``moving`` starts at ``s + moving[j]`` (0 for the group released next, the planned gap
@@ -115,7 +162,7 @@ def best_release(sc: Scenario, starts: Sequence[float], moving: Mapping[int, flo
     if len(starts) != J or not moving or any(not 0 <= j < J for j in moving):
         raise ModelError("best_release: starts must give every job and moving must name some of them")
     latest = max(latest, earliest)
-    ev = Evaluator(sc, _engine.FINE)
+    ev = Evaluator(sc, _engine.SEARCH)
     ev.cutoff = math.inf  # every curve point runs to the end: the curve is reported
 
     def delays(s: float) -> list[float]:
