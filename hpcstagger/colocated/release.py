@@ -5,12 +5,13 @@ record to the plan (:func:`steer_record`) when some job is planned to wait. Then
 
 - **The host** is the leader of the job planned to start last. It is idle until its own release,
   so the watching costs no training process any Python time. While it waits it looks at the run
-  every ``steer_interval`` seconds (the shared cache's counters, each started job leader's progress
-  and status file), lets :class:`~.steer.Steering` decide, and sends each released job's ranks a
-  message (MPI point-to-point on the world communicator, tag :data:`TAG`). Its own job comes last.
+  every 0.25 s (the shared cache's counters, each started job leader's progress and status file),
+  re-fits the model at most every ``steer_interval`` seconds, lets :class:`~.steer.Steering` decide,
+  and sends each released job's ranks a message (MPI point-to-point on the world communicator, tag
+  :data:`TAG`). Its own job comes last.
 - **Every other waiting rank** blocks in :meth:`Session.wait` until that message comes, running
   its idle work meanwhile. It starts on its own, with a warning, only if no message has come by its
-  safety deadline (``cap``: the latest release the host can choose plus ``collective_timeout``).
+  safety deadline (the latest release the host can choose plus ``collective_timeout``).
 
 If the model fails while steering, the host logs it and falls back to the plan's delays. The
 host writes every decision to ``<run_dir>/steer.json`` (read by ``hpcstagger launch``), and each
@@ -188,7 +189,7 @@ def _host(session: Any, idle: list[Callable[[float], bool]]) -> dict[str, Any]:
             if decisions and log_path:
                 _write_log(log_path, session, steering, failed)
             if mine is None:
-                _idle(idle, steering.interval, steering.target, session)
+                _idle(idle, steering.look, steering.target, session)
     finally:
         watcher.close()
     if log_path:

@@ -1,7 +1,7 @@
 """Closed-loop staggering: when to release each waiting job, from what the run shows (pure).
 
 The plan's delays are the prior. While jobs wait, the watcher (:mod:`.release`) looks at the run
-every ``steer_interval`` seconds and hands :class:`Steering` a :class:`Look`: the source reads
+often and hands :class:`Steering` a :class:`Look`: the source reads
 counted by the shared cache (bytes and seconds, :meth:`ShmCache.count_read`), each started job's
 progress (:mod:`.progress`) and state. :meth:`Steering.decide` then:
 
@@ -15,7 +15,8 @@ progress (:mod:`.progress`) and state. :meth:`Steering.decide` then:
    of waiting jobs starts (:func:`~hpcstagger.model.steer.best_release`); the group is released
    when starting now is best. Later groups keep their planned gaps behind it in that prediction.
 
-Without evidence yet (no reads, a loop younger than ``steer_interval``) the prior holds: the
+It looks every 0.25 s and re-fits at most every ``steer_interval`` seconds (and when the best
+start it found comes due). Without evidence yet (no loop older than 0.5 s) the prior holds: the
 group is released at its planned delay. ``[plan] min_delay`` and ``max_delay`` bound every
 release, and a group is released as soon as every job started before it has finished. Every
 release says why (:attr:`Decision.reason`).
@@ -42,6 +43,8 @@ log = logging.getLogger(__name__)
 WINDOW = 3.0     # seconds of read counters the source fit uses
 MIN_READS = 16   # reads the window needs before the source fit counts
 MOVED = 0.02     # relative change of a fitted factor that asks for a new release curve
+LOOK = 0.25      # seconds between the watcher's looks at the run
+WARMUP = 0.5     # seconds of a job's loop before its progress and reads count as evidence
 ALPHA = (0.5, 2.0)  # the range of a job's fitted factor (a calibration off by more is not steered but redone)
 
 
@@ -88,13 +91,15 @@ class Steering:
 
     def __init__(self, build: Callable[[float, Mapping[str, float]], Scenario], bandwidth: Sequence[float],
                  order: Sequence[str], delays: Mapping[str, float], epochs: Mapping[str, int], *,
-                 lo: float = 0.0, hi: float = math.inf, interval: float = 1.0, horizon: float | None = None):
+                 lo: float = 0.0, hi: float = math.inf, interval: float = 1.0, horizon: float | None = None,
+                 look: float = LOOK):
         self.build = build
         self.bandwidth = list(bandwidth)
         self.order = list(order)
         self.planned = {n: float(delays[n]) for n in order}
         self.epochs = dict(epochs)
         self.lo, self.hi, self.interval = float(lo), float(hi), float(interval)
+        self.look = min(float(look), self.interval)  # seconds between looks (a look is cheap, a re-fit is not)
         self.groups = release_groups(self.planned, self.order)
         self.released: dict[str, float] = {}
         self.decisions: list[Decision] = []
@@ -185,7 +190,7 @@ class Steering:
 
     def _fit_jobs(self, look: Look, loop_starts: Mapping[str, float]) -> None:
         for name, start in loop_starts.items():
-            if look.t - start < self.interval:
+            if look.t - start < WARMUP:
                 continue
             done = fraction_done(look.progress.get(name), self.epochs.get(name, 1))
             if done is None or done <= 0 or done >= 1:
@@ -232,17 +237,22 @@ class Steering:
         if started and all(look.state.get(n) in ("done", "exited") for n in started):
             return self.release(group, now, "every job started before it has finished")
         loop_starts = self._loop_starts(look, t0_wall)
-        source_ok = bool(loop_starts) and self._fit_source(max(loop_starts.values()) + self.interval)
-        evidence = source_ok or any(look.t - s >= self.interval for s in loop_starts.values())
+        evidence = any(look.t - s >= WARMUP for s in loop_starts.values())
         if not evidence:
             if now >= planned:
                 return self.release(group, now, "the plan's delay (no evidence from the run yet)")
             return None
+        due = (self._curve_at is None or now - self._curve_at[0] >= self.interval
+               or (self.target is not None and now >= self.target - self.look / 2))
+        if not due:
+            return None
+        self._fit_source(max(loop_starts.values()) + WARMUP)
         self._fit_jobs(look, loop_starts)
         fitted = {"source": self.beta, **{f"job:{k}": v for k, v in self.alpha.items()}}
         moved = (self._curve_at is None
                  or any(abs(v / self._curve_at[1].get(k, 1.0) - 1.0) > MOVED for k, v in fitted.items()))
-        if not moved and self.target is not None and now < self.target - self.interval / 2:
+        if not moved and self.target is not None and now < self.target - self.look / 2:
+            self._curve_at = (now, self._curve_at[1] if self._curve_at else fitted)
             return None
         sc, starts = self.scenario(loop_starts)
         waiting = [n for g in self.waiting for n in g]
@@ -255,7 +265,7 @@ class Steering:
         self.fits.append({"t": now, "loops": dict(loop_starts), "done": done, "seen": dict(self.source_seen),
                           "source": self.beta,
                           "jobs": dict(self.alpha), "best_start": r.start, "best": r.makespan, "if_now": r.if_now})
-        if r.start <= now + self.interval / 2:
+        if r.start <= now + self.look / 2:
             return self.release(group, now, f"the fitted model: starting now is best (predicted makespan "
                                             f"{r.if_now:.1f} s; source x{self.beta:.2f})", r.if_now)
         return None

@@ -1,0 +1,216 @@
+"""Closed-loop staggering, the pure parts: the model's progress and fits, the source factor, the
+release decisions from synthetic looks at a run, and the progress records."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from hpcstagger.colocated.progress import ProgressMeter, fraction_done, read_progress
+from hpcstagger.colocated.release import release_groups, set_host, steer_record
+from hpcstagger.colocated.steer import Look, Steering
+from hpcstagger.errors import ModelError
+from hpcstagger.model import optimal_plan, predict
+from hpcstagger.model.steer import best_release, fit_scale, progress_at, source_factor
+
+from support.model_scenarios import B, scenario
+
+INF = math.inf
+
+
+def pair(n=1500, bandwidth=(B, 0.55 * B)):
+    """The HiPC setting: two I/O-heavy jobs, a cache that holds the data, a lossy source."""
+    return scenario(n, ((0.0004, 3), (0.0004, 3)), bandwidth, 1.0, "minio", 20 * B)
+
+
+def with_source(sc, factor):
+    return replace(sc, storage=replace(sc.storage, bandwidth=tuple(b * factor for b in sc.storage.bandwidth)))
+
+
+def with_cost(sc, name, factor):
+    return replace(sc, jobs=tuple(replace(j, sample_time=j.sample_time * factor) if j.name == name else j
+                                  for j in sc.jobs))
+
+
+# ---------------------------------------------------------------------------------------- the model
+def test_progress_at_follows_the_prediction():
+    sc = pair()
+    p = predict(sc, [0.0, 1.0])
+    for t in (0.3, 1.5, p.finish["j0"] + 0.1):
+        got = progress_at(sc, [0.0, 1.0], t)
+        assert got[0] == pytest.approx(min(1.0, got[0]), abs=1e-9)
+        assert 0.0 <= got[1] <= got[0] <= 1.0
+    assert progress_at(sc, [0.0, 1.0], 0.9)[1] == 0.0  # not started yet
+    assert progress_at(sc, [0.0, 1.0], p.makespan + 1.0) == [1.0, 1.0]
+    # a slower source: less done by the same time
+    assert progress_at(with_source(sc, 0.5), [0.0, INF], 1.0)[0] < progress_at(sc, [0.0, INF], 1.0)[0]
+    with pytest.raises(ModelError, match="2 jobs"):
+        progress_at(sc, [0.0], 1.0)
+
+
+def test_fit_scale_recovers_a_known_factor_and_says_when_it_cannot():
+    sc = pair()
+    truth = with_source(sc, 0.7)
+    seen = progress_at(truth, [0.0, INF], 0.6)[0]
+    # the family "the source at 1/a of its calibrated speed": a comes back near 1/0.7
+    a = fit_scale(lambda a: with_source(sc, 1.0 / a), [0.0, INF], 0.6, 0, seen)
+    assert a == pytest.approx(1 / 0.7, rel=0.03)
+    # progress beyond what the range explains is clipped to its ends
+    assert fit_scale(lambda a: with_source(sc, 1.0 / a), [0.0, INF], 0.6, 0, 1.0) == 0.25
+    assert fit_scale(lambda a: with_source(sc, 1.0 / a), [0.0, INF], 0.6, 0, 0.0) == 4.0
+    # a factor the progress does not depend on (an I/O-bound job's tiny CPU cost) stays 1
+    assert fit_scale(lambda a: with_cost(sc, "j0", a), [0.0, INF], 0.6, 0, seen, lo=0.9, hi=1.1, flat=0.5) == 1.0
+    with pytest.raises(ModelError):
+        fit_scale(lambda a: sc, [0.0, INF], 0.6, 0, seen, lo=2.0)
+
+
+def test_best_release_matches_the_plan_and_moves_with_the_source():
+    sc = pair()
+    plan = optimal_plan(sc, jitter=0.0)
+    planned = plan.delays["j0"] or plan.delays["j1"]
+    late = "j0" if plan.delays["j0"] > 0 else "j1"
+    k = sc.job_index(late)
+    starts = [0.0, 0.0]
+    r = best_release(sc, starts, {k: 0.0}, 0.0, 3 * planned)
+    assert r.start == pytest.approx(planned, abs=0.1 * planned)
+    assert r.makespan == pytest.approx(plan.makespan, rel=0.02) and r.if_now >= r.makespan
+    # a slower source than calibrated: the best release comes later
+    slow = best_release(with_source(sc, 0.7), starts, {k: 0.0}, 0.0, 3 * planned)
+    assert slow.start > r.start * 1.15
+    # asked past the best start, starting now is best
+    now = best_release(sc, starts, {k: 0.0}, 2 * planned, 3 * planned)
+    assert now.start == 2 * planned and now.makespan == now.if_now
+    one = best_release(sc, starts, {k: 0.0}, 1.0, 1.0)  # no room: the earliest start, one point
+    assert one.start == 1.0 and one.curve == ((1.0, one.if_now),)
+    with pytest.raises(ModelError):
+        best_release(sc, [0.0], {k: 0.0}, 0.0, 1.0)
+
+
+def test_source_factor_is_one_for_the_calibrated_curve_and_scales():
+    curve = [4.7e6, 2.9e6, 3.0e6, 3.0e6]
+    # one reader always reading: the 1-reader bandwidth
+    assert source_factor(curve, 1, 4.7e6, 1.0, 1.0) == pytest.approx(1.0)
+    # two readers always reading: each got half the 2-reader aggregate
+    assert source_factor(curve, 2, 2.9e6, 2.0, 1.0) == pytest.approx(1.0, rel=1e-6)
+    assert source_factor(curve, 2, 0.8 * 2.9e6, 2.0, 1.0) == pytest.approx(0.8, rel=1e-6)
+    # between: under the product-form law, 1.5 reads in flight on average carry less than the
+    # linear mix of the per-read bandwidths (a read sees the others more often than time does)
+    k = 1.5
+    got = source_factor(curve, 2, 1.0, 1.0, 1.0 / k)
+    assert got is not None and got > 0
+    assert source_factor(curve, 2, 0.0, 1.0, 1.0) is None and source_factor(curve, 0, 1.0, 1.0, 1.0) is None
+
+
+# ------------------------------------------------------------------------------------- the decisions
+def _steering(truth_factor=1.0, **kw):
+    """A Steering over the pair, with looks generated from the same pair whose source runs at
+    ``truth_factor`` of the calibrated speed; returns (steering, a function t -> Look)."""
+    sc = pair()
+    plan = optimal_plan(sc, jitter=0.0)
+    order = list(sc.job_names)
+    truth = with_source(sc, truth_factor)
+    late = max(order, key=lambda n: plan.delays[n])
+    first = [n for n in order if n != late][0]
+
+    def build(beta, alpha):
+        out = with_source(sc, beta)
+        for name, a in alpha.items():
+            out = with_cost(out, name, a)
+        return out
+
+    st = Steering(build, sc.storage.bandwidth, order, plan.delays, {n: 3 for n in order}, interval=0.25, **kw)
+    fetch_bw = truth.storage.bandwidth[0]  # one fetcher of the first job, always reading
+
+    def look(t):
+        done = progress_at(truth, [0.0 if n == first else INF for n in order], t)[order.index(first)]
+        per = 500  # batches per epoch in the progress record
+        epoch = min(3, int(done * 3) + 1)
+        within = done * 3 - (epoch - 1)
+        rec = {"loop_start": 1000.0, "epoch": epoch, "batches": round(within * per), "per_epoch": per}
+        return Look(t=t, read_bytes=fetch_bw * t * 0.9, read_seconds=0.9 * t, progress={first: rec},
+                    state={first: "started"})
+
+    return st, look, plan.delays[late], late
+
+
+def _run(st, look, until=20.0, dt=0.25):
+    t = 0.0
+    for n in st.groups[0]:
+        st.released[n] = 0.0
+    while st.waiting and t < until:
+        t += dt
+        st.decide(look(t), 1000.0)
+    return st.decisions
+
+
+def test_a_right_calibration_releases_near_the_plan():
+    st, look, planned, late = _steering(1.0)
+    (d,) = _run(st, look)
+    assert d.jobs == [late] and "fitted model" in d.reason
+    assert d.at == pytest.approx(planned, abs=0.35)
+    assert st.beta == pytest.approx(1.0, rel=0.05)
+
+
+@pytest.mark.parametrize("factor, direction", [(0.7, "later"), (1.3, "earlier")])
+def test_a_source_off_by_30_percent_moves_the_release(factor, direction):
+    st, look, planned, late = _steering(factor)
+    (d,) = _run(st, look)
+    assert st.beta == pytest.approx(factor, rel=0.05)
+    assert (d.at > planned + 0.2) if direction == "later" else (d.at < planned - 0.1)
+    # the release is close to the best start for the truth
+    truth_best = optimal_plan(with_source(pair(), factor), jitter=0.0).delays[late]
+    assert d.at == pytest.approx(truth_best, abs=0.4)
+
+
+def test_bounds_and_the_prior_without_evidence():
+    st, look, planned, late = _steering(1.0, hi=0.5)
+    (d,) = _run(st, look)
+    assert d.at == pytest.approx(0.5) and "max_delay" in d.reason
+    st, look, planned, late = _steering(1.0, lo=planned + 1.0)
+    (d,) = _run(st, look)
+    assert d.at >= planned + 1.0
+    # no evidence at all (no counters, no progress): released at the plan's delay
+    st, _, planned, late = _steering(1.0)
+    (d,) = _run(st, lambda t: Look(t=t))
+    assert d.at == pytest.approx(planned, abs=0.26) and "no evidence" in d.reason
+    # every job started before has finished: released at once
+    st, look, planned, late = _steering(1.0)
+    done = lambda t: Look(t=t, state={n: "done" for n in st.order})  # noqa: E731
+    (d,) = _run(st, done)
+    assert d.at == 0.25 and "finished" in d.reason
+
+
+def test_release_groups_steer_record_and_host():
+    assert release_groups({"a": 0.0, "b": 2.0, "c": 2.0, "d": 1.0}, "abcd") == [["a"], ["d"], ["b", "c"]]
+    assert steer_record({"a": 0.0, "b": 0.0}, "ab", None, lo=0, hi=None, horizon=5, interval=1) is None
+    rec = steer_record({"a": 0.0, "b": 2.0, "c": 3.0}, "abc", None, lo=0.5, hi=4.0, horizon=10, interval=1)
+    assert rec["groups"] == [["a"], ["b"], ["c"]] and rec["host"] is None
+    assert rec["latest"] == {"b": 4.0, "c": 4.0}
+    set_host(rec, {"a": [0, 1], "b": [2], "c": [3, 4]})
+    assert rec["host"] == 3  # the leader of the job planned to start last
+    json.dumps(rec)  # travels in the plan record
+
+
+# ---------------------------------------------------------------------------------------- progress
+def test_progress_meter_publishes_counts_and_fraction(tmp_path):
+    meter = ProgressMeter(str(tmp_path), "cnn", interval=0.0)
+    data = list(range(10))
+    counted = meter.counted(data)
+    assert len(counted) == 10 and counted.count(3) == 1  # still looks like the list
+    for epoch in range(2):
+        for k, _ in enumerate(counted, start=1):
+            rec = read_progress(str(tmp_path), "cnn")
+            assert rec["epoch"] == epoch + 1 and rec["batches"] in (k - 1, k)
+    rec = read_progress(str(tmp_path), "cnn")
+    assert rec["epoch"] == 2 and rec["batches"] == 10 and rec["total_batches"] == 20 and rec["per_epoch"] == 10
+    assert fraction_done(rec, 4) == pytest.approx(0.5)
+    assert fraction_done(rec, 2) == pytest.approx(1.0)
+    assert fraction_done({"epoch": 1, "batches": 5, "per_epoch": None}, 2) is None
+    assert fraction_done(None, 2) is None and read_progress(str(tmp_path), "other") is None
+    # an iterable without a length is counted, but says no fraction
+    for _ in meter.counted(iter(range(3))):
+        pass
+    assert fraction_done(read_progress(str(tmp_path), "cnn"), 3) is None
