@@ -140,3 +140,41 @@ def test_resolve_job_errors():
     with pytest.raises(ConfigError, match="cannot tell which job"):
         resolve_job(["a", "b"], environ={})
     assert resolve_job(["only"], environ={}) == 0
+
+
+def test_plan_mode_releases_a_waiting_job_of_two_ranks_by_message(tmp_path):
+    """Mode plan with a scenario that staggers: the waiting job's two ranks (the watcher is its
+    leader, the other rank a follower) start on the watcher's message, both with its reason."""
+    (tmp_path / "s.toml").write_text(textwrap.dedent("""
+        [dataset]
+        samples = 400
+        sample_bytes = 1000
+        [storage]
+        bandwidth = [2.0e5, 1.0e5]
+        [cache]
+        capacity = 4.0e5
+        [[job]]
+        name = "a"
+        sample_time = 0.0005
+        [[job]]
+        name = "b"
+        sample_time = 0.0005
+        ranks = 2
+    """))
+    spec = _spec(tmp_path, mode="plan", delays="{}")
+    spec.write_text(spec.read_text().replace('[plan]', '[plan]\nscenario = "s.toml"'))
+    out, _ = _mpmd(tmp_path, spec, [(1, {}), (2, {})], extra_env={"HPCSTAGGER_RUN_DIR": str(tmp_path / "run")})
+    assert out.returncode == 0, out.stderr
+    rows = out.rows
+    planned = rows[0]["delays"]
+    waiting = [n for n, d in planned.items() if d > 0]
+    assert waiting, planned  # the scenario's lossy source makes the plan stagger
+    status = {p.name: json.loads(p.read_text()) for p in (tmp_path / "run").glob("*.[0-9].json")}
+    late = [s for s in status.values() if s["job"] in waiting]
+    assert len(late) == (2 if waiting == ["b"] else 1)
+    releases = [s["release"] for s in late]
+    assert all(r and r["reason"] and r["jobs"] == waiting for r in releases)
+    assert len({r["at"] for r in releases}) == 1  # one decision, sent to every rank of the job
+    steer = json.loads((tmp_path / "run" / "steer.json").read_text())
+    assert steer["decisions"][0]["jobs"] == waiting and steer["failed"] is None
+    assert "waiting for release" in out.stderr
