@@ -105,6 +105,8 @@ _KNOB_LIST: list[Knob] = [
          "start-up; optimal_plan minimises the mean predicted makespan over that spread (0: exact starts)"),
     Knob("steer_interval", float, 1.0,
          "seconds between the closed-loop watcher's re-fits of the model while jobs wait for release"),
+    Knob("steer_nice", int, 5,
+         "nice value of the closed-loop watcher's thread (0: unchanged): its model work yields to training"),
     Knob("progress_interval", float, 0.25,
          "seconds between a job leader's progress records (session.loader) for the watcher"),
 ]

@@ -4,7 +4,8 @@ In mode ``"plan"`` with a calibrated scenario, :func:`~.planning.plan_delays` ad
 record to the plan (:func:`steer_record`) when some job is planned to wait. Then:
 
 - **The host** is the leader of the job planned to start last. It is idle until its own release,
-  so the watching costs no training process any Python time. While it waits it looks at the run
+  so the watching costs no training process any Python time, and it watches from a thread at a
+  lower CPU priority (``steer_nice``). While it waits it looks at the run
   every 0.25 s (the shared cache's counters, each started job leader's progress and status file),
   re-fits the model at most every ``steer_interval`` seconds, lets :class:`~.steer.Steering` decide,
   and sends each released job's ranks a message (MPI point-to-point on the world communicator, tag
@@ -23,6 +24,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import queue
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Mapping, Sequence
@@ -155,27 +158,57 @@ def _send(session: Any, jobs: Sequence[str], message: dict[str, Any]) -> None:
                 session.world.mpi.send(message, dest=r, tag=TAG)
 
 
+class _Watch(threading.Thread):
+    """The host's looking and deciding, in a thread of its own at a lower CPU priority (a Linux
+    thread's own nice value, ``steer_nice``), so that the model's work yields to the training
+    processes on a busy node. Decisions go to :attr:`out`; the host's main thread sends them."""
+
+    def __init__(self, session: Any, steering: Steering, watcher: Watcher):
+        super().__init__(name="hpcstagger-watch", daemon=True)
+        self.session, self.steering, self.watcher = session, steering, watcher
+        self.out: queue.Queue[Any] = queue.Queue()
+        self.stop = threading.Event()
+        self.failed = ""
+
+    def run(self) -> None:
+        nice = int(config.get("steer_nice"))
+        if nice > 0:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+            except (OSError, AttributeError) as exc:
+                log.debug("cannot lower the watcher thread's priority: %s", exc)
+        st, session = self.steering, self.session
+        try:
+            while st.waiting and not self.stop.is_set():
+                now = session.elapsed()
+                for d in st.decide(self.watcher.look(now, list(st.released)), session.t0):
+                    self.out.put(d)
+                pause = st.look if st.target is None else min(st.look, st.target - session.elapsed())
+                self.stop.wait(max(POLL, pause))
+        except Exception as exc:  # the model failed: the host falls back to the plan, and says so
+            self.failed = f"{type(exc).__name__}: {exc}"
+            log.warning("closed-loop steering failed, releasing at the planned delays: %s", self.failed)
+
+
 def _host(session: Any, idle: list[Callable[[float], bool]]) -> dict[str, Any]:
-    """The host's loop: watch, decide, release; returns its own job's release."""
+    """The host's loop: the watch thread decides, this thread sends the releases and runs the idle
+    work; returns its own job's release."""
     steering = _steering(session)
-    first = steering.groups[0]
-    for n in first:
+    for n in steering.groups[0]:
         steering.released[n] = 0.0
     watcher = Watcher(session.spec, session.run_dir, list(session.jobs))
     log_path = os.path.join(session.run_dir, "steer.json") if session.run_dir else ""
-    failed = ""
+    watch = _Watch(session, steering, watcher)
+    watch.start()
     mine: dict[str, Any] | None = None
     try:
         while mine is None:
-            now = session.elapsed()
-            look = watcher.look(now, list(steering.released))
-            try:
-                decisions = steering.decide(look, session.t0) if not failed else []
-            except Exception as exc:  # the model failed: fall back to the plan, and say so
-                failed = f"{type(exc).__name__}: {exc}"
-                log.warning("closed-loop steering failed, releasing at the planned delays: %s", failed)
-                decisions = []
-            if failed:
+            decisions = []
+            while not watch.out.empty():
+                decisions.append(watch.out.get())
+            if not decisions and not watch.is_alive() and watch.out.empty():
+                now = session.elapsed()  # the watch ended without releasing us: the plan's delays
+                failed = watch.failed or "the watcher stopped"
                 for group in steering.waiting:
                     if now >= steering.planned[group[0]]:
                         decisions.append(steering.release(group, now, f"the plan's delay (steering failed: {failed})"))
@@ -187,13 +220,15 @@ def _host(session: Any, idle: list[Callable[[float], bool]]) -> dict[str, Any]:
                 if session.job in d.jobs:
                     mine = msg
             if decisions and log_path:
-                _write_log(log_path, session, steering, failed)
+                _write_log(log_path, session, steering, watch.failed)
             if mine is None:
-                _idle(idle, steering.look, steering.target, session)
+                _idle(idle, POLL, None, session)
     finally:
+        watch.stop.set()
+        watch.join(timeout=30)
         watcher.close()
     if log_path:
-        _write_log(log_path, session, steering, failed)
+        _write_log(log_path, session, steering, watch.failed)
     return mine
 
 

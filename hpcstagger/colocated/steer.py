@@ -32,7 +32,7 @@ from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
 from ..model import Scenario
-from ..model.steer import best_release, fit_scale, source_factor
+from ..model.steer import best_release, fit_scale, progress_at, source_factor
 from .progress import fraction_done
 from .release import release_groups
 
@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 
 WINDOW = 3.0     # seconds of read counters the source fit uses
 MIN_READS = 16   # reads the window needs before the source fit counts
-MOVED = 0.02     # relative change of a fitted factor that asks for a new release curve
+MOVED = 0.05     # relative change of a fitted factor that asks for a new release curve
+MATCH = 0.03     # a job's progress predicted this close needs no new factor
 LOOK = 0.25      # seconds between the watcher's looks at the run
 WARMUP = 0.5     # seconds of a job's loop before its progress and reads count as evidence
 ALPHA = (0.5, 2.0)  # the range of a job's fitted factor (a calibration off by more is not steered but redone)
@@ -111,6 +112,7 @@ class Steering:
         self.alpha: dict[str, float] = {}
         self._curve_at: tuple[float, dict[str, float]] | None = None
         self.target: float | None = None
+        self._best = math.nan  # the predicted makespan at the target
         prior = build(1.0, {})
         self._sample_bytes = float(prior.dataset.sample_bytes)
         self._fetch = {j.name: j.fetchers() for j in prior.jobs}
@@ -188,11 +190,15 @@ class Steering:
                 starts.append(self.released.get(job.name, math.inf))
         return replace(sc, jobs=tuple(jobs)), starts
 
-    def _fit_jobs(self, look: Look, loop_starts: Mapping[str, float]) -> None:
+    def _fit_jobs(self, look: Look, loop_starts: Mapping[str, float], t0_wall: float) -> None:
+        """Each running job's factor, from its progress when its record was written; kept when the
+        model with the current factor already predicts that progress within ``MATCH``."""
         for name, start in loop_starts.items():
-            if look.t - start < WARMUP:
+            rec = look.progress.get(name) or {}
+            t = float(rec["time"]) - t0_wall if rec.get("time") else look.t
+            if t - start < WARMUP:
                 continue
-            done = fraction_done(look.progress.get(name), self.epochs.get(name, 1))
+            done = fraction_done(rec, self.epochs.get(name, 1))
             if done is None or done <= 0 or done >= 1:
                 continue
 
@@ -204,7 +210,10 @@ class Steering:
 
             sc0, starts = self.scenario(loop_starts)
             index = sc0.job_index(name)
-            self.alpha[name] = fit_scale(make, starts, look.t, index, done, lo=ALPHA[0], hi=ALPHA[1], flat=0.1)
+            if abs(progress_at(sc0, starts, t)[index] - done) <= MATCH * done:
+                continue
+            self.alpha[name] = fit_scale(make, starts, t, index, done, lo=ALPHA[0], hi=ALPHA[1], iterations=6,
+                                         flat=0.1)
 
     # ---- deciding ------------------------------------------------------------------------------
     def decide(self, look: Look, t0_wall: float) -> list[Decision]:
@@ -247,12 +256,17 @@ class Steering:
         if not due:
             return None
         self._fit_source(max(loop_starts.values()) + WARMUP)
-        self._fit_jobs(look, loop_starts)
+        if look.read_bytes is not None and not self.source_seen and now < planned:
+            return None  # the cache counts reads: wait for the source's evidence (or the plan's time)
+        self._fit_jobs(look, loop_starts, t0_wall)
         fitted = {"source": self.beta, **{f"job:{k}": v for k, v in self.alpha.items()}}
         moved = (self._curve_at is None
                  or any(abs(v / self._curve_at[1].get(k, 1.0) - 1.0) > MOVED for k, v in fitted.items()))
-        if not moved and self.target is not None and now < self.target - self.look / 2:
-            self._curve_at = (now, self._curve_at[1] if self._curve_at else fitted)
+        if not moved and self._curve_at is not None and self.target is not None:
+            self._curve_at = (now, self._curve_at[1])  # the fit stands: no new curve
+            if now >= self.target - self.look / 2:
+                return self.release(group, now, f"the fitted model's best start has come (predicted makespan "
+                                                f"{self._best:.1f} s; source x{self.beta:.2f})", self._best)
             return None
         sc, starts = self.scenario(loop_starts)
         waiting = [n for g in self.waiting for n in g]
@@ -260,7 +274,7 @@ class Steering:
         latest = min(self.hi, max(now, planned + self.horizon))
         r = best_release(sc, starts, moving, max(now, self.lo), latest)
         self._curve_at = (now, fitted)
-        self.target = r.start
+        self.target, self._best = r.start, r.makespan
         done = {n: fraction_done(look.progress.get(n), self.epochs.get(n, 1)) for n in loop_starts}
         self.fits.append({"t": now, "loops": dict(loop_starts), "done": done, "seen": dict(self.source_seen),
                           "source": self.beta,

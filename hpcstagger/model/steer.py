@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from ..errors import ModelError
 from . import _engine
-from ._search import Evaluator, line_search
+from ._search import CUTOFF, Evaluator, grid
 from .scenario import Scenario
 
 __all__ = ["Release", "progress_at", "fit_scale", "best_release", "source_factor"]
@@ -163,7 +163,6 @@ def best_release(sc: Scenario, starts: Sequence[float], moving: Mapping[int, flo
         raise ModelError("best_release: starts must give every job and moving must name some of them")
     latest = max(latest, earliest)
     ev = Evaluator(sc, _engine.SEARCH)
-    ev.cutoff = math.inf  # every curve point runs to the end: the curve is reported
 
     def delays(s: float) -> list[float]:
         return [s + moving[j] if j in moving else float(starts[j]) for j in range(J)]
@@ -174,7 +173,29 @@ def best_release(sc: Scenario, starts: Sequence[float], moving: Mapping[int, flo
     if_now = f(earliest)
     if latest - earliest <= 1e-9:
         return Release(earliest, if_now, if_now, ((earliest, if_now),))
-    best_s, best, curve = line_search(f, earliest, latest, earliest, if_now, points, refine)
+    ev.cutoff = CUTOFF  # runs that pass the best so far by 5% stop there: they cannot win
+    xs = [earliest] + [earliest + g for g in grid(latest - earliest, points)]
+    vals = [if_now] + [f(x) for x in xs[1:]]
+    k = min(range(len(xs)), key=lambda i: (vals[i], xs[i]))
+    a, b = xs[max(0, k - 1)], xs[min(len(xs) - 1, k + 1)]
+    best_s, best = xs[k], vals[k]
+    curve = list(zip(xs, vals, strict=True))
+    golden = (math.sqrt(5.0) - 1.0) / 2.0  # golden-section refinement between the best point's neighbours
+    c, d = b - golden * (b - a), a + golden * (b - a)
+    fc, fd = f(c), f(d)
+    for _ in range(refine):
+        if fc <= fd:
+            b, d, fd = d, c, fc
+            c = b - golden * (b - a)
+            fc = f(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + golden * (b - a)
+            fd = f(d)
+    for x, v in ((c, fc), (d, fd)):
+        curve.append((x, v))
+        if v < best:
+            best_s, best = x, v
     if best >= if_now:  # ties go to starting now
         best_s, best = earliest, if_now
     return Release(float(best_s), float(best), float(if_now), tuple(sorted(set(curve) | {(best_s, best)})))

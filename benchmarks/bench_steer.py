@@ -1,0 +1,184 @@
+"""Closed-loop staggering against a calibration that is off (issue 13): steered, open loop, fixed.
+
+For each configuration (bench_userjobs' jobs: DataLoader workers and batches, DDP, no timing
+code) it calibrates the spec once, the documented way (``hpcstagger calibrate --spec``), then
+makes the calibration wrong on purpose and runs ``hpcstagger sweep`` on each case: the plan
+steered (mode plan), the same plan open-loop (mode open), a simultaneous start and fixed
+staggers in both orders, every run from a cold cache.
+
+Cases: ``right`` (the calibration as measured), ``source-30``/``source+30`` (the scenario's source
+bandwidth times 0.7 / 1.3), ``jobs-30``/``jobs+30`` (every job's CPU costs, ``sample_time``,
+``prep_time`` and ``handoff``, times 0.7 / 1.3).
+
+    python benchmarks/bench_steer.py [--only NAME,...] [--cases right,source-30,...]
+        [--staggers 0,1,2,3,4,6] [--repeat N] [--keep]
+
+Writes benchmarks/out/bench_steer.json and prints one row per configuration and case: the steered
+and the open-loop plan's gaps to the best measured fixed stagger (simultaneous included), the
+planned and actual releases, the fitted factors and the watcher's CPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import bench_userjobs as U  # noqa: E402  (the configurations, spec writer and runner)
+
+CASES = {"right": ("source", 1.0), "source-30": ("source", 0.7), "source+30": ("source", 1.3),
+         "jobs-30": ("jobs", 0.7), "jobs+30": ("jobs", 1.3)}
+DEFAULT_CONFIGS = ("pair-w2-b64", "rising-source")
+
+
+def perturb(text: str, what: str, factor: float) -> str:
+    """The scenario TOML ``text`` with its source bandwidth, or every job's CPU costs, times ``factor``."""
+    if factor == 1.0:
+        return text
+    if what == "source":
+        m = re.search(r"bandwidth = \[([^\]]*)\]", text)
+        assert m, "the scenario has no [storage] bandwidth"
+        vals = ", ".join(repr(float(v) * factor) for v in m.group(1).split(","))
+        return text[:m.start()] + f"bandwidth = [{vals}]" + text[m.end():]
+
+    def scale(m: re.Match[str]) -> str:
+        return f"{m.group(1)} = {float(m.group(2)) * factor!r}"
+
+    return re.sub(r"^(sample_time|prep_time|handoff) = ([0-9.eE+-]+)", scale, text, flags=re.M)
+
+
+def _steer_of(run: dict[str, Any]) -> dict[str, Any]:
+    path = Path(run["run_dir"]) / "steer.json"
+    try:
+        s = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {"cpu_seconds": s.get("cpu_seconds"), "fit": s.get("fit"), "fits": len(s.get("fits") or []),
+            "decisions": s.get("decisions")}
+
+
+def summarise_case(sweep: dict[str, Any]) -> dict[str, Any]:
+    """Steered and open-loop gaps to the best measured fixed stagger (medians), and the releases."""
+    s = sweep["summary"]
+    best = (s.get("best") or {}).get("measured")
+    plans = [r for r in sweep["runs"] if r["mode"] == "plan"]
+    opens = [r for r in sweep["runs"] if r["mode"] == "open"]
+    return {"best": s.get("best"), "steered": s.get("plan"), "open": s.get("open"),
+            "steered_gap": s.get("plan") / best - 1 if s.get("plan") and best else None,
+            "open_gap": s.get("open") / best - 1 if s.get("open") and best else None,
+            "planned": [r["delays"] for r in plans], "released": [r["released"] for r in plans],
+            "open_released": [r["released"] for r in opens], "steer": [_steer_of(r) for r in plans],
+            "error_median": s.get("error_median"), "error_max": s.get("error_max")}
+
+
+def run_config(name: str, cfg: dict[str, Any], data: Path, work: Path, cases: list[str], staggers: str,
+               budget: float, repeat: int) -> dict[str, Any]:
+    work.mkdir(parents=True)
+    log = work / "log.txt"
+    spec = work / "spec.toml"
+    out: dict[str, Any] = {"name": name, "config": cfg, "log": str(log), "cases": {}}
+    U.write_spec(spec, name, cfg, data, data.stat().st_size)
+    hs = [sys.executable, "-m", "hpcstagger"]
+    t0 = time.monotonic()
+    rc = U._run(hs + ["calibrate", "--spec", str(spec), "-o", str(work / "scenario.toml"), "--budget", str(budget)],
+                log)
+    out["calibrate_s"] = time.monotonic() - t0
+    if rc != 0:
+        out["error"] = f"calibrate exited {rc}; see {log}"
+        return out
+    base = (work / "scenario.toml").read_text()
+    for case in cases:
+        what, factor = CASES[case]
+        (work / f"scenario-{case}.toml").write_text(perturb(base, what, factor))
+        case_spec = work / f"spec-{case}.toml"
+        text = spec.read_text().replace('scenario = "scenario.toml"', f'scenario = "scenario-{case}.toml"')
+        case_spec.write_text(text)
+        print(f"[bench_steer] {name} {case} ...", file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+        rc = U._run(hs + ["sweep", str(case_spec), "--staggers", staggers, "--repeat", str(repeat), "--json",
+                          str(work / f"sweep-{case}.json")], log)
+        res: dict[str, Any] = {"sweep_s": time.monotonic() - t0}
+        if rc != 0 or not (work / f"sweep-{case}.json").exists():
+            res["error"] = f"sweep exited {rc}; see {log}"
+        else:
+            res.update(summarise_case(json.loads((work / f"sweep-{case}.json").read_text())))
+        out["cases"][case] = res
+        g, o = res.get("steered_gap"), res.get("open_gap")
+        print(f"[bench_steer] {name} {case}: steered {'-' if g is None else f'{100 * g:+.1f}%'}, open "
+              f"{'-' if o is None else f'{100 * o:+.1f}%'}", file=sys.stderr, flush=True)
+    return out
+
+
+def _pc(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:+.1f}%"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default=",".join(DEFAULT_CONFIGS), help="comma-separated bench_userjobs configurations")
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated cases of {', '.join(CASES)}")
+    p.add_argument("--staggers", default="0,1,2,3,4,6", help="fixed staggers, seconds, run in both orders")
+    p.add_argument("--samples", type=int, default=3072, help="dataset samples of 3 KiB (default 3072, ~9.4 MB)")
+    p.add_argument("--budget", type=float, default=60.0, help="calibration budget per spec, seconds")
+    p.add_argument("--repeat", type=int, default=1, help="runs per point (sweep --repeat); points are medians")
+    p.add_argument("--out", default=str(HERE / "out" / "bench_steer.json"))
+    p.add_argument("--keep", action="store_true", help="keep the work directory (specs, scenarios, logs)")
+    args = p.parse_args()
+    names, cases = args.only.split(","), args.cases.split(",")
+    for c in cases:
+        if c not in CASES:
+            p.error(f"unknown case {c!r}; cases: {', '.join(CASES)}")
+    for n in names:
+        if n not in U.CONFIGS or U.CONFIGS[n].get("real_fs"):
+            p.error(f"unknown or unsupported configuration {n!r} (the emulated-source ones of bench_userjobs)")
+    from hpcstagger.demo.data import make_dataset
+
+    root = Path(tempfile.mkdtemp(prefix="bench-steer-"))
+    shm = tempfile.mkdtemp(prefix="bench-steer-", dir="/dev/shm")
+    os.environ["HPCSTAGGER_SHM_ROOT"] = shm
+    results = []
+    try:
+        data = root / "data.h5"
+        make_dataset(str(data), args.samples, (3, 32, 32))
+        for name in names:
+            results.append(run_config(name, U.CONFIGS[name], data, root / name, cases, args.staggers, args.budget,
+                                      args.repeat))
+            os.makedirs(os.path.dirname(args.out), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args), "results": results}, f,
+                          indent=1)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        if args.keep:
+            print(f"[bench_steer] kept {root}", file=sys.stderr)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    print("\n| configuration | case | steered vs best | open vs best | best fixed | planned -> released "
+          "| fitted | watcher CPU |\n|---|---|---|---|---|---|---|---|")
+    for r in results:
+        for case, c in r["cases"].items():
+            if c.get("error"):
+                print(f"| {r['name']} | {case} | {c['error']} | | | | | |")
+                continue
+            moves = "; ".join(", ".join(f"{n} {p[n]:.1f}->{q[n]:.1f}" for n in p if p[n] > 0)
+                              for p, q in zip(c["planned"], c["released"], strict=True))
+            fits = "; ".join(json.dumps({k: round(v, 2) if isinstance(v, float) else v
+                                         for k, v in ((st.get("fit") or {}).items())}) for st in c["steer"])
+            cpu = ", ".join(f"{st['cpu_seconds']:.2f} s" for st in c["steer"] if st.get("cpu_seconds") is not None)
+            best = c["best"] or {}
+            print(f"| {r['name']} | {case} | {_pc(c['steered_gap'])} | {_pc(c['open_gap'])} | "
+                  f"{best.get('label')} {best.get('measured') or 0:.2f} s | {moves} | {fits} | {cpu} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
