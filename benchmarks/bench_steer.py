@@ -11,7 +11,13 @@ bandwidth times 0.7 / 1.3), ``jobs-30``/``jobs+30`` (every job's CPU costs, ``sa
 ``prep_time`` and ``handoff``, times 0.7 / 1.3).
 
     python benchmarks/bench_steer.py [--only NAME,...] [--cases right,source-30,...]
-        [--staggers 0,1,2,3,4,6] [--repeat N] [--keep]
+        [--staggers 0,1,2,3,4,6] [--repeat N] [--overhead N] [--keep]
+
+``--overhead N`` instead measures what watching costs: with the calibration as measured, N pairs
+of launches, one in mode ``open`` (no watcher) and one in mode ``plan`` with ``[plan] steer =
+false`` (the watcher looks and fits as usual but keeps the planned delays), alternating. Each pair
+compares the running job's batches per second while the other waits (from its leader's progress
+history, from 0.5 s after its loop began to the release) and the makespans.
 
 Writes benchmarks/out/bench_steer.json and prints one row per configuration and case: the steered
 and the open-loop plan's gaps to the best measured fixed stagger (simultaneous included), the
@@ -118,6 +124,65 @@ def run_config(name: str, cfg: dict[str, Any], data: Path, work: Path, cases: li
     return out
 
 
+def overhead_pairs(name: str, cfg: dict[str, Any], data: Path, work: Path, pairs: int, budget: float) -> dict[str, Any]:
+    """``pairs`` launches each of mode open and of mode plan with steer = false, alternating."""
+    from hpcstagger.colocated.progress import read_progress, throughput
+
+    work.mkdir(parents=True)
+    log = work / "log.txt"
+    spec = work / "spec.toml"
+    U.write_spec(spec, name, cfg, data, data.stat().st_size)
+    hs = [sys.executable, "-m", "hpcstagger"]
+    if U._run(hs + ["calibrate", "--spec", str(spec), "-o", str(work / "scenario.toml"), "--budget", str(budget)],
+              log) != 0:
+        return {"name": name, "error": f"calibrate failed; see {log}"}
+    watch = work / "spec-watch.toml"
+    watch.write_text(spec.read_text().replace('mode = "plan"', 'mode = "plan"\nsteer = false'))
+    rows: list[dict[str, Any]] = []
+    for k in range(pairs):
+        for label, path, mode in (("open", spec, "open"), ("watched", watch, "plan")):
+            stamp = f"overhead-{k}-{label}"
+            U._run(hs + ["launch", str(path), "--mode", mode, "--cold-cache", "--json"], log)
+            runs = sorted((work / "work" / "runs").glob(f"*-{mode}"), key=lambda p: p.stat().st_mtime)
+            result = json.loads((runs[-1] / "result.json").read_text())
+            runs[-1].rename(runs[-1].with_name(stamp))
+            run_dir = runs[-1].with_name(stamp)
+            delays = result["delays"]
+            first, late = min(delays, key=lambda n: delays[n]), max(delays, key=lambda n: delays[n])
+            status = json.loads((run_dir / f"{late}.0.json").read_text())
+            wait_end = status["t0"] + status["timings"]["started_at"]  # wall time the late job started
+            rec = read_progress(str(run_dir), first)
+            rate = throughput(rec, 0.5, wait_end - rec["loop_start"]) if rec and rec.get("loop_start") else None
+            rows.append({"pair": k, "label": label, "makespan": result["makespan"], "rate": rate,
+                         "planned": delays[late], "steer_cpu": _steer_of({"run_dir": str(run_dir)}).get("cpu_seconds")})
+            print(f"[bench_steer] overhead {name} {k} {label}: makespan {result['makespan']}, rate {rate}",
+                  file=sys.stderr, flush=True)
+    return {"name": name, "rows": rows}
+
+
+def _print_overhead(results: list[dict[str, Any]]) -> None:
+    import statistics
+
+    print("\n| configuration | pairs | running job's batches/s while the other waits: watched / open (median) "
+          "| makespan: watched / open (median) | watcher CPU per wait |\n|---|---|---|---|---|")
+    for r in results:
+        if r.get("error"):
+            print(f"| {r['name']} | {r['error']} | | | |")
+            continue
+        pairs = {}
+        for row in r["rows"]:
+            pairs.setdefault(row["pair"], {})[row["label"]] = row
+        rate = [p["watched"]["rate"] / p["open"]["rate"] for p in pairs.values()
+                if p.get("watched", {}).get("rate") and p.get("open", {}).get("rate")]
+        span = [p["watched"]["makespan"] / p["open"]["makespan"] for p in pairs.values()
+                if p.get("watched", {}).get("makespan") and p.get("open", {}).get("makespan")]
+        cpu = [row["steer_cpu"] for row in r["rows"] if row.get("steer_cpu") is not None]
+        print(f"| {r['name']} | {len(pairs)} | {statistics.median(rate) if rate else float('nan'):.3f} "
+              f"(range {min(rate, default=float('nan')):.3f}-{max(rate, default=float('nan')):.3f}) | "
+              f"{statistics.median(span) if span else float('nan'):.3f} | "
+              f"{statistics.median(cpu) if cpu else float('nan'):.2f} s |")
+
+
 def _pc(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:+.1f}%"
 
@@ -130,6 +195,8 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=3072, help="dataset samples of 3 KiB (default 3072, ~9.4 MB)")
     p.add_argument("--budget", type=float, default=60.0, help="calibration budget per spec, seconds")
     p.add_argument("--repeat", type=int, default=1, help="runs per point (sweep --repeat); points are medians")
+    p.add_argument("--overhead", type=int, default=0, metavar="N",
+                   help="measure the watching's cost instead: N pairs of open / watched launches")
     p.add_argument("--out", default=str(HERE / "out" / "bench_steer.json"))
     p.add_argument("--keep", action="store_true", help="keep the work directory (specs, scenarios, logs)")
     args = p.parse_args()
@@ -150,6 +217,9 @@ def main() -> int:
         data = root / "data.h5"
         make_dataset(str(data), args.samples, (3, 32, 32))
         for name in names:
+            if args.overhead:
+                results.append(overhead_pairs(name, U.CONFIGS[name], data, root / name, args.overhead, args.budget))
+                continue
             results.append(run_config(name, U.CONFIGS[name], data, root / name, cases, args.staggers, args.budget,
                                       args.repeat))
             os.makedirs(os.path.dirname(args.out), exist_ok=True)
@@ -162,6 +232,9 @@ def main() -> int:
             print(f"[bench_steer] kept {root}", file=sys.stderr)
         else:
             shutil.rmtree(root, ignore_errors=True)
+    if args.overhead:
+        _print_overhead(results)
+        return 0
     print("\n| configuration | case | steered vs best | open vs best | best fixed | planned -> released "
           "| fitted | watcher CPU |\n|---|---|---|---|---|---|---|---|")
     for r in results:

@@ -9,12 +9,12 @@ from dataclasses import replace
 
 import pytest
 
-from hpcstagger.colocated.progress import ProgressMeter, fraction_done, read_progress
+from hpcstagger.colocated.progress import ProgressMeter, fraction_done, read_progress, throughput
 from hpcstagger.colocated.release import release_groups, set_host, steer_record
 from hpcstagger.colocated.steer import Look, Steering
 from hpcstagger.errors import ModelError
 from hpcstagger.model import optimal_plan, predict
-from hpcstagger.model.steer import best_release, fit_scale, progress_at, source_factor
+from hpcstagger.model.steer import best_release, fit_scale, progress_at, progress_series, source_factor
 
 from support.model_scenarios import B, scenario
 
@@ -54,17 +54,26 @@ def test_progress_at_follows_the_prediction():
 def test_fit_scale_recovers_a_known_factor_and_says_when_it_cannot():
     sc = pair()
     truth = with_source(sc, 0.7)
-    seen = progress_at(truth, [0.0, INF], 0.6)[0]
+    def measure(s):
+        return progress_at(s, [0.0, INF], 0.6)[0]
+
+    seen = measure(truth)
     # the family "the source at 1/a of its calibrated speed": a comes back near 1/0.7
-    a = fit_scale(lambda a: with_source(sc, 1.0 / a), [0.0, INF], 0.6, 0, seen)
+    a = fit_scale(lambda a: with_source(sc, 1.0 / a), measure, seen)
     assert a == pytest.approx(1 / 0.7, rel=0.03)
     # progress beyond what the range explains is clipped to its ends
-    assert fit_scale(lambda a: with_source(sc, 1.0 / a), [0.0, INF], 0.6, 0, 1.0) == 0.25
-    assert fit_scale(lambda a: with_source(sc, 1.0 / a), [0.0, INF], 0.6, 0, 0.0) == 4.0
+    assert fit_scale(lambda a: with_source(sc, 1.0 / a), measure, 1.0) == 0.25
+    assert fit_scale(lambda a: with_source(sc, 1.0 / a), measure, 0.0) == 4.0
     # a factor the progress does not depend on (an I/O-bound job's tiny CPU cost) stays 1
-    assert fit_scale(lambda a: with_cost(sc, "j0", a), [0.0, INF], 0.6, 0, seen, lo=0.9, hi=1.1, flat=0.5) == 1.0
+    assert fit_scale(lambda a: with_cost(sc, "j0", a), measure, seen, lo=0.9, hi=1.1, flat=0.5) == 1.0
+    # over a window: the same factor from the progress between two times
+    window = progress_series(truth, [0.0, INF], [0.3, 0.6])
+    a = fit_scale(lambda a: with_source(sc, 1.0 / a),
+                  lambda s: (lambda p: p[1][0] - p[0][0])(progress_series(s, [0.0, INF], [0.3, 0.6])),
+                  window[1][0] - window[0][0])
+    assert a == pytest.approx(1 / 0.7, rel=0.05)
     with pytest.raises(ModelError):
-        fit_scale(lambda a: sc, [0.0, INF], 0.6, 0, seen, lo=2.0)
+        fit_scale(lambda a: sc, measure, seen, lo=2.0)
 
 
 def test_best_release_matches_the_plan_and_moves_with_the_source():
@@ -105,13 +114,14 @@ def test_source_factor_is_one_for_the_calibrated_curve_and_scales():
 
 
 # ------------------------------------------------------------------------------------- the decisions
-def _steering(truth_factor=1.0, **kw):
-    """A Steering over the pair, with looks generated from the same pair whose source runs at
-    ``truth_factor`` of the calibrated speed; returns (steering, a function t -> Look)."""
-    sc = pair()
+def _steering(truth_factor=1.0, sc=None, truth=None, **kw):
+    """A Steering over the pair (or ``sc``), with looks generated from the same scenario whose
+    source runs at ``truth_factor`` of the calibrated speed (or from ``truth``); returns
+    (steering, a function t -> Look, the planned delay, the waiting job)."""
+    sc = sc or pair()
     plan = optimal_plan(sc, jitter=0.0)
     order = list(sc.job_names)
-    truth = with_source(sc, truth_factor)
+    truth = truth or with_source(sc, truth_factor)
     late = max(order, key=lambda n: plan.delays[n])
     first = [n for n in order if n != late][0]
 
@@ -124,12 +134,16 @@ def _steering(truth_factor=1.0, **kw):
     st = Steering(build, sc.storage.bandwidth, order, plan.delays, {n: 3 for n in order}, interval=0.25, **kw)
     fetch_bw = truth.storage.bandwidth[0]  # one fetcher of the first job, always reading
 
+    per = 500  # batches per epoch in the progress record
+    starts = [0.0 if n == first else INF for n in order]
+
     def look(t):
-        done = progress_at(truth, [0.0 if n == first else INF for n in order], t)[order.index(first)]
-        per = 500  # batches per epoch in the progress record
-        epoch = min(3, int(done * 3) + 1)
-        within = done * 3 - (epoch - 1)
-        rec = {"loop_start": 1000.0, "epoch": epoch, "batches": round(within * per), "per_epoch": per}
+        stamps = [0.25 * k for k in range(int(t / 0.25) + 1)]
+        done = [p[order.index(first)] for p in progress_series(truth, starts, stamps)]
+        epoch = min(3, int(done[-1] * 3) + 1)
+        within = done[-1] * 3 - (epoch - 1)
+        rec = {"loop_start": 1000.0, "epoch": epoch, "batches": round(within * per), "per_epoch": per,
+               "history": [[x, d * 3 * per] for x, d in zip(stamps, done, strict=True)]}
         return Look(t=t, read_bytes=fetch_bw * t * 0.9, read_seconds=0.9 * t, progress={first: rec},
                     state={first: "started"})
 
@@ -165,6 +179,16 @@ def test_a_source_off_by_30_percent_moves_the_release(factor, direction):
     assert d.at == pytest.approx(truth_best, abs=0.4)
 
 
+def test_a_compute_bound_job_off_by_30_percent_is_fitted():
+    # the first job computes 1.5 ms a sample (reads take 1 ms): its progress tells its CPU speed
+    sc = scenario(1500, ((0.0015, 3), (0.0004, 3)), (B, 0.55 * B), 1.0, "minio", 20 * B)
+    first = sc.job_names[0]
+    st, look, planned, late = _steering(sc=sc, truth=with_cost(sc, first, 0.7))
+    assert late != first  # the I/O-heavy job waits for the compute-bound one
+    _run(st, look)
+    assert st.alpha[first] == pytest.approx(0.7, rel=0.08)
+
+
 def test_bounds_and_the_prior_without_evidence():
     st, look, planned, late = _steering(1.0, hi=0.5)
     (d,) = _run(st, look)
@@ -181,6 +205,13 @@ def test_bounds_and_the_prior_without_evidence():
     done = lambda t: Look(t=t, state={n: "done" for n in st.order})  # noqa: E731
     (d,) = _run(st, done)
     assert d.at == 0.25 and "finished" in d.reason
+
+
+def test_observing_only_keeps_the_planned_delay():
+    st, look, planned, late = _steering(0.7, observe_only=True)
+    (d,) = _run(st, look)
+    assert d.at == pytest.approx(planned, abs=0.26) and "observing only" in d.reason
+    assert st.fits and st.beta == pytest.approx(0.7, rel=0.05)  # it fitted all the same
 
 
 def test_release_groups_steer_record_and_host():
@@ -214,3 +245,11 @@ def test_progress_meter_publishes_counts_and_fraction(tmp_path):
     for _ in meter.counted(iter(range(3))):
         pass
     assert fraction_done(read_progress(str(tmp_path), "cnn"), 3) is None
+
+
+def test_throughput_from_a_progress_history():
+    rec = {"history": [[0.0, 0], [1.0, 10], [2.0, 30], [4.0, 50]]}
+    assert throughput(rec, 0.0, 1.0) == pytest.approx(10.0)
+    assert throughput(rec, 0.5, 3.0) == pytest.approx((40 - 5) / 2.5)
+    assert throughput(rec, 0.0, 5.0) is None and throughput(rec, 2.0, 2.0) is None
+    assert throughput(None, 0.0, 1.0) is None

@@ -8,7 +8,9 @@ writes ``<run_dir>/<job>.progress.json``:
 - ``epoch``: how many epochs the loop has begun (each ``session.loader(...)`` call is one);
 - ``batches`` and ``per_epoch``: batches taken in this epoch, and ``len(loader)`` (None when the
   iterable has no length);
-- ``total_batches``, ``time``: all batches so far, and when the record was written.
+- ``total_batches``, ``time``: all batches so far, and when the record was written;
+- ``history``: ``[seconds since loop_start, total_batches]`` at each record (at most
+  :data:`HISTORY` entries, thinned by half when full), for throughput over any window.
 
 :func:`read_progress` reads the records back; :func:`fraction_done` turns one into the fraction
 of the job's samples done, which is what the closed-loop watcher fits the model to. Writing costs
@@ -24,7 +26,9 @@ from collections.abc import Iterable, Iterator
 
 from .. import _io, config
 
-__all__ = ["Counted", "ProgressMeter", "progress_path", "read_progress", "fraction_done"]
+HISTORY = 500
+
+__all__ = ["Counted", "ProgressMeter", "progress_path", "read_progress", "fraction_done", "throughput"]
 
 
 def progress_path(run_dir: str, job: str) -> str:
@@ -45,12 +49,18 @@ class ProgressMeter:
         self.per_epoch: int | None = None
         self.total = 0
         self._written = 0.0
+        self.history: list[list[float]] = []
 
     def record(self) -> dict[str, Any]:
         """The current progress record."""
+        now = time.time()
+        if self.loop_start is not None:
+            if len(self.history) >= HISTORY:
+                self.history = self.history[::2]
+            self.history.append([round(now - self.loop_start, 4), self.total])
         return {"job": self.job, "pid": os.getpid(), "loop_start": self.loop_start, "epoch": self.epoch,
                 "batches": self.batches, "per_epoch": self.per_epoch, "total_batches": self.total,
-                "time": time.time()}
+                "time": now, "history": self.history}
 
     def publish(self) -> None:
         """Write the record now (atomically; a failure is ignored: progress is advisory)."""
@@ -109,6 +119,22 @@ def read_progress(run_dir: str, job: str) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) else None
+
+
+def throughput(record: dict[str, Any] | None, start: float, end: float) -> float | None:
+    """Batches per second of a progress record's history between ``start`` and ``end`` (seconds
+    since its loop started; linear between records), or None when the history does not cover it."""
+    hist = (record or {}).get("history") or []
+    if len(hist) < 2 or end <= start or start < hist[0][0] or end > hist[-1][0]:
+        return None
+
+    def at(t: float) -> float:
+        for (t0, b0), (t1, b1) in zip(hist, hist[1:], strict=False):
+            if t0 <= t <= t1:
+                return b0 + (b1 - b0) * ((t - t0) / (t1 - t0) if t1 > t0 else 1.0)
+        return float(hist[-1][1])
+
+    return (at(end) - at(start)) / (end - start)
 
 
 def fraction_done(record: dict[str, Any] | None, epochs: int) -> float | None:

@@ -53,13 +53,15 @@ def release_groups(delays: Mapping[str, float], order: Sequence[str]) -> list[li
 
 
 def steer_record(delays: Mapping[str, float], order: Sequence[str], jobs: Mapping[str, Sequence[int]] | None, *,
-                 lo: float, hi: float | None, horizon: float, interval: float) -> dict[str, Any] | None:
+                 lo: float, hi: float | None, horizon: float, interval: float,
+                 observe_only: bool = False) -> dict[str, Any] | None:
     """The plan's ``steer`` entry, or None when no job waits (pure).
 
     It holds the release ``groups``, the ``host`` (world rank of the leader of the last group's
     first job; None until ``jobs`` gives the ranks: :func:`set_host`), the bounds, and ``latest``:
     each waiting job's latest possible release (seconds after time zero), which the watcher keeps
-    to: ``min(max_delay, planned + horizon)``, and at least ``min_delay``."""
+    to: ``min(max_delay, planned + horizon)``, and at least ``min_delay``. With ``observe_only``
+    the watcher fits and records but releases at the planned delays (``[plan] steer = false``)."""
     groups = release_groups(delays, order)
     if len(groups) < 2:
         return None
@@ -69,7 +71,7 @@ def steer_record(delays: Mapping[str, float], order: Sequence[str], jobs: Mappin
         last = planned + horizon if hi is None else min(hi, planned + horizon)
         latest.update({n: max(last, lo) for n in g})
     out = {"groups": groups, "host": None, "min_delay": lo, "max_delay": hi, "horizon": horizon,
-           "interval": interval, "latest": latest}
+           "interval": interval, "latest": latest, "observe_only": bool(observe_only)}
     if jobs is not None:
         set_host(out, jobs)
     return out
@@ -147,7 +149,8 @@ def _steering(session: Any) -> Steering:
     hi = steer.get("max_delay")
     return Steering(build, bandwidth, order, plan["delays"], {n: spec.job(n).epochs for n in order},
                     lo=float(steer.get("min_delay") or 0.0), hi=math.inf if hi is None else float(hi),
-                    interval=float(steer["interval"]), horizon=float(steer["horizon"]))
+                    interval=float(steer["interval"]), horizon=float(steer["horizon"]),
+                    observe_only=bool(steer.get("observe_only")))
 
 
 def _send(session: Any, jobs: Sequence[str], message: dict[str, Any]) -> None:

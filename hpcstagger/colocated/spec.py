@@ -116,13 +116,15 @@ class PlanSpec:
     """How start delays are chosen: ``mode``, an optional ``scenario`` file, fixed ``delays``,
     the bounds ``min_delay`` and ``max_delay`` on every planned wait, and ``jitter``: seconds a
     job's real start may stray from its plan. Mode ``"plan"`` steers the waits while the run goes
-    on (closed loop); ``"open"`` keeps the plan's delays as fixed sleeps."""
+    on (closed loop; with ``steer = false`` it only watches and keeps the planned delays);
+    ``"open"`` keeps the plan's delays as fixed sleeps and does not watch."""
 
     mode: str = "plan"
     scenario: str = ""
     delays: Mapping[str, float] = field(default_factory=dict)
     max_delay: float | None = None
     min_delay: float = 0.0
+    steer: bool = True
     calibrate: bool = True
     jitter: float | None = None
 
@@ -187,6 +189,7 @@ _PLAN = S.Table("plan", [
     S.Field("delays", S.table, {}, shown="{}"),
     S.Field("max_delay", S.optional(S.number(minimum=0)), None),
     S.Field("min_delay", S.number(minimum=0), 0.0, shown="0"),
+    S.Field("steer", S.boolean(), True),
     S.Field("calibrate", S.boolean(), True),
     S.Field("jitter", S.optional(S.number(minimum=0)), None,
             shown="unset (the plan_jitter knob times the jobs' mean start-up)"),

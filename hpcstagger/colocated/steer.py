@@ -32,8 +32,8 @@ from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
 from ..model import Scenario
-from ..model.steer import best_release, fit_scale, progress_at, source_factor
-from .progress import fraction_done
+from ..model.steer import best_release, fit_scale, progress_series, source_factor
+from .progress import fraction_done, throughput
 from .release import release_groups
 
 __all__ = ["Look", "Decision", "Steering"]
@@ -44,6 +44,7 @@ WINDOW = 3.0     # seconds of read counters the source fit uses
 MIN_READS = 16   # reads the window needs before the source fit counts
 MOVED = 0.05     # relative change of a fitted factor that asks for a new release curve
 MATCH = 0.03     # a job's progress predicted this close needs no new factor
+FIT_WINDOW = 2.0  # seconds of a job's recent progress its factor is fitted to
 LOOK = 0.25      # seconds between the watcher's looks at the run
 WARMUP = 0.5     # seconds of a job's loop before its progress and reads count as evidence
 ALPHA = (0.5, 2.0)  # the range of a job's fitted factor (a calibration off by more is not steered but redone)
@@ -93,13 +94,14 @@ class Steering:
     def __init__(self, build: Callable[[float, Mapping[str, float]], Scenario], bandwidth: Sequence[float],
                  order: Sequence[str], delays: Mapping[str, float], epochs: Mapping[str, int], *,
                  lo: float = 0.0, hi: float = math.inf, interval: float = 1.0, horizon: float | None = None,
-                 look: float = LOOK):
+                 look: float = LOOK, observe_only: bool = False):
         self.build = build
         self.bandwidth = list(bandwidth)
         self.order = list(order)
         self.planned = {n: float(delays[n]) for n in order}
         self.epochs = dict(epochs)
         self.lo, self.hi, self.interval = float(lo), float(hi), float(interval)
+        self.observe_only = observe_only  # fit and record, but release at the planned delays
         self.look = min(float(look), self.interval)  # seconds between looks (a look is cheap, a re-fit is not)
         self.groups = release_groups(self.planned, self.order)
         self.released: dict[str, float] = {}
@@ -190,16 +192,22 @@ class Steering:
                 starts.append(self.released.get(job.name, math.inf))
         return replace(sc, jobs=tuple(jobs)), starts
 
-    def _fit_jobs(self, look: Look, loop_starts: Mapping[str, float], t0_wall: float) -> None:
-        """Each running job's factor, from its progress when its record was written; kept when the
+    def _fit_jobs(self, look: Look, loop_starts: Mapping[str, float]) -> None:
+        """Each running job's factor, from its progress over the last ``FIT_WINDOW`` seconds of its
+        record's history (a window, so that how its loop began does not bias it); kept when the
         model with the current factor already predicts that progress within ``MATCH``."""
         for name, start in loop_starts.items():
             rec = look.progress.get(name) or {}
-            t = float(rec["time"]) - t0_wall if rec.get("time") else look.t
-            if t - start < WARMUP:
+            hist = rec.get("history") or []
+            per = (rec.get("per_epoch") or 0) * self.epochs.get(name, 1)
+            if len(hist) < 2 or per <= 0:
                 continue
-            done = fraction_done(rec, self.epochs.get(name, 1))
-            if done is None or done <= 0 or done >= 1:
+            tb = float(hist[-1][0])
+            ta = max(WARMUP, tb - FIT_WINDOW)
+            if tb - ta < WARMUP:
+                continue
+            observed = (throughput(rec, ta, tb) or 0.0) * (tb - ta) / per  # fraction done in the window
+            if observed <= 0:
                 continue
 
             def make(a: float, name: str = name) -> Scenario:
@@ -210,10 +218,17 @@ class Steering:
 
             sc0, starts = self.scenario(loop_starts)
             index = sc0.job_index(name)
-            if abs(progress_at(sc0, starts, t)[index] - done) <= MATCH * done:
+
+            window = [start + ta, start + tb]
+
+            def measure(sc: Scenario, index: int = index, starts: list[float] = starts,
+                        window: list[float] = window) -> float:
+                pa, pb = progress_series(sc, starts, window)
+                return pb[index] - pa[index]
+
+            if abs(measure(sc0) - observed) <= MATCH * observed:
                 continue
-            self.alpha[name] = fit_scale(make, starts, t, index, done, lo=ALPHA[0], hi=ALPHA[1], iterations=6,
-                                         flat=0.1)
+            self.alpha[name] = fit_scale(make, measure, observed, lo=ALPHA[0], hi=ALPHA[1], iterations=6, flat=0.1)
 
     # ---- deciding ------------------------------------------------------------------------------
     def decide(self, look: Look, t0_wall: float) -> list[Decision]:
@@ -242,8 +257,10 @@ class Steering:
             return None
         if now >= self.hi:
             return self.release(group, now, f"upper bound: max_delay {self.hi:g} s reached")
+        if self.observe_only and now >= max(planned, self.lo):
+            return self.release(group, now, "the plan's delay (observing only: [plan] steer = false)")
         started = [n for n in self.released]
-        if started and all(look.state.get(n) in ("done", "exited") for n in started):
+        if started and not self.observe_only and all(look.state.get(n) in ("done", "exited") for n in started):
             return self.release(group, now, "every job started before it has finished")
         loop_starts = self._loop_starts(look, t0_wall)
         evidence = any(look.t - s >= WARMUP for s in loop_starts.values())
@@ -258,13 +275,13 @@ class Steering:
         self._fit_source(max(loop_starts.values()) + WARMUP)
         if look.read_bytes is not None and not self.source_seen and now < planned:
             return None  # the cache counts reads: wait for the source's evidence (or the plan's time)
-        self._fit_jobs(look, loop_starts, t0_wall)
+        self._fit_jobs(look, loop_starts)
         fitted = {"source": self.beta, **{f"job:{k}": v for k, v in self.alpha.items()}}
         moved = (self._curve_at is None
                  or any(abs(v / self._curve_at[1].get(k, 1.0) - 1.0) > MOVED for k, v in fitted.items()))
         if not moved and self._curve_at is not None and self.target is not None:
             self._curve_at = (now, self._curve_at[1])  # the fit stands: no new curve
-            if now >= self.target - self.look / 2:
+            if now >= self.target - self.look / 2 and not self.observe_only:
                 return self.release(group, now, f"the fitted model's best start has come (predicted makespan "
                                                 f"{self._best:.1f} s; source x{self.beta:.2f})", self._best)
             return None
@@ -279,7 +296,7 @@ class Steering:
         self.fits.append({"t": now, "loops": dict(loop_starts), "done": done, "seen": dict(self.source_seen),
                           "source": self.beta,
                           "jobs": dict(self.alpha), "best_start": r.start, "best": r.makespan, "if_now": r.if_now})
-        if r.start <= now + self.look / 2:
+        if r.start <= now + self.look / 2 and not self.observe_only:
             return self.release(group, now, f"the fitted model: starting now is best (predicted makespan "
                                             f"{r.if_now:.1f} s; source x{self.beta:.2f})", r.if_now)
         return None

@@ -7,8 +7,8 @@ source reads. Two pure functions serve it:
 - :func:`progress_at`: each job's predicted fraction done at time ``t`` for given start times
   (a run of the fluid model stopped at ``t``);
 - :func:`fit_scale`: the factor on a job's CPU costs (or any one-parameter family of scenarios)
-  under which the predicted progress at ``t`` matches the observed one, by bisection in log
-  space; 1 when the progress does not depend on it (an I/O-bound job);
+  under which a predicted measure (the progress over a window) matches the observed one, by
+  bisection in log space; 1 when the measure does not depend on it (an I/O-bound job);
 - :func:`best_release`: the predicted makespan as a function of when the next group of waiting
   jobs starts (later waiting jobs keep their planned gaps behind it), from ``earliest`` to
   ``latest``, and the best start.
@@ -28,7 +28,7 @@ from . import _engine
 from ._search import CUTOFF, Evaluator, grid
 from .scenario import Scenario
 
-__all__ = ["Release", "progress_at", "fit_scale", "best_release", "source_factor"]
+__all__ = ["Release", "progress_at", "progress_series", "fit_scale", "best_release", "source_factor"]
 
 
 def progress_at(sc: Scenario, starts: Sequence[float], t: float, *,
@@ -37,44 +37,53 @@ def progress_at(sc: Scenario, starts: Sequence[float], t: float, *,
     when job j starts at ``starts[j]`` (``inf``: not started by ``t``). A job's start-up (its
     ``startup``) runs from its start; give a job that has already begun its loop ``startup = 0``
     and its loop's start."""
+    return progress_series(sc, starts, [t], quality=quality)[0]
+
+
+def progress_series(sc: Scenario, starts: Sequence[float], times: Sequence[float], *,
+                    quality: _engine.Quality = _engine.SEARCH) -> list[list[float]]:
+    """:func:`progress_at` at each of ``times``, from one run of the model."""
     if len(starts) != len(sc.jobs):
         raise ModelError(f"progress_at: {len(starts)} start times for {len(sc.jobs)} jobs")
-    if t <= 0:
-        return [0.0] * len(sc.jobs)
-    eng = _engine.Engine(sc, quality, record=True)
-    eng.run([float(s) for s in starts], stop=t)
-    # the series has the state at the top of each step; add where the last step ended
-    rows = eng.series + [(eng.t, tuple(min(1.0, eng.done[j] / (eng.epochs[j] * eng.n)) for j in range(eng.J)))]
-    if not rows:
-        return [0.0] * len(sc.jobs)
-    times = [r[0] for r in rows]
-    k = bisect.bisect_right(times, t)
-    if k >= len(rows):
-        return [float(p) for p in rows[-1][1]]
-    if k == 0:
-        return [0.0] * len(sc.jobs)
-    (t0, p0), (t1, p1) = (rows[k - 1][0], rows[k - 1][1]), (rows[k][0], rows[k][1])
-    w = (t - t0) / (t1 - t0) if t1 > t0 else 1.0
-    return [float(a + w * (b - a)) for a, b in zip(p0, p1, strict=True)]
+    times = [float(x) for x in times]
+    J = len(sc.jobs)
+    end = max(times, default=0.0)
+    rows: list[tuple[float, tuple[float, ...]]] = [(0.0, (0.0,) * J)]
+    if end > 0:
+        eng = _engine.Engine(sc, quality, record=True)
+        eng.run([float(s) for s in starts], stop=end)
+        # the series has the state at the top of each step; add where the last step ended
+        rows += [(r[0], r[1]) for r in eng.series]
+        rows.append((eng.t, tuple(min(1.0, eng.done[j] / (eng.epochs[j] * eng.n)) for j in range(J))))
+    stamps = [r[0] for r in rows]
+    out = []
+    for x in times:
+        k = bisect.bisect_right(stamps, x)
+        if x <= 0:
+            out.append([0.0] * J)
+        elif k >= len(rows):
+            out.append([float(p) for p in rows[-1][1]])
+        else:
+            (t0, p0), (t1, p1) = rows[k - 1], rows[k]
+            w = (x - t0) / (t1 - t0) if t1 > t0 else 1.0
+            out.append([float(u + w * (v - u)) for u, v in zip(p0, p1, strict=True)])
+    return out
 
 
-def fit_scale(make: Callable[[float], Scenario], starts: Sequence[float], t: float, job: int, observed: float,
-              *, lo: float = 0.25, hi: float = 4.0, iterations: int = 8, flat: float = 0.02) -> float:
-    """The factor ``a`` in [lo, hi] under which ``progress_at(make(a), starts, t)[job]`` equals
-    ``observed``, assuming progress falls as ``a`` grows (``a`` scales the job's costs).
+def fit_scale(make: Callable[[float], Scenario], measure: Callable[[Scenario], float], observed: float, *,
+              lo: float = 0.25, hi: float = 4.0, iterations: int = 8, flat: float = 0.02) -> float:
+    """The factor ``a`` in [lo, hi] under which ``measure(make(a))`` equals ``observed``, assuming
+    the measure (a job's progress, over a window or since its start) falls as ``a`` grows (``a``
+    scales the job's costs).
 
     Bisection in log space, ``iterations`` halvings (8 give about 1% on [0.25, 4]). Returns 1.0
-    when the progress hardly depends on ``a`` (it changes by less than ``flat`` of itself over
+    when the measure hardly depends on ``a`` (it changes by less than ``flat`` of itself over
     [lo, hi]: the job is bound by something else), and ``lo`` or ``hi`` when the observation is
     beyond what the range can explain.
     """
     if not (0 < lo <= 1.0 <= hi):
         raise ModelError(f"fit_scale needs 0 < lo <= 1 <= hi, got lo={lo}, hi={hi}")
-
-    def progress(a: float) -> float:
-        return progress_at(make(a), starts, t)[job]
-
-    fast, slow = progress(lo), progress(hi)
+    fast, slow = measure(make(lo)), measure(make(hi))
     if fast - slow <= flat * max(fast, 1e-12):
         return 1.0
     if observed >= fast:
@@ -84,7 +93,7 @@ def fit_scale(make: Callable[[float], Scenario], starts: Sequence[float], t: flo
     a_lo, a_hi = math.log(lo), math.log(hi)
     for _ in range(iterations):
         mid = 0.5 * (a_lo + a_hi)
-        if progress(math.exp(mid)) > observed:
+        if measure(make(math.exp(mid))) > observed:
             a_lo = mid  # still too fast: the job is slower than that
         else:
             a_hi = mid
