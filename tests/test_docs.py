@@ -184,7 +184,7 @@ def test_docs_mention_commands():
     """The parser above really sees the docs' commands (guards against a parser that finds none)."""
     seen = {p for f in doc_files() for _, _, paths, _ in invocations(f) for p in paths}
     for cmd in ("demo", "info", "cache ls", "ckpt verify", "calibrate", "plan", "profile", "launch",
-                "status", "exec", "sweep", "slurm render", "slurm submit"):
+                "status", "exec", "sweep", "history", "slurm render", "slurm submit"):
         assert cmd in seen, f"no doc shows 'hpcstagger {cmd}'"
 
 

@@ -207,6 +207,19 @@ def test_bounds_and_the_prior_without_evidence():
     assert d.at == 0.25 and "finished" in d.reason
 
 
+def test_the_source_fit_ignores_the_time_after_the_reads_stop():
+    # reads at the 1-reader bandwidth x 0.7 until t = 1 s, then none (the cache holds everything)
+    st, _, _, _ = _steering(1.0, lo=100.0)
+    bw = st.bandwidth[0] * 0.7
+    for k in range(1, 30):
+        t = 0.25 * k
+        busy = min(t, 1.0)
+        st.looks.append(Look(t=t, read_bytes=bw * busy, read_seconds=busy))
+        if st._fit_source(0.0):
+            assert st.beta == pytest.approx(0.7, rel=0.02), (t, st.beta)
+    assert st.source_seen["window"] <= 1.0
+
+
 def test_observing_only_keeps_the_planned_delay():
     st, look, planned, late = _steering(0.7, observe_only=True)
     (d,) = _run(st, look)

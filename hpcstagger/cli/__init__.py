@@ -18,7 +18,8 @@ from collections.abc import Callable, Sequence
 from .._version import __version__
 
 # Subcommand modules under hpcstagger.cli, in --help order. Each has register(subparsers).
-SUBCOMMANDS: list[str] = ["demo", "info", "cache", "ckpt", "calibrate", "plan", "profile", "launch", "sweep", "slurm"]
+SUBCOMMANDS: list[str] = ["demo", "info", "cache", "ckpt", "calibrate", "plan", "profile", "launch", "sweep", "history",
+                          "slurm"]
 
 
 class Parser(argparse.ArgumentParser):

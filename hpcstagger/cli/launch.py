@@ -28,6 +28,8 @@ def register(sub: Any) -> None:
     p.add_argument("--cold-cache", action="store_true",
                    help="start cold: empty the spec's shared cache and drop the dataset's files from the page "
                         "cache first (for comparisons); by default the run starts from the cache as it is")
+    p.add_argument("--no-history", action="store_true",
+                   help="plan without what earlier runs of the spec measured (see 'hpcstagger history')")
     p.add_argument("--dry-run", action="store_true", help="print the mpiexec command(s) and exit")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=run)
@@ -134,8 +136,10 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(shlex.join(mpmd_command(spec)))
         return 0
+    from ..colocated import env as E
+
     result = launch(spec, mode=mode, delays=delays, timeout=args.timeout, launcher=args.launcher,
-                    cold_cache=args.cold_cache)
+                    cold_cache=args.cold_cache, env={E.NO_HISTORY: "1"} if args.no_history else None)
     if args.json:
         json.dump(result.to_dict(), sys.stdout, default=str)
         sys.stdout.write("\n")

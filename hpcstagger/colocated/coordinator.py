@@ -42,6 +42,7 @@ from ._rendezvous import rendezvous
 from .calibration import calibration_dir, calibration_spec, no_plan, wrap_loader
 from .cachestate import describe_start, observe_cache
 from .planning import plan_delays
+from .history import plan_history
 from .progress import ProgressMeter
 from .release import set_host, wait_for_release
 from .spec import Spec
@@ -455,7 +456,7 @@ def _exchange_plan(world: Comm, comm: Comm, spec: Spec | None, name: str, order:
         leaders = {h["job"]: h["calibration"] for h in hellos if h["leader"]}
         # plan from the cache as it is now: a warm cache (an earlier run's) changes the plan
         decided = plan_delays(spec, order, leaders, mode, fixed=fixed, cache_state=observe_cache(spec),
-                              steer_interval=float(config.get("steer_interval")))
+                              steer_interval=float(config.get("steer_interval")), history=plan_history(spec, mode))
         return {r: decided for r in range(len(hellos))}
 
     t = time.perf_counter()
@@ -486,4 +487,8 @@ def _announce(session: Session, decided: Mapping[str, Any]) -> None:
         extra = "; predicted makespan " + ", ".join(f"{k} {v:.1f}s" for k, v in p.items())
     start = describe_start(decided.get("cache"))
     extra += f"; {start}" if start else ""
+    h = decided.get("history")
+    if h:
+        jobs = "".join(f", {n} x{v:.2f}" for n, v in sorted(h.get("jobs", {}).items()))
+        extra += f"; from the history of {h['runs']} run(s): source x{h['source']:.2f}{jobs}"
     session.say(f"mode {decided['mode']}: delays {summary}{extra} (coordinator {session.overhead * 1000:.0f} ms)")

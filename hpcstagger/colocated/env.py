@@ -11,14 +11,15 @@ from collections.abc import Mapping
 
 from ..errors import ConfigError
 
-__all__ = ["SPEC", "JOB", "MODE", "DELAYS", "RUN_DIR", "ONLY", "CALIBRATE", "CALIBRATE_UNTIL", "encode_delays",
-           "decode_delays"]
+__all__ = ["SPEC", "JOB", "MODE", "DELAYS", "RUN_DIR", "NO_HISTORY", "ONLY", "CALIBRATE", "CALIBRATE_UNTIL",
+           "encode_delays", "decode_delays"]
 
 SPEC = "HPCSTAGGER_SPEC"          # path of the job spec
 JOB = "HPCSTAGGER_JOB"            # this rank's job: a name, or an index into the spec's jobs
 MODE = "HPCSTAGGER_PLAN_MODE"     # overrides [plan] mode (hpcstagger launch --mode)
 DELAYS = "HPCSTAGGER_DELAYS"      # JSON {job: seconds}, for mode "fixed" (hpcstagger launch --delays)
 RUN_DIR = "HPCSTAGGER_RUN_DIR"    # where status files go (default: <workdir>/status)
+NO_HISTORY = "HPCSTAGGER_NO_HISTORY"  # "1": plan without the spec's run history (hpcstagger launch --no-history)
 ONLY = "HPCSTAGGER_ONLY_JOBS"     # comma-separated: this launch runs only these jobs of the spec
 CALIBRATE = "HPCSTAGGER_CALIBRATE"  # calibration mode (hpcstagger calibrate --spec): the job's reports directory
 CALIBRATE_UNTIL = "HPCSTAGGER_CALIBRATE_UNTIL"  # calibration mode: when (epoch seconds) the job's share of time ends

@@ -31,7 +31,8 @@ def cached_fraction(entries: float, samples: float) -> float:
 
 def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[str, Mapping[str, float]],
                 mode: str, *, fixed: Mapping[str, float] | None = None,
-                cache_state: Mapping[str, Any] | None = None, steer_interval: float = 1.0) -> dict[str, Any]:
+                cache_state: Mapping[str, Any] | None = None, steer_interval: float = 1.0,
+                history: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The delays for ``mode`` (world rank 0 calls this), and what the model predicts when it can.
 
     ``order`` lists the jobs in spec order; ``calibrations`` maps a job to what its leader
@@ -46,7 +47,9 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
     (``predicted``), and the scenario it used, with each job's own calibration in it
     (``scenario``). Modes ``"plan"`` and ``"open"`` take the plan's delays; ``"plan"`` also adds
     ``steer`` when some job waits (:func:`~.release.steer_record`, with the watcher's period
-    ``steer_interval``): the run then releases waiting jobs on evidence.
+    ``steer_interval``): the run then releases waiting jobs on evidence. ``history`` (from
+    :func:`~.history.corrections`) gives factors on the scenario's source and jobs that earlier runs
+    measured; the plan starts from them, and returns them as ``history``.
     """
     if mode not in PLAN_MODES_IN_WORLD:
         if mode == "sequential":
@@ -72,7 +75,11 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
         return out
     from ..model import optimal_plan, predict
 
-    scenario = scenario_for(spec, order, calibrations, cache_state=cache_state)
+    h = history or {}
+    scenario = scenario_for(spec, order, calibrations, cache_state=cache_state,
+                            source_scale=float(h.get("source") or 1.0), job_scales=h.get("jobs") or None)
+    if history:
+        out["history"] = dict(history)
     if cache_state is not None:
         out["cache"].update(fraction=scenario.cache.initial, samples=scenario.dataset.samples,
                             initial_samples=scenario.initial_samples)

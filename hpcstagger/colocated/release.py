@@ -141,9 +141,14 @@ def _steering(session: Any) -> Steering:
     order = list(session.jobs)
     calibrations = plan.get("calibrations", {})
     cache_state = plan.get("cache")
+    h = plan.get("history") or {}
+    h_source, h_jobs = float(h.get("source") or 1.0), dict(h.get("jobs") or {})
 
     def build(beta: float, alpha: Mapping[str, float]) -> Scenario:
-        return scenario_for(spec, order, calibrations, cache_state=cache_state, source_scale=beta, job_scales=alpha)
+        # the fitted factors are on top of the history's (the plan's starting point)
+        jobs = {n: float(alpha.get(n, 1.0)) * float(h_jobs.get(n, 1.0)) for n in set(alpha) | set(h_jobs)}
+        return scenario_for(spec, order, calibrations, cache_state=cache_state, source_scale=beta * h_source,
+                            job_scales=jobs)
 
     bandwidth = Scenario.from_toml(spec.plan.scenario).storage.bandwidth
     hi = steer.get("max_delay")
@@ -232,7 +237,29 @@ def _host(session: Any, idle: list[Callable[[float], bool]]) -> dict[str, Any]:
         watcher.close()
     if log_path:
         _write_log(log_path, session, steering, watch.failed)
+    _record_history(session, steering)
     return mine
+
+
+def _record_history(session: Any, steering: Steering) -> None:
+    """Add what this run's watcher fitted to the spec's history (nothing without evidence)."""
+    spec, plan = session.spec, session.plan
+    if spec is None or not spec.plan.history or not (steering.source_seen or steering.alpha):
+        return
+    from . import history as H
+
+    h = plan.get("history") or {}
+    h_jobs = dict(h.get("jobs") or {})
+    record = {"time": time.time(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "spec": spec.run.name,
+              "run_dir": session.run_dir, "node": H.node_identity(),
+              "scenario": {"path": spec.plan.scenario, "sha256": H.scenario_digest(spec.plan.scenario)},
+              "source": steering.beta * float(h.get("source") or 1.0) if steering.source_seen else None,
+              "jobs": {n: a * float(h_jobs.get(n, 1.0)) for n, a in steering.alpha.items()},
+              "seen": steering.source_seen or None, "releases": [d.to_dict() for d in steering.decisions]}
+    try:
+        H.write_record(spec.run.workdir, record)
+    except OSError as exc:
+        log.warning("cannot record this run in the history of %r: %s", spec.run.name, exc)
 
 
 def _write_log(path: str, session: Any, steering: Steering, failed: str) -> None:

@@ -117,7 +117,8 @@ class PlanSpec:
     the bounds ``min_delay`` and ``max_delay`` on every planned wait, and ``jitter``: seconds a
     job's real start may stray from its plan. Mode ``"plan"`` steers the waits while the run goes
     on (closed loop; with ``steer = false`` it only watches and keeps the planned delays);
-    ``"open"`` keeps the plan's delays as fixed sleeps and does not watch."""
+    ``"open"`` keeps the plan's delays as fixed sleeps and does not watch. With ``history`` the plan
+    starts from what earlier runs measured (:mod:`hpcstagger.colocated.history`)."""
 
     mode: str = "plan"
     scenario: str = ""
@@ -125,6 +126,7 @@ class PlanSpec:
     max_delay: float | None = None
     min_delay: float = 0.0
     steer: bool = True
+    history: bool = True
     calibrate: bool = True
     jitter: float | None = None
 
@@ -190,6 +192,7 @@ _PLAN = S.Table("plan", [
     S.Field("max_delay", S.optional(S.number(minimum=0)), None),
     S.Field("min_delay", S.number(minimum=0), 0.0, shown="0"),
     S.Field("steer", S.boolean(), True),
+    S.Field("history", S.boolean(), True),
     S.Field("calibrate", S.boolean(), True),
     S.Field("jitter", S.optional(S.number(minimum=0)), None,
             shown="unset (the plan_jitter knob times the jobs' mean start-up)"),

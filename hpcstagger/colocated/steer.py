@@ -149,6 +149,10 @@ class Steering:
         """Fit the source from the read counters of the looks since ``since`` (the loops warmed up)."""
         looks = [lk for lk in self.looks if lk.read_bytes is not None and lk.read_seconds is not None
                  and lk.t >= since]
+        # the window ends at the last look that saw new reads: once the jobs stop reading (the cache
+        # holds what they need) the time without reads says nothing about the source
+        while len(looks) >= 2 and looks[-1].read_bytes == looks[-2].read_bytes:
+            looks.pop()
         if len(looks) < 2:
             return False
         last = looks[-1]
@@ -228,7 +232,9 @@ class Steering:
 
             if abs(measure(sc0) - observed) <= MATCH * observed:
                 continue
-            self.alpha[name] = fit_scale(make, measure, observed, lo=ALPHA[0], hi=ALPHA[1], iterations=6, flat=0.1)
+            a = fit_scale(make, measure, observed, lo=ALPHA[0], hi=ALPHA[1], iterations=6, flat=0.1)
+            if ALPHA[0] < a < ALPHA[1]:  # at a bound the model cannot explain the progress this way: keep
+                self.alpha[name] = a
 
     # ---- deciding ------------------------------------------------------------------------------
     def decide(self, look: Look, t0_wall: float) -> list[Decision]:

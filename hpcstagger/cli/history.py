@@ -1,0 +1,71 @@
+"""``hpcstagger history SPEC``: what earlier runs of a spec measured, and what the next plan uses."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from ._text import table
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("history", help="show (or clear) what earlier runs of a spec measured",
+                       description="Show the run history of a job spec: one row per run whose closed-loop "
+                                   "watcher fitted the model (the factors on the calibrated scenario's source "
+                                   "and jobs, the node, the date), and the factors the next plan starts from "
+                                   "on this node. Records live in <workdir>/history.")
+    p.add_argument("spec", help="the job spec (TOML)")
+    p.add_argument("--clear", action="store_true", help="remove every record of the spec's history")
+    p.add_argument("--json", action="store_true", help="print the records and the corrections as one JSON object")
+    p.set_defaults(func=run)
+
+
+def _f(x: Any) -> str:
+    return "-" if not isinstance(x, (int, float)) else f"x{x:.2f}"
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+
+    from ..colocated import history as H
+    from ..colocated.spec import Spec
+
+    spec = Spec.from_toml(args.spec)
+    workdir = spec.run.workdir
+    if args.clear:
+        n = H.clear_history(workdir)
+        print(f"removed {n} record(s) from {H.history_dir(workdir)}")
+        return 0
+    records = H.read_history(workdir)
+    here = H.node_kind(H.node_identity())
+    now = None
+    if spec.plan.scenario and os.path.exists(spec.plan.scenario):
+        now = H.corrections(records, digest=H.scenario_digest(spec.plan.scenario), kind=here,
+                            since=os.path.getmtime(spec.plan.scenario))
+    if args.json:
+        json.dump({"directory": H.history_dir(workdir), "records": records, "next_plan": now}, sys.stdout,
+                  default=str)
+        sys.stdout.write("\n")
+        return 0
+    if not records:
+        print(f"no runs recorded in {H.history_dir(workdir)} yet (a run records what its closed-loop watcher "
+              "fitted: mode plan with a job that waits)")
+        return 0
+    digest = H.scenario_digest(spec.plan.scenario) if spec.plan.scenario else ""
+    names = sorted({n for r in records for n in (r.get("jobs") or {})})
+    rows = [("DATE", "HOST", "SOURCE", *[n.upper() for n in names], "SCENARIO")]
+    for r in records:
+        same = "current" if r.get("scenario", {}).get("sha256") == digest and digest else "other"
+        rows.append((str(r.get("date", "")), str((r.get("node") or {}).get("host", "")), _f(r.get("source")),
+                     *[_f((r.get("jobs") or {}).get(n)) for n in names], same))
+    print(table(rows))
+    if now:
+        jobs = "".join(f", {n} x{v:.2f}" for n, v in sorted(now["jobs"].items()))
+        print(f"\nthe next plan on this kind of node starts from {now['runs']} run(s): "
+              f"source x{now['source']:.2f}{jobs}")
+    else:
+        print("\nno record applies to the next plan on this kind of node (other nodes, another calibration, "
+              "or older than it)")
+    return 0

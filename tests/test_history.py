@@ -1,0 +1,97 @@
+"""The run history of a spec: records, the corrections the next plan starts from, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+import pytest
+
+from hpcstagger.colocated import history as H
+from hpcstagger.colocated.planning import plan_delays
+from hpcstagger.colocated.spec import Spec
+from support.cli import run_cli
+from support.spec_util import write_spec
+
+KIND = ("EPYC", 2, "")
+NODE = {"host": "n1", "cpu": "EPYC", "cores": 2, "gpu": None}
+
+
+def rec(t, source=None, jobs=None, digest="abc", node=NODE):
+    return {"version": 1, "time": t, "scenario": {"sha256": digest}, "node": node, "source": source,
+            "jobs": jobs or {}}
+
+
+def test_corrections_weigh_recent_runs_and_filter_what_does_not_apply():
+    assert H.corrections([], digest="abc", kind=KIND, since=0) is None
+    # one run: its factors
+    one = H.corrections([rec(10, 0.8, {"a": 1.2})], digest="abc", kind=KIND, since=0)
+    assert one == {"runs": 1, "source": pytest.approx(0.8), "jobs": {"a": pytest.approx(1.2)}, "latest": 10.0}
+    # two runs: the newer weighs twice the older, geometrically
+    two = H.corrections([rec(10, 0.5), rec(20, 1.0)], digest="abc", kind=KIND, since=0)
+    assert two["runs"] == 2 and two["source"] == pytest.approx(math.exp((2 * 0 + 1 * math.log(0.5)) / 3))
+    # another calibration, another kind of node, or a record older than the calibration: ignored
+    other = [rec(10, 0.5, digest="old"), rec(11, 0.5, node={**NODE, "cpu": "Xeon"}),
+             rec(12, 0.5, node={**NODE, "cores": 64}), rec(5, 0.5)]
+    assert H.corrections(other, digest="abc", kind=KIND, since=8) is None
+    assert H.corrections(other + [rec(30, 2.0)], digest="abc", kind=KIND, since=8)["runs"] == 1
+    # a run that fitted only the jobs leaves the source at 1; a digest of '' (no scenario) never matches
+    assert H.corrections([rec(10, None, {"a": 0.7})], digest="abc", kind=KIND, since=0)["source"] == 1.0
+    assert H.corrections([rec(10, 0.5, digest="")], digest="", kind=KIND, since=0) is None
+
+
+def test_records_are_written_read_and_cleared(tmp_path):
+    workdir = str(tmp_path / "work")
+    assert H.read_history(workdir) == [] and H.clear_history(workdir) == 0
+    p1 = H.write_record(workdir, {"time": 2.0, "source": 0.9, "jobs": {}, "node": NODE, "scenario": {"sha256": "x"}})
+    (tmp_path / "work" / "history" / "junk.json").write_text("{not json")
+    (tmp_path / "work" / "history" / "foreign.json").write_text(json.dumps({"version": 99, "time": 1}))
+    got = H.read_history(workdir)
+    assert [r["path"] for r in got] == [p1] and got[0]["source"] == 0.9
+    assert H.clear_history(workdir) == 3 and H.read_history(workdir) == []
+    node = H.node_identity()
+    assert node["host"] and node["cores"] >= 1 and H.node_kind(node)[1] == node["cores"]
+
+
+def test_the_plan_starts_from_the_history(tmp_path, shm_root, monkeypatch):
+    spec = Spec.from_toml(write_spec(tmp_path, shm_root))
+    order = list(spec.job_names)
+    plain = plan_delays(spec, order, {}, "plan")
+    slow = plan_delays(spec, order, {}, "plan", history={"runs": 2, "source": 0.5, "jobs": {}, "latest": 1.0})
+    assert "history" not in plain and slow["history"]["runs"] == 2
+    assert slow["predicted"]["simultaneous"] > plain["predicted"]["simultaneous"] * 1.2  # a slower source
+    # plan_history: none yet; a record made here after the calibration applies; off by the env var or the spec
+    assert H.plan_history(spec, "plan", environ={}) is None
+    H.write_record(spec.run.workdir, {"time": time.time() + 1, "source": 0.5, "jobs": {"a": 1.1},
+                                      "node": H.node_identity(),
+                                      "scenario": {"sha256": H.scenario_digest(spec.plan.scenario)}})
+    got = H.plan_history(spec, "plan", environ={})
+    assert got["runs"] == 1 and got["source"] == pytest.approx(0.5) and got["jobs"] == {"a": pytest.approx(1.1)}
+    assert H.plan_history(spec, "plan", environ={"HPCSTAGGER_NO_HISTORY": "1"}) is None
+    assert H.plan_history(spec, "simultaneous", environ={}) is None
+    # a new calibration (the scenario file changes) starts a new history
+    with open(spec.plan.scenario, "a") as f:
+        f.write("\n# recalibrated\n")
+    os.utime(spec.plan.scenario)
+    assert H.plan_history(spec, "plan", environ={}) is None
+
+
+def test_history_cli_shows_and_clears(tmp_path, shm_root):
+    path = write_spec(tmp_path, shm_root)
+    spec = Spec.from_toml(path)
+    out = run_cli("history", path)
+    assert out.returncode == 0 and "no runs recorded" in out.stdout
+    H.write_record(spec.run.workdir, {"time": time.time() + 1, "date": "2026-11-24 07:00:00", "source": 0.75,
+                                      "jobs": {"a": 1.25}, "node": H.node_identity(),
+                                      "scenario": {"sha256": H.scenario_digest(spec.plan.scenario)}})
+    out = run_cli("history", path)
+    assert out.returncode == 0, out.stderr
+    assert "x0.75" in out.stdout and "x1.25" in out.stdout and "current" in out.stdout
+    assert "starts from 1 run(s): source x0.75, a x1.25" in out.stdout
+    data = json.loads(run_cli("history", path, "--json").stdout)
+    assert len(data["records"]) == 1 and data["next_plan"]["runs"] == 1
+    out = run_cli("history", path, "--clear")
+    assert out.returncode == 0 and "removed 1 record(s)" in out.stdout
+    assert H.read_history(spec.run.workdir) == []

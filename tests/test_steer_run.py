@@ -1,0 +1,116 @@
+"""The closed loop in a real launch: two user-style jobs (a DataLoader over CachedDataset behind an
+emulated slow source, ``session.loader``), the watcher fits the model, releases the waiting job,
+and records the run; the next launch plans from that record."""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+
+import pytest
+
+from support.cli import cli_env, run_cli
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+
+JOB = textwrap.dedent("""
+    import time
+    import torch
+    import hpcstagger
+    from hpcstagger.cache import CachedDataset
+
+    session = hpcstagger.init()
+    data = CachedDataset(session.source(), session.cache(), transform=lambda b: len(bytes(b)))
+    loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True, num_workers=0)
+    total = 0
+    for epoch in range(session.spec.job(session.job).epochs):
+        for batch in session.loader(loader):
+            total += int(batch.sum())
+            time.sleep(0.002)
+    session.finish(total=total)
+""")
+
+SCENARIO = textwrap.dedent("""
+    [dataset]
+    samples = 300
+    sample_bytes = 2000
+    [storage]
+    bandwidth = [2.0e5, 1.0e5]
+    [cache]
+    capacity = 7.0e5
+    [[job]]
+    name = "a"
+    sample_time = 0.0003
+    workers = 0
+    batch = 8
+    epochs = 2
+    [[job]]
+    name = "b"
+    sample_time = 0.0003
+    workers = 0
+    batch = 8
+    epochs = 2
+""")
+
+
+def _spec(tmp_path, shm_root):
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(300):
+        (data / f"{i:04d}.bin").write_bytes(os.urandom(2000))
+    (tmp_path / "job.py").write_text(JOB)
+    (tmp_path / "s.toml").write_text(SCENARIO)
+    spec = tmp_path / "spec.toml"
+    spec.write_text(textwrap.dedent(f"""
+        [run]
+        name = "steered"
+        timeout = 180
+        [dataset]
+        path = "data"
+        throttle = [2.0e5, 1.0e5]
+        [cache]
+        capacity = 700000
+        root = "{shm_root}"
+        [plan]
+        mode = "plan"
+        scenario = "s.toml"
+        min_delay = 2.0
+        [[job]]
+        name = "a"
+        command = "python job.py"
+        epochs = 2
+        [[job]]
+        name = "b"
+        command = "python job.py"
+        epochs = 2
+    """))
+    return str(spec)
+
+
+def test_a_steered_launch_fits_releases_and_records(tmp_path, shm_root):
+    spec = _spec(tmp_path, shm_root)
+    env = cli_env()
+    out = run_cli("launch", spec, "--cold-cache", "--json", cwd=tmp_path, env=env, timeout=200)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    waited = [n for n, d in result["delays"].items() if d > 0]
+    assert len(waited) == 1, result["delays"]
+    late = waited[0]
+    release = result["jobs"][late]["release"]
+    assert release["at"] >= 2.0 - 1e-6 and release["reason"]  # min_delay held it back at least that long
+    steer = result["steer"]
+    assert steer["decisions"][0]["jobs"] == [late] and steer["failed"] is None
+    assert steer["fits"], "the watcher never fitted the model"
+    fit = steer["fits"][-1]
+    assert fit["seen"]["readers"] > 0 and 0.25 <= fit["source"] <= 4.0
+    # the run is in the spec's history, and the next plan starts from it
+    hist = run_cli("history", spec, "--json", cwd=tmp_path, env=env)
+    data = json.loads(hist.stdout)
+    assert len(data["records"]) == 1 and data["next_plan"]["runs"] == 1
+    assert data["records"][0]["source"] == pytest.approx(steer["fit"]["source"])
+    again = run_cli("launch", spec, "--cold-cache", cwd=tmp_path, env=env, timeout=200)
+    assert again.returncode == 0, again.stderr
+    assert "from the history of 1 run(s)" in again.stderr
+    quiet = run_cli("launch", spec, "--cold-cache", "--no-history", cwd=tmp_path, env=env, timeout=200)
+    assert quiet.returncode == 0 and "from the history" not in quiet.stderr
