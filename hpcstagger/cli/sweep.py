@@ -32,6 +32,9 @@ def register(sub: Any) -> None:
     p.add_argument("--timeout", type=float, metavar="S", help="stop each run after S seconds (default [run] timeout)")
     p.add_argument("--launcher", choices=["mpiexec", "srun"], default="mpiexec",
                    help="mpiexec (MPMD, anywhere; the default) or srun (inside a Slurm allocation)")
+    p.add_argument("--history", action="store_true",
+                   help="plan each run from the spec's run history too (by default every run plans from the "
+                        "calibration alone, so that the runs compare)")
     p.add_argument("--json", metavar="PATH", help="where the results go (default <workdir>/sweep/sweep-<time>.json)")
     p.add_argument("--plot", metavar="PNG", help="where the plot goes (default: beside the JSON, .png)")
     p.set_defaults(func=run)
@@ -146,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     staggers = parse_staggers(args.staggers) if args.staggers is not None else None
     result = run_sweep(spec, staggers=staggers, repeat=args.repeat, max_stagger=args.max_stagger,
                        sequential=args.sequential, timeout=args.timeout, launcher=args.launcher,
-                       json_path=args.json)
+                       json_path=args.json, history=args.history)
     plot = args.plot or str(Path(result["json"]).with_suffix(".png"))
     plot_sweep(result, plot)
     sys.stdout.write(format_sweep(result) + "\n")

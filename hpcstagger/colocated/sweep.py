@@ -32,6 +32,7 @@ from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
 from ..errors import ConfigError, LaunchError
+from . import env as E
 from .spec import Spec
 
 __all__ = ["SweepRun", "DEFAULT_COUNT", "DEFAULT_MAX_STAGGER", "parse_staggers", "stagger_delays",
@@ -271,9 +272,12 @@ def _stderr(line: str) -> None:
 def run_sweep(spec: Spec, *, staggers: Sequence[float] | None = None, repeat: int = 1,
               max_stagger: float | None = None, sequential: bool = False, timeout: float | None = None,
               launcher: str = "mpiexec", json_path: str | os.PathLike[str] | None = None,
-              progress: Callable[[str], None] | None = _stderr) -> dict[str, Any]:
+              progress: Callable[[str], None] | None = _stderr, history: bool = False) -> dict[str, Any]:
     """Run the sweep (see the module docstring) and return its results, also written as JSON to
     ``json_path`` (default ``<workdir>/sweep/sweep-<timestamp>.json``) after every run.
+
+    Every run plans from the calibration alone, so that the runs compare: the spec's run history
+    (what earlier runs measured, :mod:`.history`) is still recorded but not used, unless ``history``.
 
     ``progress`` gets one line per run (default: stderr). Raises ConfigError for bad input (one
     job, ``repeat`` < 1, a negative stagger), LaunchError naming the run when a run fails (the
@@ -307,7 +311,7 @@ def run_sweep(spec: Spec, *, staggers: Sequence[float] | None = None, repeat: in
             k += 1
             name = f"sweep-{stamp}-{rep}-{done + 1:02d}-{_slug(run.label)}"
             result = launch(spec, mode=run.mode, delays=run.delays, timeout=timeout, run_name=name,
-                            launcher=launcher, cold_cache=True)
+                            launcher=launcher, cold_cache=True, env=None if history else {E.NO_HISTORY: "1"})
             done += 1
             if run.mode == "plan":
                 plans[rep] = result
