@@ -90,7 +90,7 @@ def _spec(tmp_path, shm_root):
 
 def test_a_steered_launch_fits_releases_and_records(tmp_path, shm_root):
     spec = _spec(tmp_path, shm_root)
-    env = cli_env()
+    env = cli_env(HPCSTAGGER_SHM_ROOT=shm_root)  # the emulated source's state goes under the test's root
     out = run_cli("launch", spec, "--cold-cache", "--json", cwd=tmp_path, env=env, timeout=200)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
