@@ -95,3 +95,29 @@ def test_history_cli_shows_and_clears(tmp_path, shm_root):
     out = run_cli("history", path, "--clear")
     assert out.returncode == 0 and "removed 1 record(s)" in out.stdout
     assert H.read_history(spec.run.workdir) == []
+
+
+def test_the_watcher_fits_on_top_of_the_history_not_twice(tmp_path, shm_root):
+    """A run planned from the history fits its source factor against the history-corrected curve,
+    and records the product: a right history stays put instead of compounding run after run."""
+    from types import SimpleNamespace
+
+    from hpcstagger.colocated.release import _record_history, _steering
+    from hpcstagger.model import Scenario
+
+    spec = Spec.from_toml(write_spec(tmp_path, shm_root))
+    order = list(spec.job_names)
+    history = {"runs": 1, "source": 1.5, "jobs": {"a": 0.8}, "latest": 1.0}
+    plan = plan_delays(spec, order, {}, "plan", history=history)
+    plan["steer"] = plan.get("steer") or {"interval": 1.0, "horizon": 10.0, "max_delay": None, "min_delay": 0.0}
+    session = SimpleNamespace(spec=spec, plan=plan, jobs={n: [i] for i, n in enumerate(order)}, run_dir="")
+    st = _steering(session)
+    file_curve = Scenario.from_toml(spec.plan.scenario).storage.bandwidth
+    assert st.bandwidth == pytest.approx([1.5 * b for b in file_curve])
+    built = st.build(1.0, {})  # no fit yet: the plan's own scenario
+    assert built.storage.bandwidth == pytest.approx([1.5 * b for b in file_curve])
+    # a run whose fit agrees with the history records the history's factors again
+    st.beta, st.alpha, st.source_seen = 1.0, {"a": 1.0}, {"readers": 1.0}
+    _record_history(session, st)
+    (rec,) = H.read_history(spec.run.workdir)
+    assert rec["source"] == pytest.approx(1.5) and rec["jobs"] == {"a": pytest.approx(0.8)}

@@ -150,7 +150,8 @@ def _steering(session: Any) -> Steering:
         return scenario_for(spec, order, calibrations, cache_state=cache_state, source_scale=beta * h_source,
                             job_scales=jobs)
 
-    bandwidth = Scenario.from_toml(spec.plan.scenario).storage.bandwidth
+    # the source factor is fitted against the prior's curve: the file's, times the history's factor
+    bandwidth = [b * h_source for b in Scenario.from_toml(spec.plan.scenario).storage.bandwidth]
     hi = steer.get("max_delay")
     return Steering(build, bandwidth, order, plan["delays"], {n: spec.job(n).epochs for n in order},
                     lo=float(steer.get("min_delay") or 0.0), hi=math.inf if hi is None else float(hi),
