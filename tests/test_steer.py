@@ -229,8 +229,8 @@ def test_observing_only_keeps_the_planned_delay():
 
 def test_release_groups_steer_record_and_host():
     assert release_groups({"a": 0.0, "b": 2.0, "c": 2.0, "d": 1.0}, "abcd") == [["a"], ["d"], ["b", "c"]]
-    assert steer_record({"a": 0.0, "b": 0.0}, "ab", None, lo=0, hi=None, horizon=5, interval=1) is None
-    rec = steer_record({"a": 0.0, "b": 2.0, "c": 3.0}, "abc", None, lo=0.5, hi=4.0, horizon=10, interval=1)
+    assert steer_record({"a": 0.0, "b": 0.0}, "ab", lo=0, hi=None, horizon=5, interval=1) is None
+    rec = steer_record({"a": 0.0, "b": 2.0, "c": 3.0}, "abc", lo=0.5, hi=4.0, horizon=10, interval=1)
     assert rec["groups"] == [["a"], ["b"], ["c"]] and rec["host"] is None
     assert rec["latest"] == {"b": 4.0, "c": 4.0}
     set_host(rec, {"a": [0, 1], "b": [2], "c": [3, 4]})

@@ -62,9 +62,7 @@ def run(args: argparse.Namespace) -> int:
                      *[_f((r.get("jobs") or {}).get(n)) for n in names], same))
     print(table(rows))
     if now:
-        jobs = "".join(f", {n} x{v:.2f}" for n, v in sorted(now["jobs"].items()))
-        print(f"\nthe next plan on this kind of node starts from {now['runs']} run(s): "
-              f"source x{now['source']:.2f}{jobs}")
+        print(f"\nthe next plan on this kind of node starts from {now['runs']} run(s): {H.describe(now)}")
     else:
         print("\nno record applies to the next plan on this kind of node (other nodes, another calibration, "
               "or older than it)")

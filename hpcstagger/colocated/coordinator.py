@@ -42,7 +42,7 @@ from ._rendezvous import rendezvous
 from .calibration import calibration_dir, calibration_spec, no_plan, wrap_loader
 from .cachestate import describe_start, observe_cache
 from .planning import plan_delays
-from .history import plan_history
+from .history import describe as describe_history, plan_history
 from .progress import ProgressMeter
 from .release import set_host, wait_for_release
 from .spec import Spec
@@ -489,6 +489,5 @@ def _announce(session: Session, decided: Mapping[str, Any]) -> None:
     extra += f"; {start}" if start else ""
     h = decided.get("history")
     if h:
-        jobs = "".join(f", {n} x{v:.2f}" for n, v in sorted(h.get("jobs", {}).items()))
-        extra += f"; from the history of {h['runs']} run(s): source x{h['source']:.2f}{jobs}"
+        extra += f"; from the history of {h['runs']} run(s): {describe_history(h)}"
     session.say(f"mode {decided['mode']}: delays {summary}{extra} (coordinator {session.overhead * 1000:.0f} ms)")

@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from .. import _io
 from . import env as E
 
-__all__ = ["plan_history", "node_identity", "node_kind", "scenario_digest", "history_dir", "write_record",
+__all__ = ["plan_history", "describe", "node_identity", "node_kind", "scenario_digest", "history_dir", "write_record",
            "read_history", "corrections", "clear_history"]
 
 log = logging.getLogger(__name__)
@@ -162,3 +162,9 @@ def plan_history(spec: Any, mode: str, environ: Mapping[str, str] | None = None)
     except OSError as exc:
         log.warning("cannot read the run history of %r, planning without it: %s", spec.run.name, exc)
         return None
+
+
+def describe(corr: Mapping[str, Any]) -> str:
+    """``source x0.80, cnn x1.10``: the factors of :func:`corrections` in one line."""
+    jobs = "".join(f", {n} x{v:.2f}" for n, v in sorted((corr.get("jobs") or {}).items()))
+    return f"source x{float(corr.get('source') or 1.0):.2f}{jobs}"

@@ -93,7 +93,7 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
     if mode == "plan" and spec is not None:
         from .release import steer_record
 
-        steer = steer_record(out["delays"], order, None, lo=spec.plan.min_delay, hi=spec.plan.max_delay,
+        steer = steer_record(out["delays"], order, lo=spec.plan.min_delay, hi=spec.plan.max_delay,
                              horizon=max(float(p.sequential), 1.0), interval=steer_interval,
                              observe_only=not spec.plan.steer)
         if steer:

@@ -52,13 +52,12 @@ def release_groups(delays: Mapping[str, float], order: Sequence[str]) -> list[li
     return [by[d] for d in sorted(by)]
 
 
-def steer_record(delays: Mapping[str, float], order: Sequence[str], jobs: Mapping[str, Sequence[int]] | None, *,
-                 lo: float, hi: float | None, horizon: float, interval: float,
-                 observe_only: bool = False) -> dict[str, Any] | None:
+def steer_record(delays: Mapping[str, float], order: Sequence[str], *, lo: float, hi: float | None, horizon: float,
+                 interval: float, observe_only: bool = False) -> dict[str, Any] | None:
     """The plan's ``steer`` entry, or None when no job waits (pure).
 
     It holds the release ``groups``, the ``host`` (world rank of the leader of the last group's
-    first job; None until ``jobs`` gives the ranks: :func:`set_host`), the bounds, and ``latest``:
+    first job; None until every rank knows the ranks: :func:`set_host`), the bounds, and ``latest``:
     each waiting job's latest possible release (seconds after time zero), which the watcher keeps
     to: ``min(max_delay, planned + horizon)``, and at least ``min_delay``. With ``observe_only``
     the watcher fits and records but releases at the planned delays (``[plan] steer = false``)."""
@@ -70,11 +69,8 @@ def steer_record(delays: Mapping[str, float], order: Sequence[str], jobs: Mappin
         planned = float(delays[g[0]])
         last = planned + horizon if hi is None else min(hi, planned + horizon)
         latest.update({n: max(last, lo) for n in g})
-    out = {"groups": groups, "host": None, "min_delay": lo, "max_delay": hi, "horizon": horizon,
-           "interval": interval, "latest": latest, "observe_only": bool(observe_only)}
-    if jobs is not None:
-        set_host(out, jobs)
-    return out
+    return {"groups": groups, "host": None, "min_delay": lo, "max_delay": hi, "horizon": horizon,
+            "interval": interval, "latest": latest, "observe_only": bool(observe_only)}
 
 
 def set_host(steer: dict[str, Any], jobs: Mapping[str, Sequence[int]]) -> None:
@@ -85,10 +81,9 @@ def set_host(steer: dict[str, Any], jobs: Mapping[str, Sequence[int]]) -> None:
 class Watcher:
     """What the host sees of the run: the cache's read counters, progress and status files."""
 
-    def __init__(self, spec: Any, run_dir: str, order: Sequence[str]):
+    def __init__(self, spec: Any, run_dir: str):
         self.spec = spec
         self.run_dir = run_dir
-        self.order = list(order)
         self.cache: Any = None
 
     def _attach(self) -> Any:
@@ -131,6 +126,13 @@ class Watcher:
             self.cache = None
 
 
+def _history_factors(plan: Mapping[str, Any]) -> tuple[float, dict[str, float]]:
+    """The factors on the scenario file the plan started from (its history's; 1 without one): the
+    watcher fits on top of them, and records its fits multiplied by them."""
+    h = plan.get("history") or {}
+    return float(h.get("source") or 1.0), {n: float(v) for n, v in (h.get("jobs") or {}).items()}
+
+
 def _steering(session: Any) -> Steering:
     from ..model import Scenario
     from .planning import scenario_for
@@ -141,12 +143,11 @@ def _steering(session: Any) -> Steering:
     order = list(session.jobs)
     calibrations = plan.get("calibrations", {})
     cache_state = plan.get("cache")
-    h = plan.get("history") or {}
-    h_source, h_jobs = float(h.get("source") or 1.0), dict(h.get("jobs") or {})
+    h_source, h_jobs = _history_factors(plan)
 
     def build(beta: float, alpha: Mapping[str, float]) -> Scenario:
         # the fitted factors are on top of the history's (the plan's starting point)
-        jobs = {n: float(alpha.get(n, 1.0)) * float(h_jobs.get(n, 1.0)) for n in set(alpha) | set(h_jobs)}
+        jobs = {n: float(alpha.get(n, 1.0)) * h_jobs.get(n, 1.0) for n in set(alpha) | set(h_jobs)}
         return scenario_for(spec, order, calibrations, cache_state=cache_state, source_scale=beta * h_source,
                             job_scales=jobs)
 
@@ -205,7 +206,7 @@ def _host(session: Any, idle: list[Callable[[float], bool]]) -> dict[str, Any]:
     steering = _steering(session)
     for n in steering.groups[0]:
         steering.released[n] = 0.0
-    watcher = Watcher(session.spec, session.run_dir, list(session.jobs))
+    watcher = Watcher(session.spec, session.run_dir)
     log_path = os.path.join(session.run_dir, "steer.json") if session.run_dir else ""
     watch = _Watch(session, steering, watcher)
     watch.start()
@@ -231,7 +232,7 @@ def _host(session: Any, idle: list[Callable[[float], bool]]) -> dict[str, Any]:
             if decisions and log_path:
                 _write_log(log_path, session, steering, watch.failed)
             if mine is None:
-                _idle(idle, POLL, None, session)
+                _idle(idle, POLL)
     finally:
         watch.stop.set()
         watch.join(timeout=30)
@@ -249,13 +250,12 @@ def _record_history(session: Any, steering: Steering) -> None:
         return
     from . import history as H
 
-    h = plan.get("history") or {}
-    h_jobs = dict(h.get("jobs") or {})
+    h_source, h_jobs = _history_factors(plan)
     record = {"time": time.time(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "spec": spec.run.name,
               "run_dir": session.run_dir, "node": H.node_identity(),
               "scenario": {"path": spec.plan.scenario, "sha256": H.scenario_digest(spec.plan.scenario)},
-              "source": steering.beta * float(h.get("source") or 1.0) if steering.source_seen else None,
-              "jobs": {n: a * float(h_jobs.get(n, 1.0)) for n, a in steering.alpha.items()},
+              "source": steering.beta * h_source if steering.source_seen else None,
+              "jobs": {n: a * h_jobs.get(n, 1.0) for n, a in steering.alpha.items()},
               "seen": steering.source_seen or None, "releases": [d.to_dict() for d in steering.decisions]}
     try:
         H.write_record(spec.run.workdir, record)
@@ -275,12 +275,9 @@ def _write_log(path: str, session: Any, steering: Steering, failed: str) -> None
         log.warning("cannot write %s: %s", path, exc)
 
 
-def _idle(idle: list[Callable[[float], bool]], interval: float, target: float | None, session: Any) -> None:
-    """Spend about ``interval`` seconds: idle work first, else sleep (shorter when the target is near)."""
-    until = time.time() + interval
-    if target is not None:
-        until = min(until, session.t0 + target)
-    until = max(until, time.time() + POLL)
+def _idle(idle: list[Callable[[float], bool]], interval: float) -> None:
+    """Spend about ``interval`` seconds: idle work first, else sleep."""
+    until = time.time() + max(interval, POLL)
     while time.time() < until:
         if idle:
             if not idle[0](until - time.time()):

@@ -182,10 +182,12 @@ class Steering:
                 out[n] = float(rec["loop_start"]) - t0_wall
         return out
 
-    def scenario(self, loop_starts: Mapping[str, float]) -> tuple[Scenario, list[float]]:
-        """The fitted scenario and the start times of the started jobs (inf for the others): a job
-        whose loop has begun starts then, with no start-up left."""
-        sc = self.build(self.beta, self.alpha)
+    def scenario(self, loop_starts: Mapping[str, float],
+                 alpha: Mapping[str, float] | None = None) -> tuple[Scenario, list[float]]:
+        """The fitted scenario (with the job factors ``alpha``, default the fitted ones) and the
+        start times of the started jobs (inf for the others): a job whose loop has begun starts
+        then, with no start-up left."""
+        sc = self.build(self.beta, self.alpha if alpha is None else alpha)
         jobs, starts = [], []
         for job in sc.jobs:
             if job.name in loop_starts:
@@ -215,14 +217,10 @@ class Steering:
                 continue
 
             def make(a: float, name: str = name) -> Scenario:
-                alpha = dict(self.alpha, **{name: a})
-                sc = self.build(self.beta, alpha)
-                return replace(sc, jobs=tuple(replace(j, startup=0.0) if j.name in loop_starts else j
-                                              for j in sc.jobs))
+                return self.scenario(loop_starts, {**self.alpha, name: a})[0]
 
             sc0, starts = self.scenario(loop_starts)
             index = sc0.job_index(name)
-
             window = [start + ta, start + tb]
 
             def measure(sc: Scenario, index: int = index, starts: list[float] = starts,
