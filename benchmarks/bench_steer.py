@@ -30,9 +30,7 @@ import argparse
 import json
 import os
 import re
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -95,8 +93,7 @@ def run_config(name: str, cfg: dict[str, Any], data: Path, work: Path, cases: li
     U.write_spec(spec, name, cfg, data, data.stat().st_size)
     hs = [sys.executable, "-m", "hpcstagger"]
     t0 = time.monotonic()
-    rc = U._run(hs + ["calibrate", "--spec", str(spec), "-o", str(work / "scenario.toml"), "--budget", str(budget)],
-                log)
+    rc = U.calibrate(spec, work, log, budget)
     out["calibrate_s"] = time.monotonic() - t0
     if rc != 0:
         out["error"] = f"calibrate exited {rc}; see {log}"
@@ -133,8 +130,7 @@ def overhead_pairs(name: str, cfg: dict[str, Any], data: Path, work: Path, pairs
     spec = work / "spec.toml"
     U.write_spec(spec, name, cfg, data, data.stat().st_size)
     hs = [sys.executable, "-m", "hpcstagger"]
-    if U._run(hs + ["calibrate", "--spec", str(spec), "-o", str(work / "scenario.toml"), "--budget", str(budget)],
-              log) != 0:
+    if U.calibrate(spec, work, log, budget) != 0:
         return {"name": name, "error": f"calibrate failed; see {log}"}
     watch = work / "spec-watch.toml"
     watch.write_text(spec.read_text().replace('mode = "plan"', 'mode = "plan"\nsteer = false'))
@@ -207,15 +203,8 @@ def main() -> int:
     for n in names:
         if n not in U.CONFIGS or U.CONFIGS[n].get("real_fs"):
             p.error(f"unknown or unsupported configuration {n!r} (the emulated-source ones of bench_userjobs)")
-    from hpcstagger.demo.data import make_dataset
-
-    root = Path(tempfile.mkdtemp(prefix="bench-steer-"))
-    shm = tempfile.mkdtemp(prefix="bench-steer-", dir="/dev/shm")
-    os.environ["HPCSTAGGER_SHM_ROOT"] = shm
     results = []
-    try:
-        data = root / "data.h5"
-        make_dataset(str(data), args.samples, (3, 32, 32))
+    with U.workspace("bench-steer", args.samples, args.keep) as (root, data):
         for name in names:
             if args.overhead:
                 results.append(overhead_pairs(name, U.CONFIGS[name], data, root / name, args.overhead, args.budget))
@@ -226,12 +215,6 @@ def main() -> int:
             with open(args.out, "w") as f:
                 json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args), "results": results}, f,
                           indent=1)
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
-        if args.keep:
-            print(f"[bench_steer] kept {root}", file=sys.stderr)
-        else:
-            shutil.rmtree(root, ignore_errors=True)
     if args.overhead:
         _print_overhead(results)
         return 0

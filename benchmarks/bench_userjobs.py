@@ -105,6 +105,34 @@ def _run(argv: list[str], log: Path, *, cgroup: str | None = None, timeout: floa
                               preexec_fn=pre, timeout=timeout).returncode
 
 
+def calibrate(spec: Path, work: Path, log: Path, budget: float, *, cgroup: str | None = None) -> int:
+    """``hpcstagger calibrate --spec`` into ``work/scenario.toml``; its exit status."""
+    return _run([sys.executable, "-m", "hpcstagger", "calibrate", "--spec", str(spec), "-o",
+                 str(work / "scenario.toml"), "--budget", str(budget)], log, cgroup=cgroup)
+
+
+@contextmanager
+def workspace(tag: str, samples: int, keep: bool) -> Iterator[tuple[Path, Path]]:
+    """A work directory with the dataset (``samples`` samples of 3 KiB) and a private shm root for
+    the run (``HPCSTAGGER_SHM_ROOT``); yields ``(root, dataset)``. Both go afterwards, the work
+    directory unless ``keep``."""
+    from hpcstagger.demo.data import make_dataset
+
+    root = Path(tempfile.mkdtemp(prefix=f"{tag}-"))
+    shm = tempfile.mkdtemp(prefix=f"{tag}-", dir="/dev/shm")
+    os.environ["HPCSTAGGER_SHM_ROOT"] = shm
+    try:
+        data = root / "data.h5"
+        make_dataset(str(data), samples, (3, 32, 32))
+        yield root, data
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        if keep:
+            print(f"[{tag}] kept {root}", file=sys.stderr)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
 @contextmanager
 def real_fs(data: Path, bps: float, work: Path) -> Iterator[tuple[Path, str]]:
     """The dataset on an ext4 image on a loop device, its reads throttled to ``bps`` by blkio."""
@@ -148,8 +176,7 @@ def run_config(name: str, cfg: dict[str, Any], data: Path, work: Path, staggers:
         write_spec(spec, name, cfg, data, data.stat().st_size)
         hs = [sys.executable, "-m", "hpcstagger"]
         t0 = time.monotonic()
-        rc = _run(hs + ["calibrate", "--spec", str(spec), "-o", str(work / "scenario.toml"), "--budget", str(budget)],
-                  log, cgroup=cg)
+        rc = calibrate(spec, work, log, budget, cgroup=cg)
         out["calibrate_s"] = time.monotonic() - t0
         if rc != 0:
             out["error"] = f"calibrate exited {rc}; see {log}"
@@ -202,15 +229,8 @@ def main() -> int:
             print(name, json.dumps(cfg))
         return 0
     names = args.only.split(",") if args.only else list(CONFIGS)
-    from hpcstagger.demo.data import make_dataset
-
-    root = Path(tempfile.mkdtemp(prefix="bench-userjobs-"))
-    shm = tempfile.mkdtemp(prefix="bench-userjobs-", dir="/dev/shm")
-    os.environ["HPCSTAGGER_SHM_ROOT"] = shm
     results = []
-    try:
-        data = root / "data.h5"
-        make_dataset(str(data), args.samples, (3, 32, 32))
+    with workspace("bench-userjobs", args.samples, args.keep) as (root, data):
         for name in names:
             print(f"[bench_userjobs] {name} ...", file=sys.stderr, flush=True)
             res = run_config(name, CONFIGS[name], data, root / name, args.staggers, args.budget, args.repeat)
@@ -224,12 +244,6 @@ def main() -> int:
             os.makedirs(os.path.dirname(args.out), exist_ok=True)
             with open(args.out, "w") as f:
                 json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "results": results}, f, indent=1)
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
-        if args.keep:
-            print(f"[bench_userjobs] kept {root}", file=sys.stderr)
-        else:
-            shutil.rmtree(root, ignore_errors=True)
     all_errs = [e for r in results for e in r["summary"]["errors"]]
     print("\n| configuration | plan | best stagger | plan gap | median error | max error |\n|---|---|---|---|---|---|")
     for r in results:
