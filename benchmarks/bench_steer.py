@@ -208,9 +208,9 @@ def main() -> int:
         for name in names:
             if args.overhead:
                 results.append(overhead_pairs(name, U.CONFIGS[name], data, root / name, args.overhead, args.budget))
-                continue
-            results.append(run_config(name, U.CONFIGS[name], data, root / name, cases, args.staggers, args.budget,
-                                      args.repeat))
+            else:
+                results.append(run_config(name, U.CONFIGS[name], data, root / name, cases, args.staggers,
+                                          args.budget, args.repeat))
             os.makedirs(os.path.dirname(args.out), exist_ok=True)
             with open(args.out, "w") as f:
                 json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args), "results": results}, f,
