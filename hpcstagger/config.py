@@ -109,6 +109,9 @@ _KNOB_LIST: list[Knob] = [
          "nice value of the closed-loop watcher's thread (0: unchanged): its model work yields to training"),
     Knob("progress_interval", float, 0.25,
          "seconds between a job leader's progress records (session.loader) for the watcher"),
+    Knob("learn_stagger", float, 3.0,
+         "seconds between the jobs' starts in the first run of a spec without a scenario, which learns "
+         "from what it observes (0: all at once)"),
 ]
 
 KNOBS: dict[str, Knob] = {k.name: k for k in _KNOB_LIST}

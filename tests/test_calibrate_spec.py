@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from hpcstagger.colocated import calibration as C
+from hpcstagger.colocated import jobfields as F
 from hpcstagger.errors import ModelError
 from hpcstagger.model import Scenario
 from hpcstagger.model.calibrate_source import (SamplePool, drop_pages, page_cache_holds, parse_meminfo,
@@ -214,8 +215,8 @@ def test_calibration_mode_in_one_process_measures_and_exits_0(monkeypatch, tmp_p
             for _ in session.loader(loader):
                 seen += 1
     assert stop.value.code == 0
-    report = C.read_reports(str(reports))
-    f = C.job_fields("job", report["job"], report["loops"], report["samples"])
+    report = F.read_reports(str(reports))
+    f = F.job_fields("job", report["job"], report["loops"], report["samples"])
     assert f["batches"] == C.TARGET_BATCHES and seen == C.TARGET_BATCHES + 2   # 2 warm-up batches
     assert (f["ranks"], f["workers"], f["batch"], f["prefetch"]) == (1, 0, 4, None)
     assert f["misses"] > 0 and f["prep_time"] > 0 and f["sample_time"] > 0 and f["handoff"] > 0
@@ -239,23 +240,23 @@ def test_job_fields_from_reports():
     samples = [{"hits": 10, "hit_transform_s": 0.010, "misses": 30, "miss_transform_s": 0.030, "miss_get_s": 0.003,
                 "miss_insert_s": 0.006, "miss_read_s": 0.3, "collates": 4, "collate_samples": 32, "collate_s": 0.016},
                {"hits": 0, "misses": 10, "miss_transform_s": 0.010, "miss_get_s": 0.001, "miss_insert_s": 0.0}]
-    f = C.job_fields("j", job, [loop0, loop1], samples)
+    f = F.job_fields("j", job, [loop0, loop1], samples)
     assert f["batches"] == 4 and f["probes"] == 1                  # the warm-up row is left out
     assert f["sample_time"] == pytest.approx((0.010 + 0.010 + 0.010 + 0.010) / (4 * 8 * 2))  # per-batch min
     waits = sorted([0.001, 0.001, 0.002, 0.001, 0.021, 0.001, 0.001, 0.003])
-    assert f["handoff"] == pytest.approx(C.quantile(waits, 0.10)) and f["handoff"] == pytest.approx(0.001)
+    assert f["handoff"] == pytest.approx(F.quantile(waits, 0.10)) and f["handoff"] == pytest.approx(0.001)
     assert f["prep_time"] == pytest.approx(0.050 / 50 + 0.016 / 32)   # transform + collate per sample
     assert f["miss_overhead"] == pytest.approx(0.010 / 40)            # lookup and insert per miss
     assert (f["ranks"], f["workers"], f["batch"], f["prefetch"]) == (2, 2, 8, 3)
     # start-up: set-up before the loop plus the first iter(); workers not persistent: respawned each epoch
     assert f["startup"] == pytest.approx(1.30) and f["epoch_start"] == pytest.approx(0.05)
-    persistent = C.job_fields("j", {**job, "shape": {**job["shape"], "persistent": True}}, [loop0, loop1], samples)
+    persistent = F.job_fields("j", {**job, "shape": {**job["shape"], "persistent": True}}, [loop0, loop1], samples)
     assert persistent["epoch_start"] == 0.0
     # main-process loading: the handoff is the collate per batch, and the prep has no collate share
-    g = C.job_fields("j", {**job, "shape": {**job["shape"], "workers": 0, "prefetch": None}}, [loop0, loop1], samples)
+    g = F.job_fields("j", {**job, "shape": {**job["shape"], "workers": 0, "prefetch": None}}, [loop0, loop1], samples)
     assert g["handoff"] == pytest.approx(0.016 / 4) and g["prep_time"] == pytest.approx(0.050 / 50)
     with pytest.raises(ModelError, match="no batch after its warm-up"):
-        C.job_fields("j", job, [_loop(0, [(0.1, 0.1, 8, 1, 0)])], [])
+        F.job_fields("j", job, [_loop(0, [(0.1, 0.1, 8, 1, 0)])], [])
 
 
 def test_job_fields_take_full_speed_times_from_cpu_records():
@@ -269,7 +270,7 @@ def test_job_fields_take_full_speed_times_from_cpu_records():
                 "miss_insert_s": 0.002, "hit_transform_s": 0.01, "miss_transform_s": 0.003, "cpu_s": 0.046},
                {"worker": True, "hits": 40, "hit_get_s": 0.004, "misses": 0, "cpu_s": 0.054},
                {"worker": False, "hits": 0, "misses": 0, "cpu_s": 5.0}]  # the main process: not a worker
-    f = C.job_fields("j", job, [_loop(0, rows)], workers)
+    f = F.job_fields("j", job, [_loop(0, rows)], workers)
     assert f["sample_time"] == pytest.approx((0.010 + 0.010 + 0.006) / (3 * 8))
     assert f["step_wall_s"] == pytest.approx((0.020 + 0.010 + 0.012) / 3)
     # workers' CPU per sample (0.1 s over 80 samples) less their lookups (0.010 s over 80)
@@ -278,9 +279,9 @@ def test_job_fields_take_full_speed_times_from_cpu_records():
 
 
 def test_quantile():
-    assert C.quantile([3.0, 1.0, 2.0], 0.5) == 2.0
-    assert C.quantile([0.0, 10.0], 0.1) == pytest.approx(1.0)
-    assert C.quantile([5.0], 0.1) == 5.0
+    assert F.quantile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert F.quantile([0.0, 10.0], 0.1) == pytest.approx(1.0)
+    assert F.quantile([5.0], 0.1) == 5.0
 
 
 def test_loader_shape_reads_the_dataloader():

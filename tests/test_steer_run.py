@@ -5,87 +5,17 @@ and records the run; the next launch plans from that record."""
 from __future__ import annotations
 
 import json
-import os
-import textwrap
 
 import pytest
 
 from support.cli import cli_env, run_cli
+from support.userjob import SCENARIO, write_run
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
-JOB = textwrap.dedent("""
-    import time
-    import torch
-    import hpcstagger
-    from hpcstagger.cache import CachedDataset
-
-    session = hpcstagger.init()
-    data = CachedDataset(session.source(), session.cache(), transform=lambda b: len(bytes(b)))
-    loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True, num_workers=0)
-    total = 0
-    for epoch in range(session.spec.job(session.job).epochs):
-        for batch in session.loader(loader):
-            total += int(batch.sum())
-            time.sleep(0.002)
-    session.finish(total=total)
-""")
-
-SCENARIO = textwrap.dedent("""
-    [dataset]
-    samples = 300
-    sample_bytes = 2000
-    [storage]
-    bandwidth = [2.0e5, 1.0e5]
-    [cache]
-    capacity = 7.0e5
-    [[job]]
-    name = "a"
-    sample_time = 0.0003
-    workers = 0
-    batch = 8
-    epochs = 2
-    [[job]]
-    name = "b"
-    sample_time = 0.0003
-    workers = 0
-    batch = 8
-    epochs = 2
-""")
-
-
 def _spec(tmp_path, shm_root):
-    data = tmp_path / "data"
-    data.mkdir()
-    for i in range(300):
-        (data / f"{i:04d}.bin").write_bytes(os.urandom(2000))
-    (tmp_path / "job.py").write_text(JOB)
     (tmp_path / "s.toml").write_text(SCENARIO)
-    spec = tmp_path / "spec.toml"
-    spec.write_text(textwrap.dedent(f"""
-        [run]
-        name = "steered"
-        timeout = 180
-        [dataset]
-        path = "data"
-        throttle = [2.0e5, 1.0e5]
-        [cache]
-        capacity = 700000
-        root = "{shm_root}"
-        [plan]
-        mode = "plan"
-        scenario = "s.toml"
-        min_delay = 2.0
-        [[job]]
-        name = "a"
-        command = "python job.py"
-        epochs = 2
-        [[job]]
-        name = "b"
-        command = "python job.py"
-        epochs = 2
-    """))
-    return str(spec)
+    return write_run(tmp_path, shm_root, name="steered", plan='mode = "plan"\nscenario = "s.toml"\nmin_delay = 2.0')
 
 
 def test_a_steered_launch_fits_releases_and_records(tmp_path, shm_root):

@@ -54,6 +54,9 @@ def register(sub: Any) -> None:
                    help="with --spec: the CPU cores the co-located jobs share, written as [node] cores "
                         "(default: the CPUs this process may run on; 0: do not model CPU sharing)")
     p.add_argument("-o", "--out", default="scenario.toml", help="scenario file to write (default scenario.toml)")
+    p.add_argument("--history", action="store_true",
+                   help="with --spec: seed the spec's run history instead (<workdir>/history/seed.toml): a spec "
+                        "without [plan] scenario then plans from it, and what its runs observe refines it")
     p.add_argument("--json", action="store_true", help="print the measurements as one JSON object")
     p.set_defaults(func=run)
 
@@ -127,8 +130,16 @@ def _with_spec(args: argparse.Namespace, jobs: dict[str, Any]) -> Any:
         raise ConfigError("with --spec the source and the cache come from the spec: drop --source and --cache")
     spec = Spec.from_toml(args.spec)
     epochs = _epochs(args.epochs, list(spec.job_names)) if args.epochs else None
+    out = args.out
+    if args.history:
+        import os
+
+        from ..colocated.learn import seed_path
+
+        out = seed_path(spec.run.workdir)
+        os.makedirs(os.path.dirname(out), exist_ok=True)
     return calibrate_spec(spec, steps=jobs, budget=args.budget, readers=args.readers, epochs=epochs,
-                          capacity=args.capacity, policy=args.policy, batch=args.batch, out=args.out,
+                          capacity=args.capacity, policy=args.policy, batch=args.batch, out=out,
                           cores=args.cores)
 
 
@@ -153,6 +164,10 @@ def _with_factories(args: argparse.Namespace, jobs: dict[str, Any]) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.history and not args.spec:
+        from ..errors import ConfigError
+
+        raise ConfigError("--history seeds a spec's run history: give --spec SPEC")
     jobs = _steps(args.job)
     cal = _with_spec(args, jobs) if args.spec else _with_factories(args, jobs)
     if args.json:

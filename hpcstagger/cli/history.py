@@ -15,9 +15,12 @@ def register(sub: Any) -> None:
                        description="Show the run history of a job spec: one row per run whose closed-loop "
                                    "watcher fitted the model (the factors on the calibrated scenario's source "
                                    "and jobs, the node, the date), and the factors the next plan starts from "
-                                   "on this node. Records live in <workdir>/history.")
+                                   "on this node; for a spec without a scenario, the runs observed to learn "
+                                   "one and the learned scenario. Records live in <workdir>/history.")
     p.add_argument("spec", help="the job spec (TOML)")
-    p.add_argument("--clear", action="store_true", help="remove every record of the spec's history")
+    p.add_argument("--clear", action="store_true",
+                   help="remove every record of the spec's history, the observed runs and the learned scenario "
+                        "(not the seed of 'hpcstagger calibrate --history')")
     p.add_argument("--json", action="store_true", help="print the records and the corrections as one JSON object")
     p.set_defaults(func=run)
 
@@ -29,26 +32,33 @@ def _f(x: Any) -> str:
 def run(args: argparse.Namespace) -> int:
     import os
 
-    from ..colocated import history as H
+    from ..colocated import history as H, learn as L
     from ..colocated.spec import Spec
 
     spec = Spec.from_toml(args.spec)
     workdir = spec.run.workdir
     if args.clear:
         n = H.clear_history(workdir)
-        print(f"removed {n} record(s) from {H.history_dir(workdir)}")
+        m = L.clear_observations(workdir)
+        print(f"removed {n} record(s) and {m} observed run(s) from {H.history_dir(workdir)}")
         return 0
     records = H.read_history(workdir)
+    observed = [{"dir": r["dir"], "time": r["time"], "mode": r["meta"].get("mode"),
+                 "planned_from": r["meta"].get("planned_from")} for r in L.observed_runs(workdir)]
+    learned = {"observed": observed, "learned": L.learned_path(workdir) if os.path.exists(L.learned_path(workdir))
+               else None, "seed": L.seed_path(workdir) if os.path.exists(L.seed_path(workdir)) else None}
     here = H.node_kind(H.node_identity())
     now = None
     if spec.plan.scenario and os.path.exists(spec.plan.scenario):
         now = H.corrections(records, digest=H.scenario_digest(spec.plan.scenario), kind=here,
                             since=os.path.getmtime(spec.plan.scenario))
     if args.json:
-        json.dump({"directory": H.history_dir(workdir), "records": records, "next_plan": now}, sys.stdout,
-                  default=str)
+        json.dump({"directory": H.history_dir(workdir), "records": records, "next_plan": now, "learning": learned},
+                  sys.stdout, default=str)
         sys.stdout.write("\n")
         return 0
+    if not spec.plan.scenario:
+        _print_learning(learned)
     if not records:
         print(f"no runs recorded in {H.history_dir(workdir)} yet (a run records what its closed-loop watcher "
               "fitted: mode plan with a job that waits)")
@@ -67,3 +77,19 @@ def run(args: argparse.Namespace) -> int:
         print("\nno record applies to the next plan on this kind of node (other nodes, another calibration, "
               "or older than it)")
     return 0
+
+
+def _print_learning(learned: dict[str, Any]) -> None:
+    """The runs a spec without a scenario learns from."""
+    import time
+
+    runs = learned["observed"]
+    if runs:
+        rows = [("OBSERVED RUN", "DATE", "MODE", "PLANNED FROM")]
+        rows += [(r["dir"].rsplit("/", 1)[-1], time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["time"])),
+                  str(r.get("mode") or ""), str(r.get("planned_from") or "(first run: learn_stagger)"))
+                 for r in runs]
+        print(table(rows))
+    print(f"the spec has no [plan] scenario: the next plan learns from {len(runs)} observed run(s) on this kind of "
+          f"node{' and the seed ' + learned['seed'] if learned['seed'] else ''}" +
+          (f"; last learned: {learned['learned']}" if learned["learned"] else "") + "\n")

@@ -101,7 +101,9 @@ def format_result(result: Any) -> str:
         lines[-1] += f", coordinator {result.overhead * 1000:.0f} ms"
     from ..colocated.cachestate import describe_cold, describe_start
 
-    for line in (describe_cold(result.cold_cache), "start: " + describe_start(result.cache) if result.cache else ""):
+    learned = "plan: " + str(result.learn.get("why", "")) if getattr(result, "learn", None) else ""
+    for line in (describe_cold(result.cold_cache), "start: " + describe_start(result.cache) if result.cache else "",
+                 learned):
         if line:
             lines.append(line)
     steered = any(j.release for j in result.jobs.values())

@@ -22,7 +22,7 @@ _EXPORTS: dict[str, str] = {
     "PLAN_MODES": "spec",
     "init": "coordinator",
     "Session": "coordinator",
-    "resolve_job": "coordinator",
+    "resolve_job": "identity",
     "plan_delays": "planning",
     "launch": "launch",
     "collect_results": "launch",

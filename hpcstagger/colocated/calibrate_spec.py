@@ -42,12 +42,13 @@ from ..model.calibrate_source import (MAX_READERS, SamplePool, hit_bandwidth, me
                                       page_cache_holds, preload, reread_bandwidth, source_files, trusted_bandwidth)
 from ..model.scenario import POLICIES, Cache, Dataset, Job, Loader, Node, Scenario, Storage
 from . import env as E
-from .calibration import GRACE_S, calibration_spec, job_fields, read_reports
+from .calibration import GRACE_S, calibration_spec
+from .jobfields import job_fields, read_reports
 from .launch import mpmd_command, run_group
 from .planning import fold_miss_overhead
 from .spec import JobSpec, Spec
 
-__all__ = ["calibrate_spec"]
+__all__ = ["calibrate_spec", "scenario_cache", "scenario_job", "usable_cores"]
 
 # Shares of the budget: samples and hits, the first source level, the jobs; the rest: the other levels.
 _SHARE_SAMPLES, _SHARE_FIRST, _SHARE_JOBS = 0.05, 0.08, 0.57
@@ -263,7 +264,7 @@ def _finite(bw: float) -> float:
     return bw if math.isfinite(bw) and bw > 0 else math.inf
 
 
-def _cache(meas: Mapping[str, Any], spec: Spec, capacity: float | str | None,
+def scenario_cache(meas: Mapping[str, Any], spec: Spec, capacity: float | str | None,
            policy: str | None) -> tuple[Cache, dict[str, str]]:
     """The scenario's cache, and how its capacity and hit bandwidth were found (comments)."""
     n, size, pc = meas["samples"], meas["sample_bytes"], meas["page_cache"]
@@ -295,7 +296,7 @@ def _cache(meas: Mapping[str, Any], spec: Spec, capacity: float | str | None,
     return Cache(capacity=cap, policy=pol, hit_bandwidth=_finite(shm)), notes
 
 
-def _job(name: str, m: Mapping[str, Any], epochs: int) -> Job:
+def scenario_job(name: str, m: Mapping[str, Any], epochs: int) -> Job:
     """A job of the scenario from its measurement (a step factory's keeps the loader defaults)."""
     sample_time = max(float(m["sample_time"]), 1e-9)
     if m["route"] == "step":
@@ -323,7 +324,7 @@ def _scenario(meas: dict[str, Any], spec: Spec, epochs: int | Mapping[str, int] 
                  if m["route"] == "command" and m["misses"] and m["miss_overhead"] > 0]
     overhead = sum(overheads) / len(overheads) if overheads else 0.0
     meas["miss_overhead"] = overhead
-    cache, comments = _cache(meas, spec, capacity, policy)
+    cache, comments = scenario_cache(meas, spec, capacity, policy)
     comments["dataset.sample_bytes"] = f"mean of {meas['preloaded']} samples read"
     comments["storage.bandwidth"] = source_comment(meas["source"]) + held + (
         "; in file order, each reader a contiguous run (the page cache keeps what readahead brings in)"
@@ -335,7 +336,7 @@ def _scenario(meas: dict[str, Any], spec: Spec, epochs: int | Mapping[str, int] 
     for j in spec.jobs:
         m = meas["jobs"][j.name]
         n_epochs = (epochs.get(j.name, j.epochs) if isinstance(epochs, Mapping) else epochs) or j.epochs
-        jobs.append(_job(j.name, m, int(n_epochs)))
+        jobs.append(scenario_job(j.name, m, int(n_epochs)))
         comments[f"job.{j.name}"] = ("measured from its command: " + _describe_job(m) if m["route"] == "command" else
                                      f"its step factory: {m['sample_time'] * 1e3:.3f} ms/sample over {m['calls']} "
                                      f"in-memory batches of {m['batch']}")

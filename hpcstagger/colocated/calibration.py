@@ -27,12 +27,13 @@ Each file has one writer (never a shared stream) and is replaced atomically:
 - ``samples.<pid>.<n>.json``: each process's sample costs (hits, misses, transforms, collates),
   and its CPU seconds over the samples it counted.
 
-:func:`read_reports` and :func:`job_fields` (pure) turn them into the scenario's job fields.
+:func:`~.jobfields.read_reports` and :func:`~.jobfields.job_fields` (pure) turn them into the
+scenario's job fields.
 """
 
 from __future__ import annotations
 
-import math
+import logging
 import os
 import time
 from dataclasses import replace
@@ -40,26 +41,26 @@ from typing import Any
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from .. import _io
-from ..errors import ModelError
 from . import env as E
+from .jobfields import PROBE_EVERY, SAMPLE_FIELDS
+from .progress import Counted
 
 __all__ = ["calibration_dir", "calibration_spec", "no_plan", "wrap_loader", "LoopMeter", "SampleMeter",
-           "TimedCollate", "loader_shape", "sampler_order", "read_reports", "job_fields", "quantile"]
+           "TimedCollate", "loader_shape", "sampler_order"]
+
+log = logging.getLogger(__name__)
 
 TARGET_BATCHES = 64     # batches measured after the warm-up that are enough
 MIN_BATCHES = 16        # batches measured before the job's share of time may stop it
 GRACE_S = 30.0          # past its share, a job short of MIN_BATCHES goes on at most this long
 CHECK_EVERY = 4         # batches between two stop decisions of a multi-rank job (a broadcast)
-PROBE_EVERY = 4         # every 4th measured batch is fetched when it is surely ready: a pure handoff
 PROBE_MAX_S = 0.25      # longest pause before a probe batch
-HANDOFF_QUANTILE = 0.10
 STOP_TIMEOUT = 60.0     # seconds the ranks wait for each other to stop together
 FLUSH_EVERY_S = 0.1     # how often a process rewrites its sample-cost file
+PASSIVE_RECORDS = 400   # a learning run's meter keeps this many batches per rank
+PASSIVE_FLUSH = 50      # and writes its files every this many
 SUFFIX = "calibrate"    # the private cache and throttle state: <name>-calibrate
 
-_SAMPLE_FIELDS = ("hits", "hit_bytes", "hit_get_s", "hit_transform_s", "misses", "miss_bytes", "miss_get_s",
-                  "miss_read_s", "miss_insert_s", "miss_transform_s", "collates", "collate_samples", "collate_s",
-                  "cpu_s")
 
 
 def calibration_dir(environ: Mapping[str, str] | None = None) -> str:
@@ -113,7 +114,7 @@ class SampleMeter:
     def _here(self) -> None:
         if self.pid != os.getpid():  # a fresh process (a worker): count its own samples only
             self.pid = os.getpid()
-            self.counts = dict.fromkeys(_SAMPLE_FIELDS, 0.0)
+            self.counts = dict.fromkeys(SAMPLE_FIELDS, 0.0)
             self.seen = 0
             self.cpu0 = 0.0
             self.next_flush = 0.0  # the first counted sample is written at once
@@ -234,10 +235,17 @@ def _cached_datasets(obj: Any, depth: int = 0) -> Iterator[Any]:
 
 
 class LoopMeter:
-    """Measures one job's training loop in calibration mode (see the module docstring)."""
+    """Measures one job's training loop in calibration mode (see the module docstring).
 
-    def __init__(self, session: Any, directory: str, until: float):
+    ``passive``: a learning run's meter (:mod:`.learn`) instead: it never pauses or stops the job,
+    keeps at most :data:`PASSIVE_RECORDS` batches, writes its files every :data:`PASSIVE_FLUSH`
+    batches, and calls ``on_batch()`` after each batch (the job leader's look at the source)."""
+
+    def __init__(self, session: Any, directory: str, until: float, *, passive: bool = False,
+                 on_batch: Callable[[], None] | None = None):
         self.session, self.directory = session, directory
+        self.passive, self.on_batch = passive, on_batch
+        self.passive_failed = False
         self.until, self.hard = until, until + GRACE_S
         self.records: list[list[float]] = []
         self.shape: dict[str, Any] = {}
@@ -293,9 +301,10 @@ class LoopMeter:
         try:
             while True:
                 t0, c0 = time.perf_counter(), cpu()
-                if seen:
+                if seen and (not self.passive or len(self.records) < PASSIVE_RECORDS):
                     self.records.append([wait, t0 - body, samples, int(seen <= warm), int(probe), wait_cpu,
                                          c0 - body_cpu])
+                if seen:
                     self._check()
                 probe = self._probe(seen - warm)
                 t1, c1 = time.perf_counter(), cpu()
@@ -314,7 +323,7 @@ class LoopMeter:
     def _probe(self, measured: int) -> bool:
         """Before every PROBE_EVERY-th measured batch, give the workers time to have it ready, so
         that its wait is a pure handoff (the same batches on every rank)."""
-        if self.shape["workers"] == 0 or measured <= 0 or measured % PROBE_EVERY:
+        if self.passive or self.shape["workers"] == 0 or measured <= 0 or measured % PROBE_EVERY:
             return False
         recent = [r[0] for r in self.records[-PROBE_EVERY:]]
         time.sleep(min(PROBE_MAX_S, 1.5 * max(recent, default=0.0) + 0.001))
@@ -332,6 +341,14 @@ class LoopMeter:
         return ""
 
     def _check(self) -> None:
+        if self.passive:
+            if self.passive_failed:
+                return
+            if self.on_batch is not None:
+                self.on_batch()
+            if len(self.records) % PASSIVE_FLUSH == 0 and len(self.records) < PASSIVE_RECORDS:
+                self._flush()
+            return
         comm = self.session.comm
         if comm.size > 1 and len(self.records) % CHECK_EVERY:
             return
@@ -354,6 +371,17 @@ class LoopMeter:
         raise SystemExit(0)
 
     def _flush(self) -> None:
+        if not self.passive:
+            self._write_all()
+            return
+        try:  # a learning run's measurement never fails the job
+            self._write_all()
+        except (OSError, ValueError) as exc:
+            log.warning("cannot write this run's measurements to %s (%s); the next plan learns without them",
+                        self.directory, exc)
+            self.passive_failed = True
+
+    def _write_all(self) -> None:
         rank = self.session.rank
         _io.atomic_write_json(os.path.join(self.directory, f"loop.{rank}.json"),
                               {"rank": rank, "size": self.session.comm.size, "records": self.records}, durable=False)
@@ -376,125 +404,16 @@ _METERS: dict[int, LoopMeter] = {}
 def wrap_loader(session: Any, iterable: Iterable[Any], profiler: Any = None) -> Iterable[Any]:
     """``session.loader(iterable)``: in calibration mode the measured loop (a :class:`LoopMeter` per
     session), else ``iterable`` (``profiler.wrap``-ed when given), counted on a job leader by its
-    :class:`~hpcstagger.colocated.progress.ProgressMeter` for the run's watcher."""
+    :class:`~hpcstagger.colocated.progress.ProgressMeter` for the run's watcher, and measured by the
+    session's passive ``observer`` in a run that learns (:mod:`.learn`)."""
     if session.calibrating:
         meter = _METERS.get(id(session))
         if meter is None or meter.session is not session:
             meter = _METERS[id(session)] = LoopMeter(session, session.calibrating, _until())
         return meter.wrap(iterable)
+    passive = getattr(session, "observer", None)  # a learning run's passive LoopMeter (.learn)
+    if passive is not None:
+        iterable = Counted(iterable, passive)
     inner = profiler.wrap(iterable) if profiler is not None else iterable
     meter = getattr(session, "progress_meter", None)  # a ProgressMeter on a job leader
     return inner if meter is None else meter.counted(inner)
-
-
-# ---------------------------------------------------------------------------- reading the reports
-
-
-def read_reports(directory: str) -> dict[str, Any]:
-    """A job's calibration files: ``job`` (None when the job never called session.loader),
-    ``loops`` (by rank) and ``samples`` (one per process)."""
-    def load(name: str) -> Any:
-        try:
-            return _io.read_json(os.path.join(directory, name))
-        except (OSError, ValueError):
-            return None
-
-    names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
-    loops = [x for x in (load(n) for n in names if n.startswith("loop.") and n.endswith(".json")) if x]
-    samples = [x for x in (load(n) for n in names if n.startswith("samples.") and n.endswith(".json")) if x]
-    return {"job": load("job.json"), "loops": sorted(loops, key=lambda x: x["rank"]), "samples": samples}
-
-
-def quantile(values: Sequence[float], q: float) -> float:
-    """The ``q`` quantile of ``values`` (linear interpolation between order statistics)."""
-    xs = sorted(values)
-    if not xs:
-        return math.nan
-    pos = q * (len(xs) - 1)
-    lo = int(math.floor(pos))
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def _sum_samples(samples: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    return {f: float(sum(s.get(f, 0) for s in samples)) for f in _SAMPLE_FIELDS}
-
-
-def _div(a: float, b: float) -> float:
-    return a / b if b else 0.0
-
-
-def _full_speed(record: Sequence[float]) -> float:
-    """A batch's step at full speed: its wall time, or its CPU time when less (records without CPU: wall)."""
-    wall = float(record[1])
-    if len(record) > 6 and record[6] > 0:
-        return min(wall, float(record[6]))
-    return wall
-
-
-def job_fields(name: str, job: Mapping[str, Any], loops: Sequence[Mapping[str, Any]],
-               samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The scenario's fields for job ``name`` from its calibration files (see :func:`read_reports`).
-
-    - ``sample_time``: the step per sample of the whole job at full speed. Per batch and rank the
-      step is its wall time, or its process's CPU time when less (the job's own workers took the
-      core for a while: the model shares the cores itself); per batch, the shortest of the ranks'
-      (a rank that waited longer for its data made the others wait in the all-reduce), averaged
-      over the measured batches, over ``ranks * batch`` samples;
-    - ``handoff``: with workers, a low quantile (10%) of the waits in ``next()``: a wait is the
-      handoff of a ready batch plus any time the batch was not ready yet, and every
-      PROBE_EVERY-th batch is fetched when it surely is ready, so the low quantile is the handoff
-      alone, without the bias of a minimum (timer and scheduler noise). Without workers the main
-      process loads each batch itself, and the handoff is its collate per batch;
-    - ``prep_time``: a worker's seconds per sample besides reading the bytes: with workers, their
-      CPU seconds per sample less the lookups' time (transform, collate, handing the batch over),
-      or without CPU records the transform and the collate's share; without workers the transform;
-    - ``miss_overhead``: what a miss costs besides the source's own read (the lookup and insert);
-    - ``startup``: from the job's start (after its planned wait) to its loop's first batch request:
-      its backend, model and DDP set-up, and starting the loader (``iter``, which spawns workers);
-    - ``epoch_start``: a later epoch's ``iter``: the first one's when the workers are not
-      persistent (they are spawned again every epoch), else nothing;
-    - ``order``: the sampler's order (:func:`sampler_order`): jobs with the same one read the
-      same permutation each epoch.
-
-    Raises ModelError when no batch was measured after the warm-up.
-    """
-    shape = job["shape"]
-    ranks, workers = int(shape["ranks"]), int(shape["workers"])
-    count = min((len(lp["records"]) for lp in loops), default=0)
-    rows = [i for i in range(count) if not any(lp["records"][i][3] for lp in loops)]
-    if not rows:
-        raise ModelError(f"job {name!r} gave no batch after its warm-up of its loader; give it more data or "
-                         "a larger calibration budget")
-    steps = [min(_full_speed(lp["records"][i]) for lp in loops) for i in rows]
-    per_batch = [loops[0]["records"][i][2] for i in rows]
-    waits = [lp["records"][i][0] for lp in loops for i in rows]
-    c = _sum_samples(samples)
-    done = c["hits"] + c["misses"]
-    transform = _div(c["hit_transform_s"] + c["miss_transform_s"], done)
-    collate_per_sample = _div(c["collate_s"], c["collate_samples"])
-    prep = transform + (collate_per_sample if workers > 0 else 0.0)
-    w = _sum_samples([x for x in samples if x.get("worker")])
-    w_done = w["hits"] + w["misses"]
-    worker_cpu = _div(w["cpu_s"], w_done)
-    if workers > 0 and w["cpu_s"] > 0 and w_done:
-        prep = max(0.0, worker_cpu - _div(w["hit_get_s"] + w["miss_get_s"] + w["miss_insert_s"], w_done))
-    batch = shape.get("batch") or max(1, round(sum(per_batch) / len(per_batch)))
-    first_iter = float((job.get("iter_s") or [0.0])[0])
-    return {
-        "sample_time": sum(steps) / (max(1, sum(per_batch)) * ranks),
-        "ranks": ranks, "workers": workers, "batch": int(batch), "prefetch": shape.get("prefetch"),
-        "handoff": quantile(waits, HANDOFF_QUANTILE) if workers > 0 else _div(c["collate_s"], c["collates"]),
-        "prep_time": prep, "worker_cpu_per_sample": worker_cpu,
-        "step_wall_s": sum(min(lp["records"][i][1] for lp in loops) for i in rows) / len(rows),
-        "miss_overhead": _div(c["miss_get_s"] + c["miss_insert_s"], c["misses"]),
-        "startup": float(job.get("setup_s") or 0.0) + first_iter,
-        "epoch_start": first_iter if workers > 0 and not shape.get("persistent") else 0.0,
-        "order": str(shape.get("order") or ""),
-        "batches": len(rows), "step_s": sum(steps) / len(steps), "wait_median_s": quantile(waits, 0.5),
-        "probes": sum(1 for i in rows if loops[0]["records"][i][4]),
-        "hits": int(c["hits"]), "misses": int(c["misses"]), "samples_seen": bool(done),
-        "read_per_miss_s": _div(c["miss_read_s"], c["misses"]),
-        "hit_get_s": _div(c["hit_get_s"], c["hits"]),
-        "stopped": job.get("stopped") or "its training ended first",
-    }

@@ -37,8 +37,9 @@ from collections.abc import Callable, Mapping, Sequence
 from .. import _io, config
 from ..comm import Comm, as_comm
 from ..errors import CollectiveError, CollectiveTimeout, ConfigError
-from . import env as E
+from . import env as E, learn
 from ._rendezvous import rendezvous
+from .identity import resolve_job
 from .calibration import calibration_dir, calibration_spec, no_plan, wrap_loader
 from .cachestate import describe_start, observe_cache
 from .planning import plan_delays
@@ -55,40 +56,6 @@ log = logging.getLogger(__name__)
 IdleWork = Callable[[float], bool]
 """Work done while a job waits: called with the seconds left, does a bounded step, returns whether
 more is left."""
-
-
-def resolve_job(names: Sequence[str], *, explicit: str | None = None,
-                environ: Mapping[str, str] | None = None, appnum: int | None = None,
-                het_component: int | None = None) -> int:
-    """Index into ``names`` of this rank's job (see the module docstring for the order).
-
-    Raises ConfigError when the identity names no known job or cannot be told apart.
-    """
-    env = os.environ if environ is None else environ
-
-    def pick(value: str, source: str) -> int:
-        if value in names:
-            return list(names).index(value)
-        if value.isdigit() and int(value) < len(names):
-            return int(value)
-        raise ConfigError(f"{source} = {value!r} names no job; jobs: {', '.join(names)} "
-                          f"(or an index 0..{len(names) - 1})")
-
-    if explicit is not None:
-        return pick(explicit, "job")
-    if env.get(E.JOB):
-        return pick(env[E.JOB], E.JOB)
-    for value, source in ((appnum, "the MPMD application number"),
-                          (het_component, "the heterogeneous-job component")):
-        if value is not None:
-            if 0 <= value < len(names):
-                return value
-            raise ConfigError(f"{source} is {value} but the spec has {len(names)} job(s) "
-                              f"({', '.join(names)}); launch one MPMD part per job, in spec order")
-    if len(names) == 1:
-        return 0
-    raise ConfigError(f"cannot tell which job this rank belongs to among {', '.join(names)}: launch with "
-                      f"MPMD mpiexec or srun --multi-prog, or set {E.JOB}")
 
 
 @dataclass
@@ -112,6 +79,7 @@ class Session:
     calibrating: str = ""  # the reports directory when `hpcstagger calibrate --spec` runs this job
     release: dict[str, Any] = field(default_factory=dict)  # closed loop: when and why this job was released
     progress_meter: ProgressMeter | None = None  # a job leader's, for the watcher (session.loader)
+    observer: Any = None  # a passive LoopMeter when the run is observed for learning (.learn)
     _closed: bool = False
 
     # ---- facts ---------------------------------------------------------------------------------
@@ -371,10 +339,13 @@ def _init(spec: Spec | str | os.PathLike[str] | None, *, job: str | None,
                _exchange_plan(world, comm, spec_obj, name, list(jobs), calibration, limit, timings))
     if decided.get("steer"):
         set_host(decided["steer"], jobs)  # every rank names the same one
+    if spec_obj is not None and (decided.get("learn") or {}).get("scenario"):
+        spec_obj = learn.with_scenario(spec_obj, decided["learn"]["scenario"])  # what the plan was made from
     t0 = time.time()
     timings["init"] = time.perf_counter() - t_begin
     session = _open_session(world, comm, spec_obj, name, index, jobs, decided, t0, timings, backend, verbose)
     session.calibrating = calibrating
+    learn.attach(session)  # a run of a spec without a scenario measures itself for the next plan
     if session.run_dir and comm.rank == 0 and not calibrating:
         session.progress_meter = ProgressMeter(session.run_dir, name)
     if fail_fast:
@@ -456,7 +427,8 @@ def _exchange_plan(world: Comm, comm: Comm, spec: Spec | None, name: str, order:
         leaders = {h["job"]: h["calibration"] for h in hellos if h["leader"]}
         # plan from the cache as it is now: a warm cache (an earlier run's) changes the plan
         decided = plan_delays(spec, order, leaders, mode, fixed=fixed, cache_state=observe_cache(spec),
-                              steer_interval=float(config.get("steer_interval")), history=plan_history(spec, mode))
+                              steer_interval=float(config.get("steer_interval")), history=plan_history(spec, mode),
+                              learned=learn.resolve(spec, mode))
         return {r: decided for r in range(len(hellos))}
 
     t = time.perf_counter()
@@ -487,6 +459,8 @@ def _announce(session: Session, decided: Mapping[str, Any]) -> None:
         extra = "; predicted makespan " + ", ".join(f"{k} {v:.1f}s" for k, v in p.items())
     start = describe_start(decided.get("cache"))
     extra += f"; {start}" if start else ""
+    if decided.get("learn"):
+        extra += f"; {decided['learn'].get('why', '')}"
     h = decided.get("history")
     if h:
         extra += f"; from the history of {h['runs']} run(s): {describe_history(h)}"

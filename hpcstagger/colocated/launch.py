@@ -73,6 +73,7 @@ class RunResult:
     cache: dict[str, Any] = field(default_factory=dict)
     cold_cache: dict[str, Any] = field(default_factory=dict)
     steer: dict[str, Any] = field(default_factory=dict)  # closed loop: the watcher's decisions (steer.json)
+    learn: dict[str, Any] = field(default_factory=dict)  # a spec without a scenario: what the plan learned from
 
     @property
     def ok(self) -> bool:
@@ -102,7 +103,7 @@ class RunResult:
                 "delays": self.delays, "makespan": self.makespan, "predicted": self.predicted,
                 "overhead": self.overhead, "wall": self.wall, "scenario": self.scenario,
                 "calibrations": self.calibrations, "curve": self.curve, "cache": self.cache,
-                "cold_cache": self.cold_cache, "steer": self.steer,
+                "cold_cache": self.cold_cache, "steer": self.steer, "learn": self.learn,
                 "jobs": {n: vars(j) for n, j in self.jobs.items()}}
 
 
@@ -162,7 +163,7 @@ def exec_job(spec: Spec, environ: Mapping[str, str] | None = None) -> tuple[list
     the spec's layout holds this rank (``SLURM_PROCID``, ``PMI_RANK`` or ``OMPI_COMM_WORLD_RANK``).
     Raises ConfigError when none of them tells.
     """
-    from .coordinator import resolve_job
+    from .identity import resolve_job
     from ..slurm import het_component
 
     env = dict(os.environ if environ is None else environ)
@@ -252,7 +253,8 @@ def collect_results(spec: Spec, run_dir: str | os.PathLike[str], *, jobs: Sequen
                      makespan=makespan, predicted=predicted, overhead=overhead,
                      scenario=plan_info.get("scenario") or {}, calibrations=plan_info.get("calibrations") or {},
                      curve=plan_info.get("curve") or {}, cache=plan_info.get("cache") or {},
-                     cold_cache=_read_cold_cache(run_dir), steer=_read_json_or_empty(run_dir / "steer.json"))
+                     cold_cache=_read_cold_cache(run_dir), steer=_read_json_or_empty(run_dir / "steer.json"),
+                     learn=plan_info.get("learn") or {})
 
 
 def _read_json_or_empty(path: Path) -> dict[str, Any]:

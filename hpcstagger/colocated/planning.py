@@ -32,7 +32,8 @@ def cached_fraction(entries: float, samples: float) -> float:
 def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[str, Mapping[str, float]],
                 mode: str, *, fixed: Mapping[str, float] | None = None,
                 cache_state: Mapping[str, Any] | None = None, steer_interval: float = 1.0,
-                history: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                history: Mapping[str, Any] | None = None,
+                learned: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The delays for ``mode`` (world rank 0 calls this), and what the model predicts when it can.
 
     ``order`` lists the jobs in spec order; ``calibrations`` maps a job to what its leader
@@ -50,25 +51,24 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
     ``steer_interval``): the run then releases waiting jobs on evidence. ``history`` (from
     :func:`~.history.corrections`) gives factors on the scenario's source and jobs that earlier runs
     measured; the plan starts from them, and returns them as ``history``.
+
+    ``learned`` (from :func:`~.learn.resolve`, for a spec without a scenario) is returned as
+    ``learn``: with its ``scenario`` the plan is made from that learned scenario; without one
+    (nothing learned yet) job ``k`` (spec order) starts ``k * learned["stagger"]`` seconds late,
+    within ``[plan] min_delay`` and ``max_delay``.
     """
-    if mode not in PLAN_MODES_IN_WORLD:
-        if mode == "sequential":
-            raise ConfigError("plan mode 'sequential' runs the jobs one after another, each in its own launch: "
-                              "use 'hpcstagger launch --mode sequential' (or the rendered Slurm script), not "
-                              "one MPI world")
-        raise ConfigError(f"plan mode must be one of {', '.join(PLAN_MODES)}, not {mode!r}")
-    delays = {n: 0.0 for n in order}
-    if mode == "fixed":
-        if fixed is None:
-            fixed = dict(spec.plan.delays) if spec else {}
-        unknown = sorted(set(fixed) - set(order))
-        if unknown:
-            raise ConfigError(f"fixed delays name unknown job(s) {', '.join(unknown)}; jobs: {', '.join(order)}")
-        delays = {n: float(fixed.get(n, 0.0)) for n in order}
-    out: dict[str, Any] = {"mode": mode, "delays": delays,
+    out: dict[str, Any] = {"mode": mode, "delays": _mode_delays(spec, order, mode, fixed),
                            "calibrations": {n: dict(c) for n, c in calibrations.items()}}
     if cache_state is not None:
         out["cache"] = dict(cache_state)
+    if learned is not None and spec is not None and not spec.plan.scenario:
+        out["learn"] = dict(learned)
+        if not learned.get("scenario"):  # the first run: a short stagger, observed
+            out["delays"] = _learning_delays(spec, order, float(learned.get("stagger") or 0.0))
+            return out
+        from .learn import with_scenario
+
+        spec = with_scenario(spec, str(learned["scenario"]))
     if spec is None or not spec.plan.scenario:
         if mode in PLANNED_MODES and len(order) > 1:
             raise _needs_scenario()
@@ -102,6 +102,32 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
     out["curve"] = p.to_dict()["curve"]
     out["jitter"] = float(p.jitter)  # the start-time spread the plan was made for (seconds)
     return out
+
+
+def _mode_delays(spec: Spec | None, order: Sequence[str], mode: str,
+                 fixed: Mapping[str, float] | None) -> dict[str, float]:
+    """The delays of a mode before any plan: mode "fixed"'s, else none; ConfigError for a bad mode."""
+    if mode not in PLAN_MODES_IN_WORLD:
+        if mode == "sequential":
+            raise ConfigError("plan mode 'sequential' runs the jobs one after another, each in its own launch: "
+                              "use 'hpcstagger launch --mode sequential' (or the rendered Slurm script), not "
+                              "one MPI world")
+        raise ConfigError(f"plan mode must be one of {', '.join(PLAN_MODES)}, not {mode!r}")
+    if mode != "fixed":
+        return {n: 0.0 for n in order}
+    if fixed is None:
+        fixed = dict(spec.plan.delays) if spec else {}
+    unknown = sorted(set(fixed) - set(order))
+    if unknown:
+        raise ConfigError(f"fixed delays name unknown job(s) {', '.join(unknown)}; jobs: {', '.join(order)}")
+    return {n: float(fixed.get(n, 0.0)) for n in order}
+
+
+def _learning_delays(spec: Spec, order: Sequence[str], step: float) -> dict[str, float]:
+    """A first learning run's delays: job ``k`` ``k * step`` seconds late, within the spec's bounds
+    (it shows each job's reads alone as well as together)."""
+    hi = spec.plan.max_delay if spec.plan.max_delay is not None else float("inf")
+    return {n: min(hi, max(spec.plan.min_delay, k * max(0.0, step))) if k else 0.0 for k, n in enumerate(order)}
 
 
 def scenario_for(spec: Spec | None, order: Sequence[str], calibrations: Mapping[str, Mapping[str, float]],

@@ -95,10 +95,11 @@ class ProgressMeter:
 
 
 class Counted:
-    """An iterable whose iterations a :class:`ProgressMeter` counts; ``len()`` and every other
-    attribute are the wrapped iterable's (so ``session.loader(loader)`` still looks like ``loader``)."""
+    """An iterable whose iterations a :class:`ProgressMeter` (or any meter with ``wrap(iterable)``)
+    counts; ``len()`` and every other attribute are the wrapped iterable's (so
+    ``session.loader(loader)`` still looks like ``loader``)."""
 
-    def __init__(self, inner: Iterable[Any], meter: ProgressMeter):
+    def __init__(self, inner: Iterable[Any], meter: Any):
         self.inner = inner
         self.meter = meter
 

@@ -1,0 +1,140 @@
+"""Learning a spec that was never calibrated (issue 13, part 2): three runs, then the best fixed stagger.
+
+For each configuration (bench_userjobs' jobs: DataLoader workers and batches, DDP, no timing
+code) it writes the spec without ``[plan] scenario`` and never calibrates it. Then, for each of
+``--sequences`` sequences, from an empty history: ``--runs`` launches in a row (``hpcstagger
+launch SPEC --cold-cache``), each planning from what the earlier ones observed (the first one
+starts the jobs ``learn_stagger`` apart). Afterwards, in the same invocation, ``hpcstagger sweep``
+measures a simultaneous start and fixed staggers in both orders (every run from a cold cache; the
+sweep neither uses nor feeds the history), and each learned run is compared with the best of them.
+
+    python benchmarks/bench_learn.py [--only NAME,...] [--runs 3] [--sequences 2]
+        [--staggers 0,1,2,3,4,6] [--repeat N] [--keep]
+
+Writes benchmarks/out/bench_learn.json and prints one row per configuration and sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import bench_userjobs as U  # noqa: E402  (the configurations, spec writer and runner)
+
+DEFAULT_CONFIGS = ("pair-w2-b64", "rising-source", "three-jobs")
+
+
+def _launch(spec: Path, work: Path, log: Path, tag: str) -> dict[str, Any]:
+    """One learning launch: its makespan, delays and releases, and how it was planned."""
+    hs = [sys.executable, "-m", "hpcstagger"]
+    rc = U._run(hs + ["launch", str(spec), "--cold-cache"], log)
+    runs = sorted((work / "work" / "runs").glob("*-plan"), key=lambda p: p.stat().st_mtime)
+    if rc != 0 or not runs:
+        return {"error": f"launch exited {rc}; see {log}"}
+    run_dir = runs[-1].rename(runs[-1].with_name(tag))
+    result = json.loads((run_dir / "result.json").read_text())
+    released = {n: (j.get("release") or {}).get("at", j.get("delay")) for n, j in result["jobs"].items()}
+    return {"makespan": result["makespan"], "delays": result.get("delays"), "released": released,
+            "predicted": (result.get("predicted") or {}).get("plan"),
+            "learned_from": (result.get("learn") or {}).get("why"), "run_dir": str(run_dir)}
+
+
+def run_config(name: str, cfg: dict[str, Any], data: Path, work: Path, runs: int, sequences: int,
+               staggers: str, repeat: int) -> dict[str, Any]:
+    work.mkdir(parents=True)
+    log = work / "log.txt"
+    spec = work / "spec.toml"
+    U.write_spec(spec, name, cfg, data, data.stat().st_size)
+    spec.write_text(spec.read_text().replace('scenario = "scenario.toml"\n', ""))
+    hs = [sys.executable, "-m", "hpcstagger"]
+    out: dict[str, Any] = {"name": name, "config": cfg, "log": str(log), "sequences": []}
+    for seq in range(sequences):
+        U._run(hs + ["history", str(spec), "--clear"], log)
+        rows = []
+        for k in range(runs):
+            row = _launch(spec, work, log, f"learn-{seq}-{k + 1}")
+            rows.append(row)
+            print(f"[bench_learn] {name} sequence {seq + 1} run {k + 1}: "
+                  f"{row.get('makespan', row.get('error'))} s, delays {row.get('delays')}", file=sys.stderr, flush=True)
+        out["sequences"].append(rows)
+    U._run(hs + ["history", str(spec), "--clear"], log)
+    t0 = time.monotonic()
+    rc = U._run(hs + ["sweep", str(spec), "--staggers", staggers, "--repeat", str(repeat), "--json",
+                      str(work / "sweep.json")], log)
+    out["sweep_s"] = time.monotonic() - t0
+    if rc != 0 or not (work / "sweep.json").exists():
+        out["error"] = f"sweep exited {rc}; see {log}"
+        return out
+    sweep = json.loads((work / "sweep.json").read_text())
+    out["best"] = sweep["summary"].get("best")
+    best = (out["best"] or {}).get("measured")
+    for rows in out["sequences"]:
+        for row in rows:
+            if best and row.get("makespan"):
+                row["gap"] = row["makespan"] / best - 1
+    out["fixed"] = {r["label"]: r["measured"] for r in sweep["runs"] if r.get("ok")}
+    return out
+
+
+def _pc(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:+.1f}%"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default=",".join(DEFAULT_CONFIGS), help="comma-separated bench_userjobs configurations")
+    p.add_argument("--runs", type=int, default=3, help="learning launches per sequence (default 3)")
+    p.add_argument("--sequences", type=int, default=2, help="sequences from an empty history (default 2)")
+    p.add_argument("--staggers", default="0,1,2,3,4,6", help="fixed staggers, seconds, run in both orders")
+    p.add_argument("--samples", type=int, default=3072, help="dataset samples of 3 KiB (default 3072, ~9.4 MB)")
+    p.add_argument("--repeat", type=int, default=1, help="sweep runs per fixed stagger (medians)")
+    p.add_argument("--out", default=str(HERE / "out" / "bench_learn.json"))
+    p.add_argument("--keep", action="store_true", help="keep the work directory (specs, runs, logs)")
+    args = p.parse_args()
+    names = args.only.split(",")
+    for n in names:
+        if n not in U.CONFIGS or U.CONFIGS[n].get("real_fs"):
+            p.error(f"unknown or unsupported configuration {n!r} (the emulated-source ones of bench_userjobs)")
+    if args.runs < 1 or args.sequences < 1:
+        p.error("--runs and --sequences must be >= 1")
+    results = []
+    with U.workspace("bench-learn", args.samples, args.keep) as (root, data):
+        for name in names:
+            results.append(run_config(name, U.CONFIGS[name], data, root / name, args.runs, args.sequences,
+                                      args.staggers, args.repeat))
+            os.makedirs(os.path.dirname(args.out), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args), "results": results}, f,
+                          indent=1)
+    heads = " | ".join(f"run {k + 1} vs best" for k in range(args.runs))
+    print(f"\n| configuration | sequence | {heads} | run {args.runs}: delays | best fixed |\n"
+          f"|---|---|{'---|' * args.runs}---|---|")
+    for r in results:
+        if r.get("error"):
+            print(f"| {r['name']} | {r['error']} |{' |' * (args.runs + 2)}")
+            continue
+        best = r.get("best") or {}
+        for i, rows in enumerate(r["sequences"]):
+            gaps = " | ".join(f"{_pc(x.get('gap'))} ({x.get('makespan') or 0:.2f} s)" for x in rows)
+            last = rows[-1]
+            delays = ", ".join(f"{n} {(last.get('released') or {}).get(n, d) or 0:.1f}"
+                               for n, d in (last.get("delays") or {}).items())
+            print(f"| {r['name']} | {i + 1} | {gaps} | {delays} | {best.get('label')} "
+                  f"{best.get('measured') or 0:.2f} s |")
+        last_gaps = [rows[-1]["gap"] for rows in r["sequences"] if rows[-1].get("gap") is not None]
+        if last_gaps:
+            print(f"| {r['name']} | median | run {args.runs}: {_pc(statistics.median(last_gaps))} |"
+                  f"{' |' * (args.runs + 1)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
