@@ -71,7 +71,7 @@ def main() -> None:
     comm, spec = session.comm, session.spec
     if spec is not None:
         source, cache = session.source(), session.cache()
-        ckpt_dir, staging = session.checkpoint_dir()
+        ckpt_opts = session.checkpoint_options()  # directory, staging level, keep, who flushes
         epochs = args.epochs or spec.job(session.job).epochs
         every = spec.checkpoint.every or args.ckpt_every
     else:
@@ -79,7 +79,8 @@ def main() -> None:
             raise SystemExit("train_ddp.py: give --data FILE.h5 (or run it from a job spec)")
         source = HDF5Source(args.data, "samples")
         cache = ShmCache("examples", args.cache_mb * 10**6) if args.cache_mb else None
-        ckpt_dir, staging, epochs, every = args.ckpt_dir, None, args.epochs or 2, args.ckpt_every
+        ckpt_opts = {"directory": args.ckpt_dir}
+        epochs, every = args.epochs or 2, args.ckpt_every
 
     # Reads that go to the source mark a shared gate busy, so the checkpoint writer stays out of their way.
     reads = SharedActivityGate()
@@ -94,7 +95,7 @@ def main() -> None:
     steps = StepGate()
     steps.watch(model)
     steps.watch(opt)
-    ckpt = AsyncCheckpointer(ckpt_dir, comm=comm, staging_dir=staging, gate=AnyGate(steps, reads))
+    ckpt = AsyncCheckpointer(**ckpt_opts, comm=comm, gate=AnyGate(steps, reads))
 
     # Resume from the newest committed checkpoint, if any.
     start_epoch, step = 0, 0

@@ -54,7 +54,7 @@ def main() -> None:
     comm, spec = session.comm, session.spec
     if spec is not None:
         source, cache = session.source(), session.cache()
-        ckpt_dir, staging = session.checkpoint_dir()
+        ckpt_opts = session.checkpoint_options()  # directory, staging level, keep, who flushes
         epochs = args.epochs or spec.job(session.job).epochs
         every = spec.checkpoint.every or args.ckpt_every
     else:
@@ -62,7 +62,8 @@ def main() -> None:
             raise SystemExit("train_horovod.py: give --data FILE.h5 (or run it from a job spec)")
         source = HDF5Source(args.data, "samples")
         cache = ShmCache("examples", args.cache_mb * 10**6) if args.cache_mb else None
-        ckpt_dir, staging, epochs, every = args.ckpt_dir, None, args.epochs or 2, args.ckpt_every
+        ckpt_opts = {"directory": args.ckpt_dir}
+        epochs, every = args.epochs or 2, args.ckpt_every
 
     reads = SharedActivityGate()
     dataset = CachedDataset(source, cache, source_read_hook=reads.source_read_hook()) if cache else source
@@ -73,7 +74,7 @@ def main() -> None:
     steps = StepGate()
     steps.watch(model)
     steps.watch(opt)
-    ckpt = AsyncCheckpointer(ckpt_dir, comm=comm, staging_dir=staging, gate=AnyGate(steps, reads))
+    ckpt = AsyncCheckpointer(**ckpt_opts, comm=comm, gate=AnyGate(steps, reads))
     start_epoch, step = 0, 0
     try:
         state = ckpt.load()

@@ -93,6 +93,15 @@ _KNOB_LIST: list[Knob] = [
          "committed checkpoints kept in the fast staging level (AsyncCheckpointer staging_dir)"),
     Knob("ckpt_writer_nice", int, 0,
          "nice increment of the background checkpoint writer thread (0: same priority as training)"),
+    Knob("ckpt_flush_by", str, "self",
+         "who copies a staged checkpoint shard to the durable level: self (its rank's writer) or queue (an "
+         "idle process on the node, through the flush queue in the staging directory)"),
+    Knob("ckpt_flush_claim_wait", float, 1.0,
+         "seconds a writer waits for an idle process to claim its queued flush before copying the shard itself"),
+    Knob("ckpt_flush_stale", float, 10.0,
+         "seconds without progress after which a writer takes its queued flush back from the process copying it"),
+    Knob("ckpt_flush_nice", int, 19,
+         "nice increment of the thread with which an idle process copies queued checkpoint flushes"),
     Knob("rendezvous_addr", str, "",
          "address rank 0 advertises for the torch.distributed store (empty: 127.0.0.1 when every rank "
          "is on one host, else rank 0's host name)"),
@@ -109,6 +118,9 @@ _KNOB_LIST: list[Knob] = [
          "nice value of the closed-loop watcher's thread (0: unchanged): its model work yields to training"),
     Knob("progress_interval", float, 0.25,
          "seconds between a job leader's progress records (session.loader) for the watcher"),
+    Knob("prefetch_idle", float, 0.1,
+         "[plan] prefetch: the waiting job reads into the cache only while the running jobs had fewer "
+         "reads in flight than this on average over the last 100 ms"),
     Knob("learn_stagger", float, 3.0,
          "seconds between the jobs' starts in the first run of a spec without a scenario, which learns "
          "from what it observes (0: all at once)"),

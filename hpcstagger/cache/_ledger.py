@@ -394,6 +394,11 @@ class Ledger:
         out["processes"] = len(self.live_pids())
         return out
 
+    def read_totals(self) -> tuple[int, int]:
+        """The source-read sums alone (bytes, nanoseconds): no liveness checks, cheap to poll."""
+        words = self.w[HEADER_BYTES // 8:]
+        return (sum(words[COUNTERS["read_bytes"]::SLOT_WORDS]), sum(words[COUNTERS["read_ns"]::SLOT_WORDS]))
+
     def live_pids(self) -> set[int]:
         """Pids of the live processes attached to this cache (those holding a process slot)."""
         words = self.w[HEADER_BYTES // 8:].tolist()

@@ -194,6 +194,15 @@ class ShmCache:
             lock.release()
         return view
 
+    def contains(self, key: str | int) -> bool:
+        """Whether a valid entry is stored under ``key``; unlike :meth:`get` it counts no lookup."""
+        return self._read(*key_hash(key)) is not None
+
+    def read_counters(self) -> tuple[int, float]:
+        """:meth:`stats`' ``read_bytes`` and ``read_seconds`` alone, cheap enough to poll often."""
+        nbytes, ns = self._led.read_totals()
+        return nbytes, ns / 1e9
+
     def _read(self, hi: int, lo: int, retry: bool = True) -> memoryview | None:
         led = self._led
         if led.w[H_GEN] != led.gen:

@@ -35,6 +35,7 @@ from .. import config
 from ..comm import Comm, as_comm
 from ..errors import CheckpointError, CollectiveError, ConfigError, describe_exception
 from . import catalog
+from .flushq import FlushQueue
 from .gates import Gate, StepGate
 from .manifest import step_dirname
 from .protocol import SaveHandle, agree, check_thread_level, SaveTask, Worker
@@ -59,7 +60,11 @@ class AsyncCheckpointer:
     :class:`~hpcstagger.checkpoint.gates.StepGate` that hooks the modules and optimizers in the saved
     state and is busy from each forward pass to the optimizer's step; None never defers; or any
     :class:`~hpcstagger.checkpoint.gates.Gate`. ``writer``: a :class:`ShardWriter` (subclass it to
-    inject faults).
+    inject faults). ``flush_by``: who copies each staged shard to ``directory``: "self" (this rank's
+    writer) or "queue" (an idle process on the node, through the flush queue in ``flush_queue``;
+    see :mod:`.flushq`); None reads the ``ckpt_flush_by`` knob ("self"), which matters only with a
+    staging level. ``flush_queue``: the directory the queue lives in (``<flush_queue>/.flushq``): the
+    staging directory (the default) or a directory above it, shared by several jobs' staging levels.
 
     Construction and :meth:`close` are collective over ``comm``; so is :meth:`save`. Raises
     ConfigError for bad arguments, CheckpointError when MPI lacks thread support.
@@ -67,7 +72,8 @@ class AsyncCheckpointer:
 
     def __init__(self, directory: str | os.PathLike[str], *, comm: Any = None, keep: int = 3,
                  staging_dir: str | os.PathLike[str] | None = None, gate: Gate | str | None = "auto",
-                 writer: ShardWriter | None = None):
+                 writer: ShardWriter | None = None, flush_by: str | None = None,
+                 flush_queue: str | os.PathLike[str] | None = None):
         if not isinstance(keep, int) or keep < 1:
             raise ConfigError(f"keep must be an int >= 1 (committed checkpoints to keep), not {keep!r}")
         self.directory = os.path.abspath(os.fspath(directory))
@@ -88,10 +94,13 @@ class AsyncCheckpointer:
         import xxhash  # noqa: F401  (likewise imported now, not first on the writer thread)
         self._levels = [d for d in (self.staging_dir, self.directory) if d is not None]
         self._keeps = [max(1, int(config.get("ckpt_staging_keep"))), keep] if self.staging_dir else [keep]
+        self._flushq = self._flush_queue(flush_by, flush_queue)
 
         def make_dirs() -> None:
             for d in self._levels:
                 os.makedirs(d, exist_ok=True)
+            if self._flushq is not None:
+                self._flushq.prepare()
 
         self._comm.run_all(make_dirs, what="create checkpoint directories")
         self._wcomm = self._comm.dup() if self._comm.is_mpi else Comm.single()
@@ -106,6 +115,26 @@ class AsyncCheckpointer:
         # own exit handler, so that it runs before h5py tears HDF5 down (atexit runs last-in first).
         atexit.register(self._worker.stop)
         self._finalizer = weakref.finalize(self, self._worker.stop)
+
+    def _flush_queue(self, flush_by: str | None, root: str | os.PathLike[str] | None) -> FlushQueue | None:
+        """The flush queue to post to, or None when this rank's writer copies its shard itself."""
+        how = config.get("ckpt_flush_by") if flush_by is None else flush_by
+        if how not in ("self", "queue"):
+            raise ConfigError(f"flush_by must be 'self' or 'queue' (knob ckpt_flush_by), not {how!r}")
+        if how == "self" or (self.staging_dir is None and flush_by is None):
+            return None
+        if self.staging_dir is None:
+            raise ConfigError("flush_by='queue' needs a staging_dir: the queue flushes the staging level")
+        root = self.staging_dir if root is None else os.path.abspath(os.fspath(root))
+        if os.path.commonpath([root, self.staging_dir]) != root:
+            raise ConfigError(f"flush_queue {root} must be the staging directory {self.staging_dir} or a "
+                              "directory above it (flushers only copy files from under the queue's directory)")
+        return FlushQueue(root)
+
+    @property
+    def flush_queue(self) -> str | None:
+        """The directory whose flush queue this checkpointer posts to, None when its writer flushes."""
+        return None if self._flushq is None else self._flushq.root
 
     # ------------------------------------------------------------------ properties
     @property
@@ -206,7 +235,7 @@ class AsyncCheckpointer:
         handle = SaveHandle(step, dirs[-1], dirs[0] if self.staging_dir else None, pacer=pacer)
         task = SaveTask(handle=handle, wcomm=self._wcomm, writer=self._writer, plan=plan, leaves=leaves, tree=tree,
                          items=items, levels=self._levels, keeps=self._keeps, pacer=pacer,
-                         timeout=float(config.get("ckpt_timeout")))
+                         timeout=float(config.get("ckpt_timeout")), flushq=self._flushq)
         handle.timings["blocking_s"] = time.perf_counter() - t0
         self._current = handle
         self._worker.queue.put(task)

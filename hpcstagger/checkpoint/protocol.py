@@ -21,12 +21,13 @@ from .. import config
 from ..comm import Comm, poll_until
 from ..errors import CheckpointError, CollectiveError, describe_exception
 from . import catalog
+from .flushq import FlushQueue
 from .manifest import build_manifest, shard_filename, step_dirname, versions
 from .sharding import ShardPlan
 from .state import Leaf
 from .writer import Pacer, ShardItem, ShardWriter
 
-__all__ = ["SaveHandle", "SaveTask", "Worker", "agree", "check_thread_level"]
+__all__ = ["SaveHandle", "SaveTask", "Worker", "agree", "check_thread_level", "renice_thread"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,10 @@ class SaveHandle:
     def done(self) -> bool:
         """True once the save finished, committed or failed."""
         return self._done.is_set()
+
+    def staged(self) -> bool:
+        """True once the save is committed on the fastest level (or finished: then see :meth:`done`)."""
+        return self._staged.is_set()
 
     @property
     def error(self) -> CheckpointError | None:
@@ -115,6 +120,18 @@ class SaveHandle:
         return self.staging_path or self.path
 
 
+def renice_thread(increment: int, what: str) -> None:
+    """Lower the calling thread's CPU priority by ``increment`` nice steps (on Linux only this thread);
+    a failure is logged (at debug level, naming ``what``), not raised."""
+    if not increment:
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + increment)
+    except OSError as exc:
+        log.debug("could not renice %s: %s", what, exc)
+
+
 class Worker:
     """The one background writer thread of a checkpointer."""
 
@@ -125,12 +142,7 @@ class Worker:
         self.thread.start()
 
     def _loop(self) -> None:
-        if self.nice:
-            try:  # on Linux this renices only this thread
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(
-                    os.PRIO_PROCESS, threading.get_native_id()) + self.nice)
-            except OSError as exc:
-                log.debug("could not renice the checkpoint writer: %s", exc)
+        renice_thread(self.nice, "the checkpoint writer")
         while True:
             task = self.queue.get()
             try:
@@ -152,8 +164,9 @@ class SaveTask:
 
     def __init__(self, *, handle: SaveHandle, wcomm: Comm, writer: ShardWriter, plan: ShardPlan,
                  leaves: list[Leaf], tree: Any, items: list[ShardItem], levels: list[str], keeps: list[int],
-                 pacer: Pacer, timeout: float):
+                 pacer: Pacer, timeout: float, flushq: FlushQueue | None = None):
         self.h, self.wcomm, self.writer, self.plan = handle, wcomm, writer, plan
+        self.flushq = flushq  # with a staging level: post the flush there rather than copy the shard
         self.meta = [(leaf.spec, leaf.kind, leaf.device, leaf.storage) for leaf in leaves]  # no live tensors
         self.tree, self.items, self.levels, self.keeps = tree, items, levels, keeps
         self.pacer, self.timeout = pacer, timeout
@@ -182,7 +195,7 @@ class SaveTask:
         finally:
             if h.error is not None:  # also raised by the next save()/wait(); logged in case none comes
                 log.error("%s", h.error)
-            h.stats = self.pacer.stats()
+            h.stats.update(self.pacer.stats())
             self.items = []  # drop references to the snapshot buffer
             h.finish()
         # Retention runs after the handle is released: deleting a large old checkpoint takes a while
@@ -206,9 +219,18 @@ class SaveTask:
                                                       path=path, items=self.items, pacer=self.pacer)
             else:
                 src = os.path.join(self.levels[0], step_dirname(h.step), shard_filename(c.rank, self.plan.nshards))
-                assert self.record is not None, "level 0 committed, so it left its shard's record"
-                self.writer.copy_shard(step=h.step, rank=c.rank, src=src, dst=path, expect=self.record,
-                                       pacer=self.pacer)
+                record = self.record
+                assert record is not None, "level 0 committed, so it left its shard's record"
+
+                def copy() -> Any:
+                    return self.writer.copy_shard(step=h.step, rank=c.rank, src=src, dst=path, expect=record,
+                                                  pacer=self.pacer)
+
+                if self.flushq is None:
+                    copy()
+                else:
+                    h.stats["flush"] = self.flushq.flush(step=h.step, rank=c.rank, src=src, dst=path, expect=record,
+                                                         hurried=self.pacer.hurried, copy_self=copy)
         except Exception as exc:  # every rank learns it below
             verb = "writing" if i == 0 else "flushing to"
             err = str(exc) if isinstance(exc, CheckpointError) else f"{verb} {path}: {describe_exception(exc)}"

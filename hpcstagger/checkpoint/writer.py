@@ -28,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from .. import config
 from .._io import fsync_dir, temp_path
@@ -37,7 +37,7 @@ from .gates import Gate
 from .manifest import FORMAT, FORMAT_VERSION, dataset_name
 from .sharding import Piece, TensorSpec
 
-__all__ = ["Pacer", "ShardItem", "ShardWriter"]
+__all__ = ["Pacer", "ShardItem", "ShardWriter", "check_copy", "copy_hashed", "pwrite_all"]
 
 
 class Pacer:
@@ -55,6 +55,10 @@ class Pacer:
     def hurry(self) -> None:
         """The training is waiting for this write: stop deferring to the gate."""
         self._hurry.set()
+
+    def hurried(self) -> bool:
+        """True once :meth:`hurry` was called."""
+        return self._hurry.is_set()
 
     def before_chunk(self) -> None:
         """Called before each chunk: wait (bounded) while the gate says the training is busy."""
@@ -97,11 +101,37 @@ def _hash_chunks(data: Any, pacer: Pacer) -> str:
     return h.hexdigest()
 
 
-def _pwrite_all(fd: int, data: Any, offset: int) -> None:
+def pwrite_all(fd: int, data: Any, offset: int) -> None:
+    """Write all of ``data`` to ``fd`` at ``offset`` (``os.pwrite`` may write less than asked)."""
     view = memoryview(data)
     while len(view):
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
+
+
+def copy_hashed(src_fd: int, dst_fd: int, chunk_bytes: int, *, before: Callable[[], object] | None = None,
+                after: Callable[[int], object] | None = None) -> tuple[int, str]:
+    """Copy ``src_fd`` from its current position to ``dst_fd`` from byte 0, in chunks, hashing (xxh3-64)
+    the bytes as they are written; returns (bytes copied, hex digest). ``before()`` runs after each
+    chunk is read, before it is written (it may wait, or raise to stop); ``after(bytes so far)``
+    after each chunk is written."""
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    buf = bytearray(chunk_bytes)
+    size = 0
+    while True:
+        n = os.readv(src_fd, [buf])
+        if not n:
+            return size, h.hexdigest()
+        if before is not None:
+            before()
+        chunk = memoryview(buf)[:n]
+        h.update(chunk)
+        pwrite_all(dst_fd, chunk, size)
+        size += n
+        if after is not None:
+            after(size)
 
 
 def _create_structure(tmp: str, *, step: int, rank: int, nshards: int, items: Sequence[ShardItem],
@@ -200,7 +230,7 @@ class ShardWriter:
                 for a in range(0, len(data), pacer.chunk_bytes):
                     chunk = data[a:a + pacer.chunk_bytes]
                     pacer.before_chunk()
-                    _pwrite_all(fd, chunk, off + a)
+                    pwrite_all(fd, chunk, off + a)
                     h.update(chunk)
                 pos = off + len(data)
             while pos < size:
@@ -217,29 +247,22 @@ class ShardWriter:
     def copy_shard(self, *, step: int, rank: int, src: str, dst: str, expect: dict[str, Any],
                    pacer: Pacer) -> dict[str, Any]:
         """Copy shard ``src`` durably to ``dst``, checking it against its record ``expect``."""
-        import xxhash
-
         with _published(dst, f"flushing checkpoint shard {src} to {dst} failed") as tmp:
-            h = xxhash.xxh3_64()
-            buf = bytearray(pacer.chunk_bytes)
-            size = 0
             with open(src, "rb", buffering=0) as fin:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                 try:
-                    while True:
-                        n = fin.readinto(buf)
-                        if not n:
-                            break
-                        pacer.before_chunk()
-                        chunk = memoryview(buf)[:n]
-                        h.update(chunk)
-                        _pwrite_all(fd, chunk, size)
-                        size += n
+                    size, digest = copy_hashed(fin.fileno(), fd, pacer.chunk_bytes, before=pacer.before_chunk)
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-            if size != expect["size"] or h.hexdigest() != expect["checksum"]:
-                raise CheckpointError(f"staged shard {src} changed before it was flushed "
-                                      f"({size} bytes, xxh3 {h.hexdigest()}; expected {expect['size']} bytes, "
-                                      f"xxh3 {expect['checksum']}); the fast level is damaged")
+            check_copy(src, size, digest, expect)
         return dict(expect, file=os.path.basename(dst))
+
+
+def check_copy(src: str, size: int, digest: str, expect: dict[str, Any]) -> None:
+    """Raise CheckpointError unless a copy of staged shard ``src`` has the size and checksum of its
+    record ``expect``."""
+    if size != expect["size"] or digest != expect["checksum"]:
+        raise CheckpointError(f"staged shard {src} changed before it was flushed "
+                              f"({size} bytes, xxh3 {digest}; expected {expect['size']} bytes, "
+                              f"xxh3 {expect['checksum']}); the fast level is damaged")

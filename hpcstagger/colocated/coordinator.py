@@ -44,6 +44,8 @@ from .calibration import calibration_dir, calibration_spec, no_plan, wrap_loader
 from .cachestate import describe_start, observe_cache
 from .planning import plan_delays
 from .history import describe as describe_history, plan_history
+from .idle import flush_root, flusher_for
+from .prefetch import prefetcher_for
 from .progress import ProgressMeter
 from .release import set_host, wait_for_release
 from .spec import Spec
@@ -136,6 +138,17 @@ class Session:
         return (os.path.join(ck.directory, self.job),
                 os.path.join(ck.staging_dir, spec.run.name, self.job) if ck.staging_dir else None)
 
+    def checkpoint_options(self) -> dict[str, Any]:
+        """Keyword arguments for :class:`~hpcstagger.AsyncCheckpointer` from the spec's ``[checkpoint]``:
+        ``directory``, ``staging_dir``, ``keep`` and, with a staging level, ``flush_by`` and
+        ``flush_queue`` (the run's shared queue, :mod:`.idle`)."""
+        spec = self._need_spec("checkpoint_options")
+        directory, staging = self.checkpoint_dir()
+        opts: dict[str, Any] = {"directory": directory, "staging_dir": staging, "keep": spec.checkpoint.keep}
+        if staging:
+            opts.update(flush_by=spec.checkpoint.flush, flush_queue=flush_root(spec))
+        return opts
+
     # ---- stages --------------------------------------------------------------------------------
     def wait(self, idle_work: Sequence[IdleWork] = ()) -> float:
         """Wait out this job's delay, running ``idle_work`` meanwhile; return the seconds waited.
@@ -144,7 +157,9 @@ class Session:
         instead (:mod:`hpcstagger.colocated.release`); the plan's delay is its prior."""
         start = time.time()
         until = self.t0 + self.delay
-        work = list(idle_work)
+        prefetcher = prefetcher_for(self)  # [plan] prefetch: fill the cache in the source's idle time
+        flusher = flusher_for(self)  # [checkpoint] flush = "queue": flush the running jobs' checkpoints
+        work = list(idle_work) + [w for w in (prefetcher, flusher) if w is not None]  # the flusher lingers: last
         if self.delay > 0 and self.plan.get("steer"):
             self.say(f"waiting for release (planned +{self.delay:.1f} s; steered by the run)")
             self.release = wait_for_release(self, work)
@@ -162,6 +177,12 @@ class Session:
             else:
                 time.sleep(min(left, 0.5))
         waited = time.time() - start
+        if prefetcher is not None:
+            prefetcher.close()
+            self.timings.update(prefetcher.stats())
+        if flusher is not None:
+            flusher.close()
+            self.timings.update(flushed_for_others=float(flusher.flushed), flush_failed=float(flusher.failed))
         self.timings["waited"] = waited
         self.timings["started_at"] = self.elapsed()
         self.write_status("started")

@@ -107,8 +107,8 @@ class Watcher:
         look = Look(t=t)
         cache = self._attach()
         if cache is not None:
-            s = cache.stats()
-            look.read_bytes, look.read_seconds = float(s["read_bytes"]), float(s["read_seconds"])
+            nbytes, seconds = cache.read_counters()
+            look.read_bytes, look.read_seconds = float(nbytes), seconds
         for name in started:
             rec = read_progress(self.run_dir, name)
             if rec:
@@ -204,6 +204,7 @@ def _host(session: Any, idle: list[Callable[[float], bool]]) -> dict[str, Any]:
     """The host's loop: the watch thread decides, this thread sends the releases and runs the idle
     work; returns its own job's release."""
     steering = _steering(session)
+    steering.prefetched = next((w.fraction for w in idle if hasattr(w, "fraction")), None)
     for n in steering.groups[0]:
         steering.released[n] = 0.0
     watcher = Watcher(session.spec, session.run_dir)

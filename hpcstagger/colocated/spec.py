@@ -22,6 +22,7 @@ rank, through ``HPCSTAGGER_SPEC``) all read it. The format::
     [checkpoint]
     directory = "checkpoints"      # one subdirectory per job
     staging_dir = "/dev/shm/ckpt"  # optional fast level, flushed to directory in the background
+    flush = "self"                 # "queue": a waiting job's processes do the flush (needs staging_dir)
     keep = 3
     every = 100                    # steps between saves (0: at the end of each epoch)
 
@@ -103,10 +104,14 @@ class CacheSpec:
 
 @dataclass(frozen=True)
 class CheckpointSpec:
-    """Asynchronous checkpoints: ``directory`` (absolute), optional ``staging_dir``, ``keep``, ``every``."""
+    """Asynchronous checkpoints: ``directory`` (absolute), optional ``staging_dir``, ``keep``, ``every``,
+    and ``flush``: who copies a staged checkpoint to ``directory``: ``"self"`` (each rank's writer)
+    or ``"queue"`` (a waiting job's idle process, through the run's flush queue; see
+    :mod:`hpcstagger.checkpoint.flushq`)."""
 
     directory: str = ""
     staging_dir: str = ""
+    flush: str = "self"
     keep: int = 3
     every: int = 0
 
@@ -118,7 +123,8 @@ class PlanSpec:
     job's real start may stray from its plan. Mode ``"plan"`` steers the waits while the run goes
     on (closed loop; with ``steer = false`` it only watches and keeps the planned delays);
     ``"open"`` keeps the plan's delays as fixed sleeps and does not watch. With ``history`` the plan
-    starts from what earlier runs measured (:mod:`hpcstagger.colocated.history`)."""
+    starts from what earlier runs measured (:mod:`hpcstagger.colocated.history`). With ``prefetch``
+    the job planned to start last fills the cache while it waits (:mod:`.prefetch`)."""
 
     mode: str = "plan"
     scenario: str = ""
@@ -129,6 +135,7 @@ class PlanSpec:
     history: bool = True
     calibrate: bool = True
     jitter: float | None = None
+    prefetch: bool = False
 
 
 @dataclass(frozen=True)
@@ -182,6 +189,7 @@ _CACHE = S.Table("cache", [
 _CHECKPOINT = S.Table("checkpoint", [
     S.Field("directory", S.string(), "checkpoints", shown='"checkpoints" under the workdir'),
     S.Field("staging_dir", S.string(allow_empty=True), "", shown="unset (one level)"),
+    S.Field("flush", S.choice("self", "queue"), "self"),
     S.Field("keep", S.integer(minimum=1), 3),
     S.Field("every", S.integer(minimum=0), 0, shown="0 (end of each epoch)"),
 ])
@@ -196,6 +204,7 @@ _PLAN = S.Table("plan", [
     S.Field("calibrate", S.boolean(), True),
     S.Field("jitter", S.optional(S.number(minimum=0)), None,
             shown="unset (the plan_jitter knob times the jobs' mean start-up)"),
+    S.Field("prefetch", S.boolean(), False),
 ])
 _SLURM = S.Table("slurm", [
     S.Field("partition", S.string(allow_empty=True), "", shown="the cluster default"),
@@ -284,6 +293,9 @@ class Spec:
         ck = _CHECKPOINT.parse("checkpoint", data.get("checkpoint"))
         ck["directory"] = str((Path(run["workdir"]) / os.path.expanduser(ck["directory"])).resolve())
         ck["staging_dir"] = resolve(ck["staging_dir"])
+        if ck["flush"] == "queue" and not ck["staging_dir"]:
+            raise ConfigError('checkpoint.flush = "queue" needs checkpoint.staging_dir: the queue flushes the '
+                              'staging level; set staging_dir (for example "/dev/shm/ckpt") or flush = "self"')
 
         raw_jobs = data.get("job")
         if not raw_jobs:

@@ -110,6 +110,7 @@ class Steering:
         self.fits: list[dict[str, Any]] = []  # every re-fit that asked the model for a release curve
         self.source_seen: dict[str, Any] = {}
         self.cpu_seconds = 0.0  # the watcher's own CPU time in decide()
+        self.prefetched: Callable[[], float] | None = None  # the share a waiting job prefetched (.prefetch)
         self.beta = 1.0
         self.alpha: dict[str, float] = {}
         self._curve_at: tuple[float, dict[str, float]] | None = None
@@ -280,7 +281,8 @@ class Steering:
         if look.read_bytes is not None and not self.source_seen and now < planned:
             return None  # the cache counts reads: wait for the source's evidence (or the plan's time)
         self._fit_jobs(look, loop_starts)
-        fitted = {"source": self.beta, **{f"job:{k}": v for k, v in self.alpha.items()}}
+        extra = min(1.0, max(0.0, self.prefetched())) if self.prefetched is not None else 0.0
+        fitted = {"source": self.beta, "prefetch": 1.0 + extra, **{f"job:{k}": v for k, v in self.alpha.items()}}
         moved = (self._curve_at is None
                  or any(abs(v / self._curve_at[1].get(k, 1.0) - 1.0) > MOVED for k, v in fitted.items()))
         if not moved and self._curve_at is not None and self.target is not None:
@@ -290,6 +292,8 @@ class Steering:
                                                 f"{self._best:.1f} s; source x{self.beta:.2f})", self._best)
             return None
         sc, starts = self.scenario(loop_starts)
+        if extra > 0:  # what the waiting job prefetched is in the cache too (as if from the start: approximate)
+            sc = replace(sc, cache=replace(sc.cache, initial=min(1.0, sc.cache.initial + extra)))
         waiting = [n for g in self.waiting for n in g]
         moving = {sc.job_index(n): self.planned[n] - planned for n in waiting}
         latest = min(self.hi, max(now, planned + self.horizon))

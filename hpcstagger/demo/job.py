@@ -102,8 +102,7 @@ def _get_ready(session: Any, model: Any, opt: Any, shape: tuple[int, int, int], 
     if spec.checkpoint.every > 0:
         from hpcstagger.checkpoint import AsyncCheckpointer
 
-        directory, staging = session.checkpoint_dir()
-        ckpt = AsyncCheckpointer(directory, comm=session.comm, keep=spec.checkpoint.keep, staging_dir=staging)
+        ckpt = AsyncCheckpointer(**session.checkpoint_options(), comm=session.comm)
         ckpt.prepare({"model": model, "optimizer": opt})
     generator = torch.Generator().manual_seed(1)
     images = torch.rand(batch, *shape, generator=generator)
