@@ -4,9 +4,12 @@ For each configuration (bench_userjobs' jobs: DataLoader workers and batches, DD
 code) it writes the spec without ``[plan] scenario`` and never calibrates it. Then, for each of
 ``--sequences`` sequences, from an empty history: ``--runs`` launches in a row (``hpcstagger
 launch SPEC --cold-cache``), each planning from what the earlier ones observed (the first one
-starts the jobs ``learn_stagger`` apart). Afterwards, in the same invocation, ``hpcstagger sweep``
-measures a simultaneous start and fixed staggers in both orders (every run from a cold cache; the
-sweep neither uses nor feeds the history), and each learned run is compared with the best of them.
+starts the jobs ``learn_stagger`` apart). Afterwards, in the same invocation, ``hpcstagger sweep
+--history`` measures a simultaneous start, fixed staggers in both orders and the plan learned from
+the last sequence (steered and open), every run from a cold cache; each learned run is compared
+with the best fixed stagger, and so is the learned plan inside the sweep, where it runs
+interleaved with the fixed staggers (the sweep's plan runs are observed too, so it goes on
+learning from them).
 
     python benchmarks/bench_learn.py [--only NAME,...] [--runs 3] [--sequences 2]
         [--staggers 0,1,2,3,4,6] [--repeat N] [--keep]
@@ -65,10 +68,12 @@ def run_config(name: str, cfg: dict[str, Any], data: Path, work: Path, runs: int
             print(f"[bench_learn] {name} sequence {seq + 1} run {k + 1}: "
                   f"{row.get('makespan', row.get('error'))} s, delays {row.get('delays')}", file=sys.stderr, flush=True)
         out["sequences"].append(rows)
-    U._run(hs + ["history", str(spec), "--clear"], log)
     t0 = time.monotonic()
-    rc = U._run(hs + ["sweep", str(spec), "--staggers", staggers, "--repeat", str(repeat), "--json",
+    # --history: the sweep also runs the plan learned from the last sequence (steered and open),
+    # interleaved with the fixed staggers, so that the learned plan and the best stagger compare in one run
+    rc = U._run(hs + ["sweep", str(spec), "--history", "--staggers", staggers, "--repeat", str(repeat), "--json",
                       str(work / "sweep.json")], log)
+    U._run(hs + ["history", str(spec), "--clear"], log)
     out["sweep_s"] = time.monotonic() - t0
     if rc != 0 or not (work / "sweep.json").exists():
         out["error"] = f"sweep exited {rc}; see {log}"
@@ -80,7 +85,9 @@ def run_config(name: str, cfg: dict[str, Any], data: Path, work: Path, runs: int
         for row in rows:
             if best and row.get("makespan"):
                 row["gap"] = row["makespan"] / best - 1
-    out["fixed"] = {r["label"]: r["measured"] for r in sweep["runs"] if r.get("ok")}
+    out["fixed"] = {r["label"]: r["measured"] for r in sweep["runs"] if r.get("ok")}  # the last repetition's
+    out["in_sweep"] = {k: sweep["summary"].get(k) for k in ("plan", "plan_vs_best", "open", "open_vs_best")}
+    out["in_sweep"]["plan_delays"] = [r["released"] for r in sweep["runs"] if r["mode"] == "plan"]
     return out
 
 
@@ -133,6 +140,15 @@ def main() -> int:
         if last_gaps:
             print(f"| {r['name']} | median | run {args.runs}: {_pc(statistics.median(last_gaps))} |"
                   f"{' |' * (args.runs + 1)}")
+    print("\nThe learned plan inside the sweep (sweep --history: the plan learned from all the runs above, "
+          "interleaved with the fixed staggers; medians over --repeat):\n\n| configuration | learned plan, "
+          "steered | vs best | learned plan, open | vs best | best fixed |\n|---|---|---|---|---|---|")
+    for r in results:
+        q, best = r.get("in_sweep") or {}, r.get("best") or {}
+        if q:
+            print(f"| {r['name']} | {q.get('plan') or 0:.2f} s | {_pc(q.get('plan_vs_best'))} "
+                  f"| {q.get('open') or 0:.2f} s | {_pc(q.get('open_vs_best'))} "
+                  f"| {best.get('label')} {best.get('measured') or 0:.2f} s |")
     return 0
 
 

@@ -145,10 +145,17 @@ def test_two_launches_learn_then_plan_from_what_they_saw(tmp_path, shm_root):
     # the emulated source gives 200 kB/s alone and 100 kB/s to two readers; the run saw some of it
     assert 3e4 < max(sc.storage.bandwidth) < 6e5, sc.storage.bandwidth
     assert r2["predicted"]["plan"] > 0
+    # sweep --history runs the learned plan (steered and open) beside the fixed staggers; both are observed
+    sweep = run_cli("sweep", spec, "--history", "--staggers", "1", "--json", str(tmp_path / "sweep.json"),
+                    cwd=tmp_path, env=env, timeout=280)
+    assert sweep.returncode == 0, sweep.stderr
+    runs = json.loads((tmp_path / "sweep.json").read_text())["runs"]
+    assert sorted(r["mode"] for r in runs) == ["fixed", "fixed", "open", "plan", "simultaneous"], runs
+    assert all(r["ok"] for r in runs)
     hist = run_cli("history", spec, "--json", cwd=tmp_path, env=env)
-    assert len(json.loads(hist.stdout)["learning"]["observed"]) == 2
+    assert len(json.loads(hist.stdout)["learning"]["observed"]) == 4
     cleared = run_cli("history", spec, "--clear", cwd=tmp_path, env=env)
-    assert cleared.returncode == 0 and "2 observed run(s)" in cleared.stdout
+    assert cleared.returncode == 0 and "4 observed run(s)" in cleared.stdout
     assert not os.path.exists(learned)
 
 

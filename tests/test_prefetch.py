@@ -4,8 +4,10 @@ counts no lookup, and never fails the job."""
 
 from __future__ import annotations
 
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -95,3 +97,46 @@ def test_a_call_is_bounded_by_the_time_left(cache):
     t = time.monotonic()
     assert p(0.05)
     assert time.monotonic() - t < 0.2 and 0 < p.samples < 10_000
+
+
+# ------------------------------------------------------------------------------------ in a real launch
+LAUNCH_JOB = textwrap.dedent("""
+    import time
+    import torch
+    import hpcstagger
+    from hpcstagger.cache import CachedDataset
+
+    session = hpcstagger.init()
+    data = CachedDataset(session.source(), session.cache(), transform=lambda b: len(bytes(b)))
+    loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True, num_workers=0)
+    total = 0
+    for batch in session.loader(loader):
+        total += int(batch.sum())
+        time.sleep(0.15 if session.job == "a" else 0.0)  # a is compute-bound: the source idles between batches
+    session.finish(total=total)
+""")
+
+
+@pytest.mark.timeout(240)
+def test_the_waiting_job_prefetches_in_a_launch(tmp_path, shm_root):
+    import json
+
+    from support.cli import cli_env, run_cli
+    from support.userjob import SAMPLE_BYTES, SAMPLES, write_run
+
+    spec = Path(write_run(tmp_path, shm_root, name="pf", plan='mode = "fixed"\ndelays = { b = 3.0 }\nprefetch = true'))
+    (tmp_path / "job.py").write_text(LAUNCH_JOB)
+    spec.write_text(spec.read_text().replace("epochs = 2", "epochs = 1"))
+    env = cli_env(HPCSTAGGER_SHM_ROOT=shm_root)
+    out = run_cli("launch", str(spec), "--cold-cache", "--json", cwd=tmp_path, env=env, timeout=200)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert {n: j["metrics"]["total"] for n, j in result["jobs"].items()} == {"a": SAMPLES * SAMPLE_BYTES,
+                                                                            "b": SAMPLES * SAMPLE_BYTES}
+    status = json.loads(next((tmp_path / "hpcstagger-runs" / "pf" / "runs").glob("*/b.0.json")).read_text())
+    t = status["timings"]
+    # a's reads leave the source idle about half the time: b's leader reads into the cache then, and holds back
+    assert 20 <= t["prefetch_samples"] <= SAMPLES and t["prefetch_bytes"] == t["prefetch_samples"] * SAMPLE_BYTES
+    assert t["prefetch_busy_s"] > 0
+    status_a = json.loads(next((tmp_path / "hpcstagger-runs" / "pf" / "runs").glob("*/a.0.json")).read_text())
+    assert "prefetch_samples" not in status_a["timings"]  # only the job that waits prefetches

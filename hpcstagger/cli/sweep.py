@@ -34,7 +34,8 @@ def register(sub: Any) -> None:
                    help="mpiexec (MPMD, anywhere; the default) or srun (inside a Slurm allocation)")
     p.add_argument("--history", action="store_true",
                    help="plan each run from the spec's run history too (by default every run plans from the "
-                        "calibration alone, so that the runs compare)")
+                        "calibration alone, so that the runs compare); a spec without a scenario then also "
+                        "runs its learned plan, once it has observed runs")
     p.add_argument("--json", metavar="PATH", help="where the results go (default <workdir>/sweep/sweep-<time>.json)")
     p.add_argument("--plot", metavar="PNG", help="where the plot goes (default: beside the JSON, .png)")
     p.set_defaults(func=run)

@@ -1,9 +1,10 @@
 """``hpcstagger sweep``: check the planner on your own jobs against measured start staggers.
 
 :func:`run_sweep` launches a spec (with :func:`~hpcstagger.colocated.launch.launch`) once with the
-plan (mode plan; only when the spec has a ``[plan] scenario``), once with a simultaneous start and
-once per fixed stagger, each from a cold cache (``launch(cold_cache=True)``), all of it ``repeat``
-times, and compares the measured makespans with what the coordinator predicted for each run.
+plan (mode plan; when the spec has a ``[plan] scenario``, or with ``history`` a learned plan),
+once with a simultaneous start and once per fixed stagger, each from a cold cache
+(``launch(cold_cache=True)``), all of it ``repeat`` times, and compares the measured makespans
+with what the coordinator predicted for each run.
 
 Staggers. A stagger ``s`` seconds is run in both orders: in spec order (job ``k`` of the spec,
 counting from 0, is delayed by ``k * s``) and in reverse order (job ``k`` of ``N`` is delayed by
@@ -269,6 +270,13 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def _learns(spec: Spec) -> bool:
+    """Whether a spec without a scenario has a learned plan: history on and an observed run."""
+    from .learn import observed_runs
+
+    return spec.plan.history and spec.plan.mode == "plan" and bool(observed_runs(spec.run.workdir))
+
+
 def run_sweep(spec: Spec, *, staggers: Sequence[float] | None = None, repeat: int = 1,
               max_stagger: float | None = None, sequential: bool = False, timeout: float | None = None,
               launcher: str = "mpiexec", json_path: str | os.PathLike[str] | None = None,
@@ -278,6 +286,8 @@ def run_sweep(spec: Spec, *, staggers: Sequence[float] | None = None, repeat: in
 
     Every run plans from the calibration alone, so that the runs compare: the spec's run history
     (what earlier runs measured, :mod:`.history`) is still recorded but not used, unless ``history``.
+    With ``history``, a spec without a scenario that has observed runs (:mod:`.learn`) also runs
+    its learned plan (steered and open), which goes on learning from each of those runs.
 
     ``progress`` gets one line per run (default: stderr). Raises ConfigError for bad input (one
     job, ``repeat`` < 1, a negative stagger), LaunchError naming the run when a run fails (the
@@ -292,7 +302,7 @@ def run_sweep(spec: Spec, *, staggers: Sequence[float] | None = None, repeat: in
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = Path(json_path) if json_path else Path(spec.run.workdir) / "sweep" / f"sweep-{stamp}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    has_plan = bool(spec.plan.scenario)
+    has_plan = bool(spec.plan.scenario) or (history and _learns(spec))
     out: dict[str, Any] = {"spec": spec.path, "jobs": order, "repeat": repeat, "staggers": None,
                            "ordering": "stagger s > 0: job k (spec order, from 0) delayed by k*s; "
                                        "s < 0: the reverse order, job k delayed by (N-1-k)*|s|",
