@@ -80,6 +80,20 @@ _KNOB_LIST: list[Knob] = [
          "capacity_bytes / this many entries (ShmCache's max_entries overrides it)"),
     Knob("throttle_dir", str, "",
          "where ThrottledSource keeps its shared reader state; empty means <shm_root>/.throttle"),
+    # --- shared loader (hpcstagger.loader) ---
+    Knob("loader_window", int, 8,
+         "batches a shared loader's producer keeps in shared memory (the most a consumer can run ahead of "
+         "the slowest one, with pace='wait')"),
+    Knob("loader_segments", int, 8,
+         "segments a shared loader's epoch is cut into: a late consumer joins at the next segment boundary, "
+         "and samples are reshuffled within segments every round (1: a full reshuffle, joins only at epochs)"),
+    Knob("loader_linger", float, 5.0,
+         "seconds a shared loader's producer stays up with no consumer attached before it stops and "
+         "removes its shared memory"),
+    Knob("loader_timeout", float, 300.0,
+         "seconds a shared loader's consumer waits for one batch from a live producer before raising LoaderError"),
+    Knob("loader_rank_wait", float, 120.0,
+         "seconds the entries of a data-parallel job's ranks that have not attached yet hold the producer back"),
     # --- checkpoints (hpcstagger.checkpoint) and the torch.distributed rendezvous ---
     Knob("ckpt_chunk_bytes", int, 8 << 20,
          "bytes the background checkpoint writer writes between two looks at the gate"),

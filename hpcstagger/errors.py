@@ -19,6 +19,7 @@ __all__ = [
     "CollectiveError",
     "CollectiveTimeout",
     "CacheError",
+    "LoaderError",
     "CheckpointError",
     "LaunchError",
     "ModelError",
@@ -83,6 +84,10 @@ class CollectiveTimeout(CollectiveError):
 
 class CacheError(HpcstaggerError):
     """The shared sample cache cannot be used (bad name, unsafe directory, unknown cache, ...)."""
+
+
+class LoaderError(HpcstaggerError):
+    """The shared loader cannot be used: its producer died or failed, unsafe shared memory, bad batches."""
 
 
 class CheckpointError(HpcstaggerError):

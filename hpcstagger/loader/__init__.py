@@ -1,0 +1,22 @@
+"""The shared loader: one producer per node prepares each batch once, every co-located job consumes it.
+
+Importing this package imports neither torch nor numpy; each name is loaded on first use.
+
+- :class:`SharedLoader`: use it where a DataLoader was built; ``for batch in loader`` stays the same.
+- :class:`StreamOrder`: the order of the shared batch stream (epochs, segments, late joins).
+- :func:`list_pipelines`: the pipelines in a node's shared memory, with their producer and consumers.
+"""
+
+from __future__ import annotations
+
+from .._lazy import lazy_exports
+
+_EXPORTS: dict[str, str] = {
+    "SharedLoader": "consumer",
+    "StreamOrder": "_order",
+    "list_pipelines": "admin",
+}
+
+__all__ = list(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

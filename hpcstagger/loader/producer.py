@@ -1,0 +1,286 @@
+"""The producer of a shared pipeline: one process per node and pipeline, started by its first consumer.
+
+The first consumer to ask for a pipeline creates its control file and forks the producer twice over
+(the middle process exits at once, so the producer belongs to no job's process tree and outlives the
+consumer that started it). The producer:
+
+- runs a plain ``torch.utils.data.DataLoader`` over the user's dataset with the user's workers,
+  collate function and worker init, over the endless batch stream of :class:`StreamOrder`, so the
+  decode and augment run in DataLoader worker processes exactly as they would in one job (and reads
+  go through the shared cache when the dataset is a ``CachedDataset``);
+- copies each finished batch into the next slot of the ring, once every attached consumer has
+  released the batch that slot held, and publishes it by advancing ``head``;
+- beats every 0.1 s and, every 0.25 s, detaches consumers whose process is gone (so a killed job
+  never holds the others back) and drops data-parallel ranks that never arrived;
+- stops once no consumer has been attached for ``loader_linger`` seconds, and removes its files.
+
+A failure in the dataset or collate function is written into the control file; every consumer raises
+it, naming the producer. The producer's standard streams go to /dev/null (it must not hold a job's
+output pipes open), so its errors reach users only through their consumers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from .. import config
+from ..errors import LoaderError, describe_exception
+from . import _ring as R
+from ._order import StreamOrder
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Pipeline", "spawn_producer"]
+
+
+@dataclass
+class Pipeline:
+    """What a producer runs: the dataset and how to batch it (held in memory, passed by fork)."""
+
+    key: str
+    name: str
+    dataset: Any
+    order: StreamOrder
+    num_workers: int
+    collate_fn: Any
+    worker_init_fn: Any
+    prefetch_factor: int | None
+    window: int
+    slot_bytes: int
+
+
+class _StreamBatches:
+    """A DataLoader batch sampler over the endless stream, from batch ``start``."""
+
+    def __init__(self, order: StreamOrder, start: int = 0):
+        self.order, self.start = order, start
+
+    def __iter__(self) -> Iterator[list[int]]:
+        g = self.start
+        while True:
+            yield self.order.indices(g)
+            g += 1
+
+
+def spawn_producer(pipe: Pipeline, ctl: R.Ctl, root: str) -> tuple[int, int]:
+    """Fork the producer (detached, in its own session); return its (pid, start time)."""
+    rfd, wfd = os.pipe()
+    child = os.fork()
+    if child == 0:  # the middle process
+        try:
+            os.close(rfd)
+            os.setsid()
+            pid = os.fork()
+            if pid == 0:
+                os.close(wfd)
+                code = 1
+                try:
+                    code = _Producer(pipe, ctl, root).main()
+                finally:
+                    os._exit(code)
+            os.write(wfd, str(pid).encode())
+        finally:
+            os._exit(0)
+    os.close(wfd)
+    try:
+        text = b""
+        while chunk := os.read(rfd, 64):
+            text += chunk
+    finally:
+        os.close(rfd)
+        os.waitpid(child, 0)
+    if not text:
+        raise LoaderError("could not start the shared loader's producer process (fork failed)")
+    pid = int(text)
+    from ..cache._fs import _proc_stat
+
+    info = _proc_stat(pid)
+    return pid, info[1] if info else 0
+
+
+class _Producer:
+    def __init__(self, pipe: Pipeline, ctl: R.Ctl, root: str):
+        # Its own descriptor of the directory: flock is per open file description, and the one
+        # inherited from the consumer that forked it would share that consumer's lock.
+        self.dir_fd, self.dir_path = R.loader_dir(root)
+        self.pipe, self.ctl = pipe, ctl
+        self.removed = False
+        self.stop = threading.Event()
+        self.linger = float(config.get("loader_linger"))
+        self.data_mm: Any = None
+        self.data_view: Any = None
+
+    def main(self) -> int:
+        _quiet_streams()
+        import torch
+
+        torch.set_num_threads(1)
+        w = self.ctl.w
+        w[R.H_BEAT] = R.now_ns()
+        w[R.H_STATE] = R.P_RUNNING
+        beat = threading.Thread(target=self._beat, name="hpcstagger-loader-beat", daemon=True)
+        beat.start()
+        code = 0
+        try:
+            self._produce()
+        except BaseException as exc:  # every failure must reach the consumers
+            code = 1
+            self.ctl.set_error(describe_exception(exc))
+            w[R.H_STATE] = R.P_FAILED
+            self.stop.set()
+        finally:
+            self.stop.set()
+            beat.join(timeout=2.0)
+            w[R.H_BEAT] = R.now_ns()
+            self._finish()
+        return code
+
+    # ---- the stream -------------------------------------------------------------------------
+
+    def _loader(self) -> Any:
+        import multiprocessing
+
+        from torch.utils.data import DataLoader
+
+        p = self.pipe
+        kwargs: dict[str, Any] = {}
+        if p.num_workers > 0:
+            kwargs["multiprocessing_context"] = multiprocessing.get_context("fork")
+            if p.prefetch_factor is not None:
+                kwargs["prefetch_factor"] = p.prefetch_factor
+        if p.collate_fn is not None:
+            kwargs["collate_fn"] = p.collate_fn
+        return DataLoader(p.dataset, batch_sampler=_StreamBatches(p.order), num_workers=p.num_workers,
+                          worker_init_fn=p.worker_init_fn, **kwargs)
+
+    def _produce(self) -> None:
+        it = iter(self._loader())
+        try:
+            g = 0
+            while not self.stop.is_set():
+                batch = next(it)
+                header, parts, nbytes = R.encode_plan(batch)
+                if self.data_mm is None:
+                    self._make_data(nbytes)
+                slot_bytes = int(self.ctl.w[R.H_SLOT_BYTES])
+                if nbytes > slot_bytes:
+                    raise LoaderError(f"batch {g} of the shared pipeline {self.pipe.name!r} needs {nbytes} bytes "
+                                      f"but its slots hold {slot_bytes}; batches vary in size: pass "
+                                      f"slot_bytes={nbytes * 2} (or more) to SharedLoader")
+                if not self._wait_free(g):
+                    return
+                s = g % self.pipe.window
+                base = s * slot_bytes
+                self.data_mm[base:base + len(header)] = header
+                for flat, off, n in parts:
+                    if n:
+                        self.data_view[base + off:base + off + n].copy_(flat)
+                slot = self.ctl.slot(s)
+                slot[R.S_NBYTES] = nbytes
+                slot[R.S_SEQ] = g
+                self.ctl.w[R.H_HEAD] = g + 1
+                g += 1
+        finally:
+            del it  # shuts the DataLoader's workers down
+
+    def _make_data(self, nbytes: int) -> None:
+        import mmap
+
+        import torch
+
+        size = self.pipe.slot_bytes or int(nbytes * 1.5) + 4096
+        size = -(-size // R.PAGE) * R.PAGE
+        with R.DirLock(self.dir_fd):
+            fd = R.open_file(self.dir_fd, self.dir_path, self.pipe.key + ".data", create=True,
+                             size=size * self.pipe.window)
+        try:
+            self.data_mm = mmap.mmap(fd, size * self.pipe.window, mmap.MAP_SHARED,
+                                     mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.data_view = torch.frombuffer(self.data_mm, dtype=torch.uint8)
+        self.ctl.w[R.H_SLOT_BYTES] = size
+
+    def _wait_free(self, g: int) -> bool:
+        """Wait until slot ``g % window`` may be overwritten; False if told to stop meanwhile."""
+        w, window = self.ctl.w, self.pipe.window
+        nap = 0.0002
+        blocked = False
+        while not self.stop.is_set():
+            holders = self.ctl.attached()
+            if holders and all(int(self.ctl.cons(i)[R.C_RELEASED]) > g - window for i in holders):
+                if blocked:
+                    w[R.H_BLOCKED] = 0
+                return True
+            if holders and not blocked:
+                w[R.H_BLOCKED] = R.now_ns()
+                blocked = True
+            time.sleep(nap)
+            nap = min(nap * 2, 0.004)
+        return False
+
+    # ---- liveness ---------------------------------------------------------------------------
+
+    def _beat(self) -> None:
+        w = self.ctl.w
+        empty_since: float | None = None
+        last_sweep = 0.0
+        while not self.stop.wait(0.1):
+            w[R.H_BEAT] = R.now_ns()
+            now = time.monotonic()
+            if now - last_sweep < 0.25:
+                continue
+            last_sweep = now
+            with R.DirLock(self.dir_fd):
+                live = self._sweep(now)
+                if live:
+                    empty_since = None
+                elif empty_since is None:
+                    empty_since = now
+                elif now - empty_since >= self.linger:
+                    w[R.H_STATE] = R.P_STOPPED
+                    R.remove_files(self.dir_fd, self.pipe.key, self.ctl.ino)
+                    self.removed = True
+                    self.stop.set()
+
+    def _sweep(self, now: float) -> int:
+        """Detach dead consumers and expired pending ranks (lock held); return how many remain."""
+        from ..cache._fs import alive
+
+        live = 0
+        for i in self.ctl.attached():
+            c = self.ctl.cons(i)
+            if int(c[R.C_STATE]) == R.C_PENDING:
+                if now * 1e9 > int(c[R.C_DEADLINE]):
+                    c[R.C_STATE] = R.C_DROPPED
+                    continue
+            elif not alive(int(c[R.C_PID]), int(c[R.C_START])):
+                c[R.C_STATE] = R.C_DROPPED
+                log.info("shared loader %s: detached consumer pid %d (gone)", self.pipe.name, int(c[R.C_PID]))
+                continue
+            live += 1
+        return live
+
+    def _finish(self) -> None:
+        """Remove the pipeline's files if no consumer is left; else the last consumer removes them."""
+        with R.DirLock(self.dir_fd):
+            if int(self.ctl.w[R.H_STATE]) == R.P_RUNNING:
+                self.ctl.w[R.H_STATE] = R.P_STOPPED
+            if not self.removed and not self._sweep(time.monotonic()):
+                R.remove_files(self.dir_fd, self.pipe.key, self.ctl.ino)
+                self.removed = True
+        os.close(self.dir_fd)
+
+
+def _quiet_streams() -> None:
+    """Point stdin, stdout and stderr at /dev/null: a job's output pipes must close when it ends."""
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
