@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Iterator
 from ._io import atomic_write_json, read_json
 from .errors import ConfigError
 
-__all__ = ["StallProfiler", "STALL_THRESHOLD", "batch_size_of"]
+__all__ = ["StallProfiler", "STALL_THRESHOLD", "batch_size_of", "shared_loader_gain"]
 
 STALL_THRESHOLD = 0.10
 _FORMAT = "hpcstagger-stall-profile"
@@ -197,8 +197,30 @@ class StallProfiler:
             raise ConfigError(f"{path}: {exc}") from None
 
 
-def estimate_gains(summary: dict[str, Any], scenario: Any = None, job: str | None = None) -> dict[str, Any]:
-    """What caching and staggering would gain this job, from its profile summary.
+def shared_loader_gain(summary: dict[str, Any], jobs: int) -> dict[str, Any]:
+    """What a shared loader (:mod:`hpcstagger.loader`) would gain ``jobs`` co-located jobs like this one.
+
+    The estimate assumes the stall (waiting plus marked prep) is work that sharing divides among the
+    jobs: batch preparation, in the loop or in DataLoader workers that fell behind, and reads. One
+    producer prepares each batch once for all ``jobs``, so an iteration takes ``compute + stall /
+    jobs`` instead of ``compute + stall``. The speedup applies to each job and to their aggregate
+    throughput. A stall that is storage bandwidth alone is the shared cache's to remove first.
+    """
+    if jobs < 1:
+        raise ConfigError(f"jobs must be >= 1, got {jobs}")
+    comp, stall = summary["compute_s"], summary["wait_s"] + summary["prep_s"]
+    total = comp + stall
+    speedup = total / (comp + stall / jobs) if total > 0 and comp + stall / jobs > 0 else 1.0
+    verdict = summary.get("verdict")
+    return {"jobs": jobs, "speedup": speedup, "recommended": bool(verdict == "prep-bound" and jobs > 1),
+            "worth_trying": bool(verdict == "I/O-bound" and jobs > 1)}
+
+
+def estimate_gains(summary: dict[str, Any], scenario: Any = None, job: str | None = None,
+                   jobs: int | None = None) -> dict[str, Any]:
+    """What caching, staggering and a shared loader would gain this job, from its profile summary.
+
+    ``jobs``: how many co-located jobs would share a loader (default: the scenario's jobs, else 2).
 
     Without a scenario: an upper bound for caching (every wait removed) and no estimate for
     staggering. With a scenario: the job's measured seconds per sample (compute plus marked prep)
@@ -207,6 +229,8 @@ def estimate_gains(summary: dict[str, Any], scenario: Any = None, job: str | Non
     exact starts (the gain staggering can give).
     """
     out: dict[str, Any] = {"caching_upper_bound": summary["wait_share"]}
+    n_jobs = jobs if jobs is not None else (len(scenario.jobs) if scenario is not None else 2)
+    out["shared_loader"] = shared_loader_gain(summary, n_jobs)
     if scenario is None:
         return out
     from dataclasses import replace
@@ -220,8 +244,8 @@ def estimate_gains(summary: dict[str, Any], scenario: Any = None, job: str | Non
     per_sample = summary["compute_per_sample_s"] + summary["prep_per_sample_s"]
     if not per_sample > 0:
         raise ConfigError("the profile has no compute time per sample to put into the scenario")
-    jobs = tuple(replace(j, sample_time=per_sample) if j.name == name else j for j in scenario.jobs)
-    sc = replace(scenario, jobs=jobs)
+    new_jobs = tuple(replace(j, sample_time=per_sample) if j.name == name else j for j in scenario.jobs)
+    sc = replace(scenario, jobs=new_jobs)
     no_cache = predict(replace(sc, cache=Cache(0.0, "none")), series=False)
     cached = predict(sc, series=False)
     plan = optimal_plan(sc, jitter=0.0)  # what staggering can gain: exact starts

@@ -177,3 +177,34 @@ def test_the_specs_jitter_reaches_the_planner(tmp_path):
     assert planned[0] != planned[1]
     with pytest.raises(ConfigError, match="plan.jitter"):
         Spec.from_dict({**base, "plan": {"jitter": -1}}, base_dir=tmp_path)
+
+
+def _three(tmp_path, loader):
+    (tmp_path / "s.toml").write_text(SCENARIO)
+    return Spec.from_dict({
+        "run": {"name": "p"}, "plan": {"mode": "plan", "scenario": "s.toml"}, "loader": loader,
+        "job": [{"name": "a", "command": "python a.py"}, {"name": "b", "command": "python b.py"},
+                {"name": "c", "command": "python c.py", "loader": "solo"}],
+    }, base_dir=tmp_path)
+
+
+def test_jobs_sharing_a_loader_are_planned_as_their_slowest_member(tmp_path):
+    calib = {"a": {"sample_time": 0.0002}, "b": {"sample_time": 0.0006}, "c": {"sample_time": 0.0003}}
+    spec = _three(tmp_path, {"share": True})
+    assert spec.loader_groups() == {"p": ["a", "b"]}  # c has a loader of its own: no group
+    out = plan_delays(spec, ["a", "b", "c"], calib, "plan")
+    assert out["loader_groups"] == {"p": ["a", "b"]}
+    assert out["delays"]["a"] == out["delays"]["b"]  # released as one
+    # the model saw the group once, as b (the slower), beside c
+    assert [(j["name"], j["sample_time"]) for j in out["scenario"]["job"]] == [("b", 0.0006), ("c", 0.0003)]
+    sc = Scenario.from_dict(out["scenario"])
+    assert predict(sc, {n: out["delays"][n] for n in ("b", "c")}).makespan == pytest.approx(
+        out["predicted"]["plan"], rel=1e-9)
+    if "steer" in out:  # a group is one release group
+        assert any(set(g) >= {"a", "b"} for g in out["steer"]["groups"])
+    # without sharing, the three jobs are planned one by one
+    plain = plan_delays(_three(tmp_path, {"share": False}), ["a", "b", "c"], calib, "plan")
+    assert "loader_groups" not in plain and len(plain["scenario"]["job"]) == 3
+    # fixed delays stay the user's
+    fixed = plan_delays(spec, ["a", "b", "c"], calib, "fixed", fixed={"b": 1.0})
+    assert fixed["delays"] == {"a": 0.0, "b": 1.0, "c": 0.0}

@@ -122,3 +122,26 @@ def test_profile_cli_with_and_without_scenario(tmp_path):
     assert 0 < g["caching_gain"] < 1 and d["summary"]["verdict"] == "I/O-bound"
     out = run_cli("profile", str(path), "--scenario", str(sc), "--job", "nosuch")
     assert out.returncode == 1 and "job 'nosuch' is not in the scenario" in out.stderr
+
+
+def test_profile_recommends_the_shared_loader_for_prep_bound_jobs(tmp_path):
+    prof = StallProfiler("prepbound")
+    for _ in range(20):
+        prof.record(wait=0.001, compute=0.002, prep=0.008, samples=8)
+    path = tmp_path / "p.json"
+    prof.save(str(path))
+    out = run_cli("profile", str(path), "--jobs", "3")
+    assert out.returncode == 0, out.stderr
+    assert "shared loader: recommended" in out.stdout
+    out = run_cli("profile", str(path), "--jobs", "3", "--json")
+    sl = json.loads(out.stdout)["gains"]["shared_loader"]
+    # 11 ms per iteration, of which 9 ms are stall shared by 3: 2 + 3 = 5 ms
+    assert sl["speedup"] == pytest.approx(11 / 5) and sl["recommended"] and sl["jobs"] == 3
+    out = run_cli("profile", str(path), "--jobs", "0")
+    assert out.returncode == 2 and "--jobs must be >= 1" in out.stderr
+    compute_bound = StallProfiler("fast")
+    for _ in range(20):
+        compute_bound.record(wait=0.0001, compute=0.01, samples=8)
+    compute_bound.save(str(path))
+    out = run_cli("profile", str(path))
+    assert "shared loader: little to gain" in out.stdout

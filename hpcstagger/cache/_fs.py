@@ -18,7 +18,7 @@ import stat
 from ..errors import CacheError
 
 __all__ = ["validate_name", "open_secure_dir", "open_secure_subdir", "check_secure_file", "symlink_error",
-           "self_identity", "alive"]
+           "self_identity", "start_time", "alive"]
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _ROOT_HINT = "set HPCSTAGGER_SHM_ROOT or pass root= to use another directory"
@@ -150,6 +150,12 @@ def self_identity() -> tuple[int, int]:
         info = _proc_stat(pid)
         _identity = (pid, info[1] if info else 0)
     return _identity
+
+
+def start_time(pid: int) -> int:
+    """The start time (clock ticks since boot) of process ``pid``; 0 if it is gone."""
+    info = _proc_stat(pid)
+    return info[1] if info else 0
 
 
 def alive(pid: int, start: int) -> bool:

@@ -149,6 +149,13 @@ class Session:
             opts.update(flush_by=spec.checkpoint.flush, flush_queue=flush_root(spec))
         return opts
 
+    def data_loader(self, dataset: Any, batch_size: int = 1, **kwargs: Any) -> Any:
+        """This job's loader: a :class:`~hpcstagger.loader.SharedLoader` when the spec's ``[loader]``
+        (or ``share=True``) says so, else a plain DataLoader (:func:`.shared.data_loader`)."""
+        from .shared import data_loader
+
+        return data_loader(self, dataset, batch_size, **kwargs)
+
     # ---- stages --------------------------------------------------------------------------------
     def wait(self, idle_work: Sequence[IdleWork] = ()) -> float:
         """Wait out this job's delay, running ``idle_work`` meanwhile; return the seconds waited.

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from ..errors import ConfigError
 from .spec import PLAN_MODES, PLAN_MODES_IN_WORLD, PLANNED_MODES, Spec
 
-__all__ = ["plan_delays", "scenario_for", "cached_fraction", "fold_miss_overhead"]
+__all__ = ["plan_delays", "scenario_for", "cached_fraction", "fold_miss_overhead", "loader_representatives"]
 
 
 def _needs_scenario() -> ConfigError:
@@ -50,7 +50,8 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
     ``steer`` when some job waits (:func:`~.release.steer_record`, with the watcher's period
     ``steer_interval``): the run then releases waiting jobs on evidence. ``history`` (from
     :func:`~.history.corrections`) gives factors on the scenario's source and jobs that earlier runs
-    measured; the plan starts from them, and returns them as ``history``.
+    measured; the plan starts from them, and returns them as ``history``. Jobs that share a loader
+    are planned as one (:func:`loader_representatives`; their groups are returned as ``loader_groups``).
 
     ``learned`` (from :func:`~.learn.resolve`, for a spec without a scenario) is returned as
     ``learn``: with its ``scenario`` the plan is made from that learned scenario; without one
@@ -64,7 +65,7 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
     if learned is not None and spec is not None and not spec.plan.scenario:
         out["learn"] = dict(learned)
         if not learned.get("scenario"):  # the first run: a short stagger, observed
-            out["delays"] = _learning_delays(spec, order, float(learned.get("stagger") or 0.0))
+            out["delays"] = _learning_delays(spec, order, calibrations, float(learned.get("stagger") or 0.0))
             return out
         from .learn import with_scenario
 
@@ -75,9 +76,13 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
         return out
     from ..model import optimal_plan, predict
 
+    full_order, given, rep = list(order), dict(out["delays"]), loader_representatives(spec, order, calibrations)
+    order = [n for n in order if rep[n] == n]
+    if len(order) < len(full_order):
+        out["loader_groups"], out["delays"] = spec.loader_groups(), {n: given[n] for n in order}
     h = history or {}
-    scenario = scenario_for(spec, order, calibrations, cache_state=cache_state,
-                            source_scale=float(h.get("source") or 1.0), job_scales=h.get("jobs") or None)
+    scenario = scenario_for(spec, order, calibrations, cache_state=cache_state, source_scale=float(
+        h.get("source") or 1.0), job_scales=h.get("jobs") or None)
     if history:
         out["history"] = dict(history)
     if cache_state is not None:
@@ -90,6 +95,8 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
                         "sequential": float(p.sequential),
                         mode: float(p.makespan) if mode in PLANNED_MODES
                         else float(predict(scenario, out["delays"]).makespan)}
+    out["delays"] = {n: out["delays"][rep[n]] for n in full_order} if mode in PLANNED_MODES else given
+    order = full_order
     if mode == "plan" and spec is not None:
         from .release import steer_record
 
@@ -102,6 +109,31 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
     out["curve"] = p.to_dict()["curve"]
     out["jitter"] = float(p.jitter)  # the start-time spread the plan was made for (seconds)
     return out
+
+
+def loader_representatives(spec: Spec, order: Sequence[str],
+                           calibrations: Mapping[str, Mapping[str, float]]) -> dict[str, str]:
+    """Job -> the job the model plans for it: the slowest member of its shared-loader group (by
+    calibrated, else the spec's, ``sample_time``; the first in spec order on a tie), else itself.
+
+    Jobs that share a loader (``[loader]``, :meth:`Spec.loader_groups`) progress together: one
+    producer prepares and reads each batch once for all of them, at the pace of the slowest. So the
+    model plans each group as its slowest member, and every member gets that member's delay: the
+    group is released as one. Staggering jobs *within* a group would only make the later ones join
+    the stream later (at a segment boundary) while reading nothing less."""
+    rep = {n: n for n in order}
+    for members in spec.loader_groups().values():
+        present = [n for n in members if n in rep]
+        if len(present) < 2:
+            continue
+
+        def slowness(n: str) -> float:
+            t = (calibrations.get(n) or {}).get("sample_time") or spec.job(n).sample_time
+            return float(t or 0.0)
+
+        slowest = max(present, key=lambda n: (slowness(n), -present.index(n)))
+        rep.update({n: slowest for n in present})
+    return rep
 
 
 def _mode_delays(spec: Spec | None, order: Sequence[str], mode: str,
@@ -123,11 +155,15 @@ def _mode_delays(spec: Spec | None, order: Sequence[str], mode: str,
     return {n: float(fixed.get(n, 0.0)) for n in order}
 
 
-def _learning_delays(spec: Spec, order: Sequence[str], step: float) -> dict[str, float]:
+def _learning_delays(spec: Spec, order: Sequence[str], calibrations: Mapping[str, Mapping[str, float]],
+                     step: float) -> dict[str, float]:
     """A first learning run's delays: job ``k`` ``k * step`` seconds late, within the spec's bounds
-    (it shows each job's reads alone as well as together)."""
+    (it shows each job's reads alone as well as together); jobs sharing a loader count as one."""
     hi = spec.plan.max_delay if spec.plan.max_delay is not None else float("inf")
-    return {n: min(hi, max(spec.plan.min_delay, k * max(0.0, step))) if k else 0.0 for k, n in enumerate(order)}
+    rep = loader_representatives(spec, order, calibrations)
+    heads = [n for n in order if rep[n] == n]
+    steps = {n: min(hi, max(spec.plan.min_delay, k * max(0.0, step))) if k else 0.0 for k, n in enumerate(heads)}
+    return {n: steps[rep[n]] for n in order}
 
 
 def scenario_for(spec: Spec | None, order: Sequence[str], calibrations: Mapping[str, Mapping[str, float]],

@@ -31,6 +31,10 @@ rank, through ``HPCSTAGGER_SPEC``) all read it. The format::
     scenario = "scenario.toml"     # optional calibrated scenario to plan from
     delays = { vit = 30.0 }        # mode = "fixed": seconds per job (missing jobs start at 0)
 
+    [loader]
+    share = true                   # jobs share one data loader (hpcstagger.loader): one producer per node
+    pace = "wait"                  # wait | ahead: what a fast job does when a slow one fills the window
+
     [slurm]
     partition = "gpu"
     time = "02:00:00"
@@ -43,6 +47,8 @@ rank, through ``HPCSTAGGER_SPEC``) all read it. The format::
     epochs = 3
     backend = "ddp"                # ddp | horovod | none
     env = { LR = "0.1" }
+    loader = "aug1"                # optional: jobs with the same loader name share a loader (default:
+                                   # one loader for all jobs when [loader] share = true)
 
 Relative paths are taken relative to the directory of the spec file. Every field is validated, an
 unknown key lists the valid keys with their defaults, and a bad value names its dotted path.
@@ -60,7 +66,7 @@ from .. import _schema as S
 from ..errors import CacheError, ConfigError
 
 __all__ = ["Spec", "RunSpec", "DatasetSpec", "CacheSpec", "CheckpointSpec", "PlanSpec", "SlurmSpec",
-           "JobSpec", "PLAN_MODES", "BACKENDS"]
+           "LoaderSpec", "JobSpec", "PLAN_MODES", "BACKENDS"]
 
 PLAN_MODES = ("plan", "open", "simultaneous", "sequential", "fixed")
 PLAN_MODES_IN_WORLD = ("plan", "open", "simultaneous", "fixed")  # sequential is one launch per job
@@ -139,6 +145,18 @@ class PlanSpec:
 
 
 @dataclass(frozen=True)
+class LoaderSpec:
+    """The shared loader (:mod:`hpcstagger.loader`): with ``share`` every job without a ``loader``
+    name of its own shares one; ``pace``, ``window`` and ``segments`` (0: the knobs) as in
+    :class:`~hpcstagger.loader.SharedLoader`."""
+
+    share: bool = False
+    pace: str = "wait"
+    window: int = 0
+    segments: int = 0
+
+
+@dataclass(frozen=True)
 class SlurmSpec:
     """What ``hpcstagger slurm render`` puts in the batch script."""
 
@@ -163,6 +181,7 @@ class JobSpec:
     backend: str = "none"
     env: Mapping[str, str] = field(default_factory=dict)
     sample_time: float | None = None
+    loader: str = ""
 
 
 _RUN = S.Table("run", [
@@ -206,6 +225,12 @@ _PLAN = S.Table("plan", [
             shown="unset (the plan_jitter knob times the jobs' mean start-up)"),
     S.Field("prefetch", S.boolean(), False),
 ])
+_LOADER = S.Table("loader", [
+    S.Field("share", S.boolean(), False),
+    S.Field("pace", S.choice("wait", "ahead"), "wait"),
+    S.Field("window", S.integer(minimum=0), 0, shown="0 (the loader_window knob)"),
+    S.Field("segments", S.integer(minimum=0), 0, shown="0 (the loader_segments knob)"),
+])
 _SLURM = S.Table("slurm", [
     S.Field("partition", S.string(allow_empty=True), "", shown="the cluster default"),
     S.Field("account", S.string(allow_empty=True), "", shown="unset"),
@@ -226,9 +251,11 @@ _JOB = S.Table("job", [
     S.Field("env", S.str_map, {}, shown="{}"),
     S.Field("sample_time", S.optional(S.number(minimum=0, exclusive=True)), None,
             shown="unset (measured by the job)"),
+    S.Field("loader", S.string(pattern=_NAME, hint=_NAME_HINT, allow_empty=True), "",
+            shown="unset (the run's shared loader when [loader] share = true, else none)"),
 ])
 _TABLES = {"run": _RUN, "dataset": _DATASET, "cache": _CACHE, "checkpoint": _CHECKPOINT, "plan": _PLAN,
-           "slurm": _SLURM}
+           "loader": _LOADER, "slurm": _SLURM}
 
 
 def _as_list(where: str, value: Any) -> list[Any]:
@@ -248,6 +275,7 @@ class Spec:
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     plan: PlanSpec = field(default_factory=PlanSpec)
     slurm: SlurmSpec = field(default_factory=SlurmSpec)
+    loader: LoaderSpec = field(default_factory=LoaderSpec)
     path: str = ""
 
     # ---- construction --------------------------------------------------------------------------
@@ -323,8 +351,10 @@ class Spec:
                               f"({pl['max_delay']:g} s): lower min_delay or raise max_delay")
 
         sl = _SLURM.parse("slurm", data.get("slurm"))
+        lo = _LOADER.parse("loader", data.get("loader"))
         return cls(jobs=jobs, run=RunSpec(**run), dataset=DatasetSpec(**ds), cache=CacheSpec(**ca),
-                   checkpoint=CheckpointSpec(**ck), plan=PlanSpec(**pl), slurm=SlurmSpec(**sl), path=path)
+                   checkpoint=CheckpointSpec(**ck), plan=PlanSpec(**pl), slurm=SlurmSpec(**sl),
+                   loader=LoaderSpec(**lo), path=path)
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -335,6 +365,21 @@ class Spec:
     def total_ranks(self) -> int:
         """Ranks over all jobs: the size of the MPI world a launch of this spec creates."""
         return sum(j.ranks for j in self.jobs)
+
+    def loader_group(self, name: str) -> str:
+        """The shared loader job ``name`` uses ("" for none): its own ``loader``, else the run's name
+        when ``[loader] share`` is on."""
+        job = self.job(name)
+        return job.loader or (self.run.name if self.loader.share else "")
+
+    def loader_groups(self) -> dict[str, list[str]]:
+        """Shared loader name -> the jobs (spec order) that share it, for loaders of two or more jobs."""
+        groups: dict[str, list[str]] = {}
+        for j in self.jobs:
+            g = self.loader_group(j.name)
+            if g:
+                groups.setdefault(g, []).append(j.name)
+        return {g: names for g, names in groups.items() if len(names) > 1}
 
     def job(self, name: str) -> JobSpec:
         """The job called ``name``; raises ConfigError listing the job names."""

@@ -98,10 +98,9 @@ def spawn_producer(pipe: Pipeline, ctl: R.Ctl, root: str) -> tuple[int, int]:
     if not text:
         raise LoaderError("could not start the shared loader's producer process (fork failed)")
     pid = int(text)
-    from ..cache._fs import _proc_stat
+    from ..cache._fs import start_time
 
-    info = _proc_stat(pid)
-    return pid, info[1] if info else 0
+    return pid, start_time(pid)
 
 
 class _Producer:

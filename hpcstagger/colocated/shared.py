@@ -1,0 +1,66 @@
+"""``session.data_loader``: the loader a job's spec asks for, a shared one or a plain DataLoader.
+
+With ``[loader] share = true`` (or a job's ``loader = "name"``) the jobs of a loader group get a
+:class:`~hpcstagger.loader.SharedLoader` named ``<run>.<group>``: one producer on the node prepares
+each batch once for all of them, and each rank of a data-parallel job takes its share. Otherwise
+the job gets a plain ``torch.utils.data.DataLoader`` with the same arguments (shuffled, and with a
+DistributedSampler for a job of several ranks), so the training script is the same either way.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .coordinator import Session
+
+__all__ = ["data_loader"]
+
+_SHARED_ONLY = ("pace", "hold", "window", "segments", "slot_bytes", "timeout", "root")
+
+
+def data_loader(session: Session, dataset: Any, batch_size: int = 1, *, share: bool | None = None,
+                seed: int = 0, **kwargs: Any) -> Any:
+    """The job's loader over ``dataset``: shared when the spec (or ``share=True``) says so.
+
+    ``kwargs`` are DataLoader arguments (``num_workers``, ``collate_fn``, ``worker_init_fn``,
+    ``prefetch_factor``, ``drop_last``); SharedLoader's own (``pace``, ``hold``, ...) override the
+    spec's ``[loader]`` table and are ignored for a plain DataLoader."""
+    spec = session.spec
+    group = spec.loader_group(session.job) if spec is not None else ""
+    if share is None:
+        share = bool(group)
+    world, rank = session.comm.size, session.comm.rank
+    if not share:
+        return _plain(dataset, batch_size, seed, rank, world,
+                      {k: v for k, v in kwargs.items() if k not in _SHARED_ONLY})
+    from ..loader import SharedLoader
+
+    run = spec.run.name if spec is not None else "hpcstagger"
+    opts: dict[str, Any] = {}
+    if spec is not None:
+        opts["pace"] = spec.loader.pace
+        if spec.loader.window:
+            opts["window"] = spec.loader.window
+        if spec.loader.segments:
+            opts["segments"] = spec.loader.segments
+    opts.update(kwargs)
+    name = f"{run}.{group or session.job}"
+    loader = SharedLoader(dataset, batch_size, name=name, seed=seed, rank=rank, world=world,
+                          group=f"{run}.{session.job}", **opts)
+    session.say(f"shared loader {name!r}: this job takes {'rank shares of ' if world > 1 else ''}"
+                f"its batches from one producer per node")
+    return loader
+
+
+def _plain(dataset: Any, batch_size: int, seed: int, rank: int, world: int, kwargs: dict[str, Any]) -> Any:
+    import torch
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    if world > 1:
+        sampler: Any = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed,
+                                     drop_last=bool(kwargs.pop("drop_last", False)))
+        return DataLoader(dataset, batch_size, sampler=sampler, **kwargs)
+    gen = torch.Generator()
+    gen.manual_seed(seed)
+    return DataLoader(dataset, batch_size, shuffle=True, generator=gen, **kwargs)
