@@ -8,10 +8,21 @@ are issued asynchronously on the current stream of each source device (ordered a
 that produced the values), and the streams are synchronised before :meth:`SnapshotBuffers.copy`
 returns, so the snapshot is complete and the training may change its tensors at once. CPU sources
 are copied with numpy (a single memcpy per piece).
+
+The pinned buffer is a private anonymous mapping page-locked with ``cudaHostRegister``: the size
+of the snapshot (in whole pages), unpinned and unmapped when it is released, and not inherited by
+forked children. It does not come from torch's pinned allocator (``pin_memory=True``), which
+rounds every block up to a power of two (a 1.2 GB snapshot took 2 GiB there) and keeps a freed
+block cached, still pinned, until the process ends, so that a layout change would leave the old
+buffer pinned beside the new one (benchmarks/RESULTS.md, issue 16).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import mmap
+import weakref
 from typing import Any
 from collections.abc import Sequence
 
@@ -20,7 +31,41 @@ from .state import Leaf
 
 __all__ = ["SnapshotBuffers"]
 
+log = logging.getLogger(__name__)
 _ALIGN = 64
+_PAGE = 4096
+
+
+def _unregister(ptr: int) -> None:
+    import torch
+
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def _pinned(nbytes: int) -> tuple[Any, int | None]:
+    """A uint8 host tensor of ``nbytes`` page-locked by cudaHostRegister, and the pointer to
+    unregister; (a tensor from torch's pinned allocator, None) if registering fails.
+
+    The memory is a private anonymous mapping of its own (page-aligned, shared with no other
+    allocation, returned to the system when the last view of it goes) that forked children do not
+    inherit (DataLoader workers would otherwise each get a copy of the pinned pages)."""
+    import torch
+
+    size = -(-nbytes // _PAGE) * _PAGE
+    mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_DONTFORK"):
+        mem.madvise(mmap.MADV_DONTFORK)
+    buf = torch.frombuffer(mem, dtype=torch.uint8, count=nbytes)  # (the tensor keeps the mapping)
+    err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), size, 0))
+    if err == 0:
+        return buf, buf.data_ptr()
+    # The failed call left its error as this thread's last CUDA error, which torch would raise at
+    # its next kernel launch: a throwaway launch takes it now.
+    with contextlib.suppress(RuntimeError):
+        torch.zeros(1, device="cuda")
+    log.warning("cudaHostRegister of the %d-byte checkpoint snapshot buffer failed (CUDA error %d); using "
+                "torch's pinned allocator, which rounds the buffer up to a power of two", size, err)
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), None
 
 
 class SnapshotBuffers:
@@ -33,6 +78,7 @@ class SnapshotBuffers:
         self._offsets: list[int] = []
         self.pinned = False
         self.allocations = 0       # how often a buffer was (re)allocated
+        self._unpin: weakref.finalize | None = None  # unregisters a pinned buffer (once)
 
     @property
     def nbytes(self) -> int:
@@ -46,7 +92,10 @@ class SnapshotBuffers:
             self._np[:] = 0
 
     def release(self) -> None:
-        """Free the buffer."""
+        """Free the buffer (unpinned first)."""
+        if self._unpin is not None:
+            self._unpin()
+            self._unpin = None
         self._buf = self._np = self._key = None
         self._offsets = []
 
@@ -63,7 +112,12 @@ class SnapshotBuffers:
         for p, leaf in entries:
             offsets.append(pos)
             pos += -(-(p.count * leaf.spec.itemsize) // _ALIGN) * _ALIGN
-        self._buf = torch.empty(max(pos, _ALIGN), dtype=torch.uint8, pin_memory=pin)
+        if pin:
+            self._buf, ptr = _pinned(max(pos, _ALIGN))
+            if ptr is not None:  # unpinned by release(), or when this object goes
+                self._unpin = weakref.finalize(self, _unregister, ptr)
+        else:
+            self._buf = torch.empty(max(pos, _ALIGN), dtype=torch.uint8)
         self._np = self._buf.numpy()
         self._offsets = offsets
         self._key = key
@@ -91,6 +145,6 @@ class SnapshotBuffers:
                     # free of its thread wake-ups, which cost milliseconds per tensor on a busy node
                     np.copyto(self._np[off:off + (b - a)], leaf.raw.numpy()[a:b])
             views.append(self._np[off:off + (b - a)])
-        for dev in devices:  # untested here: no GPU on the development machine
+        for dev in devices:  # (tests/test_ckpt_cuda.py, on a GPU)
             torch.cuda.current_stream(dev).synchronize()
         return views
