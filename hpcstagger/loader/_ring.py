@@ -107,14 +107,15 @@ class Ctl:
 
 # ---- the directory and its lock ---------------------------------------------------------------
 
-def loader_dir(root: str) -> tuple[int, str]:
-    """Open (creating) ``<root>/.loader`` after the cache's safety checks; return (fd, path)."""
+def loader_dir(root: str, *, create: bool = True) -> tuple[int, str]:
+    """Open ``<root>/.loader`` (creating it and the root unless ``create`` is false) after the cache's
+    safety checks; return (fd, path). LoaderError if it is unsafe, or missing and not created."""
     from ..errors import CacheError
 
     try:
-        root_fd = _fs.open_secure_dir(root, create=True, what="shared memory root")
+        root_fd = _fs.open_secure_dir(root, create=create, what="shared memory root")
         try:
-            fd = _fs.open_secure_subdir(root_fd, ".loader", root, create=True, what="shared loader directory")
+            fd = _fs.open_secure_subdir(root_fd, ".loader", root, create=create, what="shared loader directory")
         finally:
             os.close(root_fd)
     except CacheError as exc:

@@ -31,6 +31,7 @@ import hashlib
 import logging
 import mmap
 import os
+import sys
 import time
 import weakref
 from collections import deque
@@ -39,7 +40,7 @@ from typing import Any
 
 from .. import config
 from ..cache import _fs
-from ..errors import ConfigError, LoaderError
+from ..errors import CacheError, ConfigError, LoaderError
 from . import _ring as R
 from ._order import StreamOrder
 from .producer import Pipeline, spawn_producer
@@ -49,6 +50,11 @@ log = logging.getLogger(__name__)
 __all__ = ["SharedLoader"]
 
 _PACES = ("wait", "ahead")
+# A waiting consumer polls ``head``, backing off to one poll per _NAP_MAX s, and checks that the
+# producer lives every _CHECK_EVERY s: a prep-bound consumer waits most of the time, and each poll's
+# wake-up takes CPU from the DataLoader workers on the same cores.
+_NAP_MAX = 0.005
+_CHECK_EVERY = 0.05
 
 
 class SharedLoader:
@@ -69,12 +75,11 @@ class SharedLoader:
                  pace: str = "wait", hold: int = 1, rank: int = 0, world: int = 1, group: str | None = None,
                  window: int | None = None, segments: int | None = None, slot_bytes: int = 0,
                  timeout: float | None = None, root: str | None = None):
-        _fs.validate_name(name, "shared pipeline name")
         try:
-            n = len(dataset)
-        except TypeError:
-            raise ConfigError("SharedLoader needs a map-style dataset with len(); an IterableDataset cannot be "
-                              "shared (its order is not known in advance)") from None
+            _fs.validate_name(name, "shared pipeline name")
+        except CacheError as exc:
+            raise ConfigError(str(exc)) from None
+        n = _map_style_len(dataset)
         window = int(config.get("loader_window") if window is None else window)
         segments = int(config.get("loader_segments") if segments is None else segments)
         if not 2 <= window <= R.MAX_WINDOW:
@@ -153,8 +158,8 @@ class SharedLoader:
             return
         if int(ctl.cons(self._idx)[R.C_PID]) != os.getpid():  # a forked child: the entry is its parent's
             return
-        try:
-            dir_fd, _ = R.loader_dir(self.root)
+        try:  # never create it here: closing after the root was removed must not bring it back
+            dir_fd, _ = R.loader_dir(self.root, create=False)
         except LoaderError:
             dir_fd = -1
         try:
@@ -310,20 +315,23 @@ class SharedLoader:
 
     def _wait(self, ctl: R.Ctl, g: int) -> bool:
         """Wait until batch ``g`` is published (True), or False if this consumer should prepare it."""
-        t0 = time.monotonic()
+        t0 = checked = time.monotonic()
         nap = 0.0002
         try:
             while int(ctl.w[R.H_HEAD]) <= g:
-                self._check_producer(ctl)
+                now = time.monotonic()
+                if now - checked >= _CHECK_EVERY:  # _take checked it just before; /proc costs more than a poll
+                    self._check_producer(ctl)
+                    checked = now
                 if self.pace == "ahead" and int(ctl.w[R.H_BLOCKED]):
                     return False
-                waited = time.monotonic() - t0
+                waited = now - t0
                 if waited > self.timeout:
                     raise LoaderError(f"shared pipeline {self.name!r}: no batch from its producer (pid "
                                       f"{self.producer_pid}, alive) for {waited:.0f} s; a consumer may be stuck "
                                       f"(pace='ahead' lets others go on), or raise the loader_timeout knob")
                 time.sleep(nap)
-                nap = min(nap * 2, 0.002)
+                nap = min(nap * 2, _NAP_MAX)
             return True
         finally:
             self._stats["wait_s"] += time.monotonic() - t0
@@ -359,6 +367,20 @@ class SharedLoader:
 
         collate = self._collate or default_collate
         return collate([self.dataset[i] for i in self.order.indices(g)])
+
+
+def _map_style_len(dataset: Any) -> int:
+    """``len(dataset)``; ConfigError for an IterableDataset (with or without ``__len__``)."""
+    data = sys.modules.get("torch.utils.data")  # a torch dataset has imported it already
+    iterable = data is not None and isinstance(dataset, data.IterableDataset)
+    try:
+        n = len(dataset)
+    except TypeError:
+        iterable = True
+    if iterable:
+        raise ConfigError("SharedLoader needs a map-style dataset with len(); an IterableDataset cannot be "
+                          "shared (its order is not known in advance)")
+    return n
 
 
 def _group_id(group: str) -> int:

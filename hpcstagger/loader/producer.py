@@ -15,14 +15,16 @@ consumer that started it). The producer:
 - stops once no consumer has been attached for ``loader_linger`` seconds, and removes its files.
 
 A failure in the dataset or collate function is written into the control file; every consumer raises
-it, naming the producer. The producer's standard streams go to /dev/null (it must not hold a job's
-output pipes open), so its errors reach users only through their consumers.
+it, naming the producer. The producer's standard streams go to /dev/null and it closes the other
+pipes it inherited (it must not hold a job's output pipes, or a launcher's sentinel pipes, open), so
+its errors reach users only through their consumers.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -117,6 +119,7 @@ class _Producer:
 
     def main(self) -> int:
         _quiet_streams()
+        _close_inherited_pipes()
         import torch
 
         torch.set_num_threads(1)
@@ -186,7 +189,13 @@ class _Producer:
                 self.ctl.w[R.H_HEAD] = g + 1
                 g += 1
         finally:
-            del it  # shuts the DataLoader's workers down
+            # Shut the DataLoader's workers down now: on a failure the iterator sits in a reference
+            # cycle through the exception's traceback (torch's reraise), so dropping it would leave
+            # them running after this process exits, until their watchdog notices (up to 5 s).
+            shutdown = getattr(it, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+            del it
 
     def _make_data(self, nbytes: int) -> None:
         import mmap
@@ -275,6 +284,19 @@ class _Producer:
                 R.remove_files(self.dir_fd, self.pipe.key, self.ctl.ino)
                 self.removed = True
         os.close(self.dir_fd)
+
+
+def _close_inherited_pipes() -> None:
+    """Close the pipes inherited from the consumer that forked this process. Whoever waits for their
+    other end to close must not wait for the producer: multiprocessing's and torch's ``spawn`` join a
+    child by such a pipe (its sentinel), and a job's launcher may read extra pipes to their end."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if fd > 2 and stat.S_ISFIFO(os.fstat(fd).st_mode):
+                os.close(fd)
+        except OSError:  # the descriptor of the listing itself, closed by now
+            pass
 
 
 def _quiet_streams() -> None:
