@@ -120,12 +120,6 @@ def _step(model: Any, opt: Any, x: Any, y: Any) -> None:
     opt.step()
 
 
-def _write_json(path: str, obj: Any) -> None:
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f)
-    os.rename(path + ".tmp", path)
-
-
 def consumer_main(spec_path: str) -> int:
     """One consumer process: train on its loader as ``spec`` says and write its result file.
 
@@ -135,13 +129,14 @@ def consumer_main(spec_path: str) -> int:
     import torch
     from torch.utils.data import DataLoader
 
+    from hpcstagger._io import atomic_write_json
     from hpcstagger.errors import LoaderError
 
     torch.set_num_threads(1)
     ds = Decode(spec["n"], spec["rounds"])
     model, opt = _model()
     res: dict[str, Any] = {"pid": os.getpid(), "shared": spec["shared"], "workers": spec["workers"]}
-    _write_json(spec["out"] + ".ready", {"pid": os.getpid()})
+    atomic_write_json(spec["out"] + ".ready", {"pid": os.getpid()}, durable=False)
     while not os.path.exists(spec["go"]):
         time.sleep(0.002)
     time.sleep(spec.get("attach_delay", 0.0))
@@ -175,7 +170,7 @@ def consumer_main(spec_path: str) -> int:
                     res["spawner"] = int(loader._ctl.w[_ring.H_SPAWNER]) == os.getpid()
                     res["first_batch"] = loader.stats()["first_batch"]
                     res["producer_sid"] = _sid(res["producer_pid"])  # its session: it and its workers
-                    _write_json(spec["out"] + ".producer", res["producer_sid"])
+                    atomic_write_json(spec["out"] + ".producer", res["producer_sid"], durable=False)
                 _step(model, opt, x, y)
                 t = time.monotonic()
                 stamps.append(t)
@@ -184,8 +179,8 @@ def consumer_main(spec_path: str) -> int:
                 if len(stamps) in (spec.get("warmup", -1), total):
                     res.setdefault("cpu", []).append(_cpu_snapshot(res.get("producer_pid", 0)))
                 if len(stamps) == spec.get("mark_at", -1):
-                    _write_json(spec["out"] + ".mark", {"producer_pid": res.get("producer_pid", 0),
-                                                        "spawner": res.get("spawner")})
+                    atomic_write_json(spec["out"] + ".mark", {"producer_pid": res.get("producer_pid", 0),
+                                                              "spawner": res.get("spawner")}, durable=False)
                 if spec["stop"] == "count" and len(stamps) >= total or time.monotonic() > deadline:
                     done = True
                     break
@@ -202,7 +197,7 @@ def consumer_main(spec_path: str) -> int:
     res["t_closed"] = time.monotonic()
     res.update(stamps=stamps, train_s=train_s, wait_s=waits, epochs=epochs if spec["stop"] != "count" else [],
                cpu_s=sum(os.times()[:2]))
-    _write_json(spec["out"], res)
+    atomic_write_json(spec["out"], res, durable=False)
     return 0
 
 

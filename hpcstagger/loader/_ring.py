@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..cache import _fs
-from ..errors import LoaderError
+from ..errors import CacheError, LoaderError
 
 MAGIC = 0x48505353_4C4F4144  # "HPSSLOAD"
 VERSION = 1
@@ -110,8 +110,6 @@ class Ctl:
 def loader_dir(root: str, *, create: bool = True) -> tuple[int, str]:
     """Open ``<root>/.loader`` (creating it and the root unless ``create`` is false) after the cache's
     safety checks; return (fd, path). LoaderError if it is unsafe, or missing and not created."""
-    from ..errors import CacheError
-
     try:
         root_fd = _fs.open_secure_dir(root, create=create, what="shared memory root")
         try:
@@ -161,16 +159,26 @@ def open_file(dir_fd: int, dir_path: str, name: str, *, create: bool, size: int)
             raise LoaderError(str(_fs.symlink_error(path, "shared loader file"))) from None
         raise LoaderError(f"cannot open {path}: {exc.strerror}") from None
     try:
-        from ..errors import CacheError
-
-        try:
-            _fs.check_secure_file(fd, path, "shared loader file")
-        except CacheError as exc:
-            raise LoaderError(str(exc)) from None
+        _fs.check_secure_file(fd, path, "shared loader file")
+    except CacheError as exc:
+        os.close(fd)
+        raise LoaderError(str(exc)) from None
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def open_ctl(dir_fd: int, dir_path: str, key: str, *, create: bool = False) -> Ctl | None:
+    """Map pipeline ``key``'s control file (checked like :func:`open_file`; created if asked, else
+    None when absent)."""
+    fd = open_file(dir_fd, dir_path, key + ".ctl", create=create, size=CTL_BYTES)
+    if fd < 0:
+        return None
+    try:
+        return Ctl(fd, os.path.join(dir_path, key + ".ctl"))
+    finally:
+        os.close(fd)
 
 
 def remove_files(dir_fd: int, key: str, ino: int) -> None:

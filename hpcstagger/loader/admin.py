@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from .. import config
@@ -39,27 +41,26 @@ def _describe(ctl: R.Ctl, key: str) -> dict[str, Any]:
             "error": ctl.error() if state == R.P_FAILED else ""}
 
 
+def _each_ctl(fd: int, path: str, keys: list[str]) -> Iterator[tuple[str, R.Ctl]]:
+    """(key, mapped control file) of each pipeline still there; each mapping is closed after use."""
+    for key in keys:
+        ctl = R.open_ctl(fd, path, key)
+        if ctl is None:
+            continue
+        try:
+            yield key, ctl
+        finally:
+            ctl.close()
+
+
 def list_pipelines(root: str | None = None) -> list[dict[str, Any]]:
     """One dict per pipeline under ``<root>/.loader`` (default root: the ``shm_root`` knob)."""
     fd, path, keys = _entries(root)
-    out = []
     try:
-        for key in keys:
-            cfd = R.open_file(fd, path, key + ".ctl", create=False, size=0)
-            if cfd < 0:
-                continue
-            try:
-                ctl = R.Ctl(cfd, os.path.join(path, key + ".ctl"))
-            finally:
-                os.close(cfd)
-            try:
-                out.append(_describe(ctl, key))
-            finally:
-                ctl.close()
+        return [_describe(ctl, key) for key, ctl in _each_ctl(fd, path, keys)]
     finally:
         if fd >= 0:
             os.close(fd)
-    return out
 
 
 def remove_stale(root: str | None = None) -> list[str]:
@@ -67,32 +68,14 @@ def remove_stale(root: str | None = None) -> list[str]:
     fd, path, keys = _entries(root)
     removed = []
     try:
-        with R.DirLock(fd) if fd >= 0 else _Nothing():
-            for key in keys:
-                cfd = R.open_file(fd, path, key + ".ctl", create=False, size=0)
-                if cfd < 0:
-                    continue
-                try:
-                    ctl = R.Ctl(cfd, os.path.join(path, key + ".ctl"))
-                finally:
-                    os.close(cfd)
-                try:
-                    info = _describe(ctl, key)
-                    users = any(c["alive"] for c in info["consumers"])
-                    if info["state"] in ("dead", "failed", "stopped") and not users:
-                        R.remove_files(fd, key, ctl.ino)
-                        removed.append(key)
-                finally:
-                    ctl.close()
+        with R.DirLock(fd) if fd >= 0 else contextlib.nullcontext():
+            for key, ctl in _each_ctl(fd, path, keys):
+                info = _describe(ctl, key)
+                users = any(c["alive"] for c in info["consumers"])
+                if info["state"] in ("dead", "failed", "stopped") and not users:
+                    R.remove_files(fd, key, ctl.ino)
+                    removed.append(key)
     finally:
         if fd >= 0:
             os.close(fd)
     return removed
-
-
-class _Nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None

@@ -194,28 +194,18 @@ class SharedLoader:
     # ---- attaching ------------------------------------------------------------------------------
 
     def _open_or_start(self, dir_fd: int, dir_path: str) -> R.Ctl:
-        ctl_name = self.key + ".ctl"
-        fd = R.open_file(dir_fd, dir_path, ctl_name, create=False, size=R.CTL_BYTES)
-        if fd >= 0:
-            try:
-                ctl = R.Ctl(fd, os.path.join(dir_path, ctl_name))
-            finally:
-                os.close(fd)
+        ctl = R.open_ctl(dir_fd, dir_path, self.key)
+        if ctl is not None:
             if int(ctl.w[R.H_MAGIC]) == R.MAGIC and _producer_running(ctl):
                 self._check_same(ctl)
                 return ctl
             log.info("shared loader %s: removing the files of a stopped or dead producer", self.name)
             R.remove_files(dir_fd, self.key, ctl.ino)
             ctl.close()
-        fd = R.open_file(dir_fd, dir_path, ctl_name, create=True, size=R.CTL_BYTES)
-        try:
-            ctl = R.Ctl(fd, os.path.join(dir_path, ctl_name))
-        finally:
-            os.close(fd)
-        w, o = ctl.w, self.order
-        for word, value in ((R.H_VERSION, R.VERSION), (R.H_WINDOW, self.window), (R.H_N, o.n),
-                            (R.H_BATCH, o.batch_size), (R.H_SEED, o.seed), (R.H_SEGMENTS, o.segments),
-                            (R.H_DROP, int(o.drop_last)), (R.H_WORKERS, self._pipe.num_workers),
+        ctl = R.open_ctl(dir_fd, dir_path, self.key, create=True)
+        assert ctl is not None
+        w = ctl.w
+        for word, value in (*self._identity().items(), (R.H_WORKERS, self._pipe.num_workers),
                             (R.H_SPAWNER, os.getpid()), (R.H_CREATED, R.now_ns()), (R.H_BEAT, R.now_ns())):
             w[word] = value
         for s in range(self.window):
@@ -228,11 +218,14 @@ class SharedLoader:
         log.info("shared loader %s: started producer pid %d", self.name, pid)
         return ctl
 
-    def _check_same(self, ctl: R.Ctl) -> None:
+    def _identity(self) -> dict[int, int]:
+        """The header words that make a pipeline this one (written at creation, checked on attach)."""
         o = self.order
-        want = {R.H_VERSION: R.VERSION, R.H_WINDOW: self.window, R.H_N: o.n, R.H_BATCH: o.batch_size,
+        return {R.H_VERSION: R.VERSION, R.H_WINDOW: self.window, R.H_N: o.n, R.H_BATCH: o.batch_size,
                 R.H_SEED: o.seed, R.H_SEGMENTS: o.segments, R.H_DROP: int(o.drop_last)}
-        if any(int(ctl.w[k]) != v for k, v in want.items()):
+
+    def _check_same(self, ctl: R.Ctl) -> None:
+        if any(int(ctl.w[k]) != v for k, v in self._identity().items()):
             raise LoaderError(f"the shared pipeline file {ctl.path} does not match pipeline {self.name!r} "
                               "(another hpcstagger version, or a corrupted file); remove it when no job uses it")
 
@@ -393,9 +386,7 @@ def _producer_running(ctl: R.Ctl) -> bool:
 
 
 def _others_alive(ctl: R.Ctl) -> bool:
-    return any(int(ctl.cons(i)[R.C_STATE]) == R.C_ATTACHED
-               and _fs.alive(int(ctl.cons(i)[R.C_PID]), int(ctl.cons(i)[R.C_START]))
-               for i in range(R.MAX_CONSUMERS))
+    return any(_fs.alive(int(ctl.cons(i)[R.C_PID]), int(ctl.cons(i)[R.C_START])) for i in ctl.attached(pending=False))
 
 
 _live: weakref.WeakSet[SharedLoader] = weakref.WeakSet()

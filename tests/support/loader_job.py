@@ -18,6 +18,7 @@ import time
 import torch
 from torch.utils.data import Dataset
 
+from hpcstagger._io import atomic_write_json
 from hpcstagger.errors import LoaderError
 from hpcstagger.loader import SharedLoader
 
@@ -46,13 +47,6 @@ def expected(i):
     return 1000.0 * i + torch.arange(WIDTH, dtype=torch.float64)
 
 
-def _write(path: str, record: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(record, f)
-    os.replace(tmp, path)
-
-
 def _gate(path: str | None) -> None:
     deadline = time.monotonic() + 60
     while path and not os.path.exists(path):
@@ -69,19 +63,19 @@ def main(spec_path: str) -> int:
     loader = SharedLoader(Numbered(spec["n"], spec.get("fail_at", -1)), spec["batch_size"], name=spec["name"],
                           root=spec["root"], **spec.get("loader", {}))
     record["len"] = len(loader)
-    _write(out, record)  # built: torch is imported and the gate is next
+    atomic_write_json(out, record, durable=False)  # built: torch is imported and the gate is next
     _gate(spec.get("gate"))
     sleep = spec.get("sleep", 0.0)
     try:
         loader.attach()
         record.update(producer_pid=loader.producer_pid, first=loader.stats()["first_batch"])
-        _write(out, record)
+        atomic_write_json(out, record, durable=False)
         for epoch in range(spec["epochs"]):
             for x, i in loader:
                 record["batches"].append({"e": epoch, "i": i.tolist(), "ok": torch.equal(x, expected(i)),
                                           "t": time.time()})
                 record["stats"] = loader.stats()
-                _write(out, record)
+                atomic_write_json(out, record, durable=False)
                 time.sleep(sleep)
         record["done"] = True
     except LoaderError as exc:
@@ -89,7 +83,7 @@ def main(spec_path: str) -> int:
     record["stats"] = loader.stats()
     record["finished_at"] = time.time()
     loader.close()
-    _write(out, record)
+    atomic_write_json(out, record, durable=False)
     return 0
 
 
