@@ -125,7 +125,7 @@ def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain
     ``grid`` sets the grid points of the 1-D searches. For 3 or more jobs the search (after the
     jobs' solo runs) keeps to ``budget`` seconds of its thread's CPU time: the scan of start points
     is as fine as a quarter of it affords, coordinate descent stops at 70% of it (its first sweep
-    still visits every job, on a coarse grid once late), and a last search along
+    visits every job on the full grid whatever the time, without Brent once late), and a last search along
     the plan's delays scaled together uses the rest; this bounds the time on slow scenarios (lru,
     many epochs). ``jitter`` is how far, in seconds, a job's real start may stray from its
     planned delay (default: the ``plan_jitter`` knob times the jobs' mean start-up; 0 plans for
@@ -291,7 +291,7 @@ def _plan_many(sc: Scenario, ev: Evaluator, bound: list[float], points: int,
                solo: list[float], t0: float, budget: float) -> tuple[list[float], float]:
     """N jobs: scan one-parameter families (cheaply) for a start point, then coordinate descent.
     The scan takes a quarter of ``budget`` (CPU seconds from ``t0``); the descent stops at 70% of
-    it, except that its first sweep visits every job (past that, on a grid of 3 points)."""
+    it, except that its first sweep visits every job on the full grid (past that, without Brent)."""
     J = len(bound)
     scan_until, deadline = t0 + 0.25 * budget, t0 + 0.7 * budget
     scan = Evaluator(sc, _engine.SEARCH)
@@ -335,9 +335,10 @@ def _plan_many(sc: Scenario, ev: Evaluator, bound: list[float], points: int,
                 d[j] = x
                 return ev(d)
 
-            if sweep == 0:  # a grid over the whole range, then Brent around the best point; past
-                # the deadline a coarse grid only, but every job: the scan alone is too coarse to stop at
-                x, val, _ = line_search(f, 0.0, bound[j], best_d[j], best, 3 if late else points, 0 if late else 5)
+            if sweep == 0:  # a grid over the whole range, then Brent around the best point. The grid
+                # is a fixed count, deadline or not (the scan alone is too coarse to stop at, and a plan
+                # must not depend on how busy the node was); past the deadline Brent is skipped
+                x, val, _ = line_search(f, 0.0, bound[j], best_d[j], best, points, 0 if late else 5)
             else:  # Brent in a bracket around the current point
                 lo, hi = max(0.0, best_d[j] - width[j]), min(bound[j], best_d[j] + width[j])
                 x, val = best_d[j], best
