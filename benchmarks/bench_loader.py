@@ -135,6 +135,10 @@ def consumer_main(spec_path: str) -> int:
     torch.set_num_threads(1)
     ds = Decode(spec["n"], spec["rounds"])
     model, opt = _model()
+    dev = spec.get("device")
+    if dev:  # CUDA in use before the loader is built, as in a GPU job
+        model.to(dev)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     res: dict[str, Any] = {"pid": os.getpid(), "shared": spec["shared"], "workers": spec["workers"]}
     atomic_write_json(spec["out"] + ".ready", {"pid": os.getpid()}, durable=False)
     while not os.path.exists(spec["go"]):
@@ -143,10 +147,11 @@ def consumer_main(spec_path: str) -> int:
     if spec["shared"]:
         from hpcstagger.loader import SharedLoader
 
-        loader = SharedLoader(ds, spec["batch"], name=spec["name"], num_workers=spec["workers"], root=spec["root"])
+        loader = SharedLoader(ds, spec["batch"], name=spec["name"], num_workers=spec["workers"], root=spec["root"],
+                              device=dev)
     else:
         loader = DataLoader(ds, batch_size=spec["batch"], shuffle=True, num_workers=spec["workers"],
-                            generator=torch.Generator().manual_seed(spec["seed"]))
+                            generator=torch.Generator().manual_seed(spec["seed"]), pin_memory=bool(dev))
     stamps: list[float] = []
     train_s: list[float] = []
     waits: list[float] = []
@@ -171,7 +176,11 @@ def consumer_main(spec_path: str) -> int:
                     res["first_batch"] = loader.stats()["first_batch"]
                     res["producer_sid"] = _sid(res["producer_pid"])  # its session: it and its workers
                     atomic_write_json(spec["out"] + ".producer", res["producer_sid"], durable=False)
+                if dev:
+                    x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)  # no-ops when shared
                 _step(model, opt, x, y)
+                if dev:
+                    torch.cuda.synchronize()
                 t = time.monotonic()
                 stamps.append(t)
                 train_s.append(t - got)
@@ -371,8 +380,9 @@ class Bench:
         n = a.batch * (a.warmup + a.batches + 16)
         # Shared: every consumer passes W (the one producer runs W workers); independent: W split.
         split = [a.workers] * k if shared else [a.workers // k + (1 if i < a.workers % k else 0) for i in range(k)]
-        specs = [{"shared": shared, "workers": split[i], "n": n, "rounds": a.rounds, "batch": a.batch,
-                  "stop": "count", "count": a.warmup + a.batches, "warmup": a.warmup} for i in range(k)]
+        specs = [{"device": a.device, "shared": shared, "workers": split[i], "n": n, "rounds": a.rounds,
+                  "batch": a.batch, "stop": "count", "count": a.warmup + a.batches, "warmup": a.warmup}
+                 for i in range(k)]
         out = self.group(specs)
         out.update(shared=shared, split=None if shared else split)
         cons = out["consumers"]
@@ -420,7 +430,7 @@ class Bench:
         a = self.args
         epoch = 48
         kill_at = 12
-        specs = [{"shared": True, "workers": a.workers, "n": a.batch * epoch, "rounds": a.rounds,
+        specs = [{"device": a.device, "shared": True, "workers": a.workers, "n": a.batch * epoch, "rounds": a.rounds,
                   "batch": a.batch, "stop": "epochs", "epochs": 2, "mark_at": kill_at if i == 0 else 1,
                   "attach_delay": 0.0 if i == 0 else 0.3} for i in range(3)]
 
@@ -450,8 +460,8 @@ class Bench:
     def kill_producer(self) -> dict[str, Any]:
         """(b): 3 consumers train until LoaderError; the producer is killed once each took 10 batches."""
         a = self.args
-        specs = [{"shared": True, "workers": a.workers, "n": a.batch * 48, "rounds": a.rounds, "batch": a.batch,
-                  "stop": "error", "max_s": 120, "mark_at": 10} for _ in range(3)]
+        specs = [{"device": a.device, "shared": True, "workers": a.workers, "n": a.batch * 48, "rounds": a.rounds,
+                  "batch": a.batch, "stop": "error", "max_s": 120, "mark_at": 10} for _ in range(3)]
 
         def action(procs: list[subprocess.Popen], specs: list[dict[str, Any]]) -> dict[str, Any]:
             end = time.monotonic() + 120
@@ -625,6 +635,9 @@ def main() -> int:
     p.add_argument("--repeat", type=int, help="rounds of every configuration (default 3; --quick 1)")
     p.add_argument("--batch", type=int, default=16, help="samples per batch")
     p.add_argument("--rounds", type=int, default=15, help="augment rounds per sample (its cost)")
+    p.add_argument("--device", default=None,
+                   help="train on this CUDA device: shared consumers take batches placed there once (device=), "
+                        "independent ones copy from pinned memory (default: CPU)")
     p.add_argument("--out", default=os.path.join(OUT, "bench_loader.json"), help="JSON result file")
     p.add_argument("--consumer", help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -12,7 +12,6 @@ import os
 import shutil
 import signal
 import time
-from typing import Any
 
 import pytest
 import torch
@@ -23,8 +22,8 @@ from hpcstagger.errors import ConfigError, LoaderError
 from hpcstagger.loader import SharedLoader, StreamOrder, list_pipelines
 from hpcstagger.loader.admin import remove_stale
 from support.loader_job import Numbered, expected
-from support.loader_util import (LINGER, Job, Jobs, check_epochs, gone, loader_files, wait_loader_empty,
-                                 wait_until)
+from support.loader_util import (LINGER, Jobs, built, check_epochs, gone, loader_files, start_job,
+                                 wait_loader_empty, wait_until)
 
 pytestmark = pytest.mark.timeout(60)
 FORK = mp.get_context("fork")
@@ -87,6 +86,11 @@ class _SizedStream(_Stream):
     (Numbered(10), {"world": 4, "batch_size": 4}, "cannot be shared by 4 ranks"),
     (Numbered(10), {"name": "../up"}, "name"),
     (Numbered(10), {"batch_size": 0}, "batch_size"),
+    (Numbered(10), {"device": "cpu"}, "not a CUDA device"),
+    (Numbered(10), {"device": "nonsense"}, "not a device"),
+    (Numbered(10), {"private": False}, "private=False needs device"),
+    pytest.param(Numbered(10), {"device": "cuda"}, "CUDA is not available",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")),
 ])
 def test_bad_arguments_raise_config_error(shm_root, dataset, kwargs, match):
     kwargs = {"batch_size": 2, "name": "p", **kwargs}
@@ -252,26 +256,15 @@ def test_hold_keeps_the_previous_batch_valid(linger, hold):
 
 
 # ------------------------------------------------------------------------ consumers in processes
-def _job(jobs: Jobs, label: str, n: int, batch_size: int, epochs: int, gate: str = "go", **loader: Any) -> Job:
-    spec = {"n": n, "batch_size": batch_size, "epochs": epochs, "name": "pipe",
-            "gate": jobs.gate(gate) if gate else None, "sleep": loader.pop("sleep", 0.0),
-            "fail_at": loader.pop("fail_at", -1), "loader": loader}
-    return jobs.start(label, spec)
-
-
-def _built(*js) -> None:
-    """Wait until the jobs have imported torch and built their loaders (they wait at their gate)."""
-    for j in js:
-        j.wait_for(lambda r: "len" in r, "its loader built")
 
 
 @pytest.mark.slow
 def test_two_consumers_and_a_late_joiner_get_whole_epochs(jobs):
     order = StreamOrder(96, 4, segments=6)  # 24 batches an epoch, a boundary every 4
     kw = dict(segments=6, window=8, num_workers=1)
-    a = _job(jobs, "a", 96, 4, 3, sleep=0.01, **kw)
-    late = _job(jobs, "late", 96, 4, 2, gate="late", **kw)
-    _built(a, late)
+    a = start_job(jobs, "a", 96, 4, 3, sleep=0.01, **kw)
+    late = start_job(jobs, "late", 96, 4, 2, gate="late", **kw)
+    built(a, late)
     jobs.open_gate()
     a.taken(10)
     jobs.open_gate("late")
@@ -289,10 +282,10 @@ def test_two_consumers_and_a_late_joiner_get_whole_epochs(jobs):
 def test_data_parallel_ranks_split_each_epoch_beside_a_plain_consumer(jobs):
     order = StreamOrder(60, 4, segments=5)  # 15 batches an epoch: 7 per rank, the 15th unused by the job
     kw = dict(segments=5, window=8, group="job", world=2)
-    r0 = _job(jobs, "r0", 60, 4, 2, rank=0, **kw)
-    r1 = _job(jobs, "r1", 60, 4, 2, rank=1, **kw)
-    plain = _job(jobs, "plain", 60, 4, 2, segments=5, window=8, sleep=0.005)
-    _built(r0, r1, plain)
+    r0 = start_job(jobs, "r0", 60, 4, 2, rank=0, **kw)
+    r1 = start_job(jobs, "r1", 60, 4, 2, rank=1, **kw)
+    plain = start_job(jobs, "plain", 60, 4, 2, segments=5, window=8, sleep=0.005)
+    built(r0, r1, plain)
     jobs.open_gate()
     rec0, rec1, recp = r0.finish(), r1.finish(), plain.finish()
     assert rec0["first"] == rec1["first"] and rec0["len"] == rec1["len"] == 7
@@ -314,10 +307,10 @@ def test_data_parallel_ranks_split_each_epoch_beside_a_plain_consumer(jobs):
 def test_a_killed_consumer_is_detached_and_a_restarted_one_attaches(jobs):
     order = StreamOrder(64, 4, segments=4)  # 16 batches an epoch
     kw = dict(segments=4, window=4)
-    a = _job(jobs, "a", 64, 4, 4, sleep=0.01, **kw)
-    victim = _job(jobs, "victim", 64, 4, 5, sleep=0.05, **kw)  # the slowest: it holds the producer back
-    again = _job(jobs, "again", 64, 4, 2, gate="again", **kw)
-    _built(a, victim, again)
+    a = start_job(jobs, "a", 64, 4, 4, sleep=0.01, **kw)
+    victim = start_job(jobs, "victim", 64, 4, 5, sleep=0.05, **kw)  # the slowest: it holds the producer back
+    again = start_job(jobs, "again", 64, 4, 2, gate="again", **kw)
+    built(a, victim, again)
     jobs.open_gate()
     rv = victim.taken(5)
     assert {c["pid"]: c["alive"] for c in _consumers(jobs.root)}[rv["pid"]] is True
@@ -335,8 +328,8 @@ def test_a_killed_consumer_is_detached_and_a_restarted_one_attaches(jobs):
 @pytest.mark.slow
 def test_a_killed_producer_is_raised_by_every_consumer(jobs):
     kw = dict(segments=4, window=4)
-    cons = [_job(jobs, name, 64, 4, 50, sleep=0.02, **kw) for name in ("a", "b")]
-    _built(*cons)
+    cons = [start_job(jobs, name, 64, 4, 50, sleep=0.02, **kw) for name in ("a", "b")]
+    built(*cons)
     jobs.open_gate()
     records = [c.taken(3) for c in cons]
     pid = records[0]["producer_pid"]
@@ -355,7 +348,7 @@ def test_a_killed_producer_is_raised_by_every_consumer(jobs):
 def test_a_failing_dataset_is_raised_with_its_error(jobs):
     order = StreamOrder(32, 4)
     bad = order.indices(2)[1]  # in the third batch the producer's worker prepares
-    job = _job(jobs, "a", 32, 4, 2, gate="", fail_at=bad, num_workers=1)
+    job = start_job(jobs, "a", 32, 4, 2, gate="", fail_at=bad, num_workers=1)
     rec = job.finish()
     assert rec["error"] is not None and not rec["done"]
     message = rec["error"]["message"]
@@ -369,9 +362,9 @@ def test_a_failing_dataset_is_raised_with_its_error(jobs):
 def test_pace_ahead_runs_at_its_own_speed(jobs):
     order = StreamOrder(64, 4, segments=4)
     kw = dict(segments=4, window=4)
-    slow = _job(jobs, "slow", 64, 4, 2, sleep=0.06, **kw)
-    fast = _job(jobs, "fast", 64, 4, 2, pace="ahead", **kw)
-    _built(slow, fast)
+    slow = start_job(jobs, "slow", 64, 4, 2, sleep=0.06, **kw)
+    fast = start_job(jobs, "fast", 64, 4, 2, pace="ahead", **kw)
+    built(slow, fast)
     jobs.open_gate()
     rf, rs = fast.finish(), slow.finish()
     check_epochs(rf, order, 2)  # the batches it prepared itself are the stream's batches too

@@ -34,7 +34,7 @@ from ..cache import _fs
 from ..errors import CacheError, LoaderError
 
 MAGIC = 0x48505353_4C4F4144  # "HPSSLOAD"
-VERSION = 1
+VERSION = 2
 CTL_BYTES = 32 << 10
 MAX_CONSUMERS = 64
 MAX_WINDOW = 256
@@ -43,8 +43,10 @@ ALIGN = 64
 
 # header words
 (H_MAGIC, H_VERSION, H_WINDOW, H_N, H_BATCH, H_SEED, H_SEGMENTS, H_DROP, H_PPID, H_PSTART, H_BEAT, H_STATE,
- H_HEAD, H_SLOT_BYTES, H_BLOCKED, H_CREATED, H_ERRLEN, H_WORKERS, H_SPAWNER) = range(19)
+ H_HEAD, H_SLOT_BYTES, H_BLOCKED, H_CREATED, H_ERRLEN, H_WORKERS, H_SPAWNER, H_DEVICE, H_GHEAD, H_GPID,
+ H_IPCLEN) = range(23)
 ERR_OFF, ERR_MAX = 512, 480                      # error text bytes
+IPC_OFF, IPC_MAX = 20480, 1024                   # the GPU ring's handle (JSON), after the slot table
 CONS_OFF, CONS_WORDS = 1024, 16                  # consumer table
 (C_PID, C_START, C_STATE, C_GROUP, C_RANK, C_WORLD, C_FIRST, C_RELEASED, C_TAKEN, C_DEADLINE,
  C_OWNPREP) = range(11)
@@ -88,6 +90,24 @@ class Ctl:
         data = text.encode("utf-8", "replace")[-ERR_MAX:]
         self.mm[ERR_OFF:ERR_OFF + len(data)] = data
         self.w[H_ERRLEN] = len(data)
+
+    def ipc(self) -> dict[str, Any] | None:
+        """The GPU ring's record (handle, size), or None before the stager has published it."""
+        n = int(self.w[H_IPCLEN])
+        if not 0 < n <= IPC_MAX:
+            return None
+        try:
+            rec = json.loads(bytes(self.mm[IPC_OFF:IPC_OFF + n]))
+        except ValueError:
+            raise LoaderError(f"the GPU ring record in {self.path} is malformed (a corrupted file?)") from None
+        return rec if isinstance(rec, dict) else None
+
+    def set_ipc(self, rec: dict[str, Any]) -> None:
+        data = json.dumps(rec, separators=(",", ":")).encode()
+        if len(data) > IPC_MAX:
+            raise LoaderError("the GPU ring record does not fit the control file (a bug; please report it)")
+        self.mm[IPC_OFF:IPC_OFF + len(data)] = data
+        self.w[H_IPCLEN] = len(data)
 
     def producer_alive(self) -> bool:
         return _fs.alive(int(self.w[H_PPID]), int(self.w[H_PSTART]))
@@ -254,22 +274,37 @@ def encode_plan(batch: Any) -> tuple[bytes, list[tuple[Any, int, int]], int]:
     return header, [(p, o + hlen, n) for p, o, n in parts], hlen + offset
 
 
-def decode(mm: Any, base: int) -> Any:
-    """Rebuild a batch from the slot mapped at ``mm`` (starting at byte ``base``), zero-copy."""
+def decode(mm: Any, base: int, ring: Any = None, ring_base: int = 0, private: bool = False) -> Any:
+    """Rebuild a batch from the slot mapped at ``mm`` (starting at byte ``base``), zero-copy. With
+    ``ring`` (a uint8 device tensor holding the same slot at ``ring_base``) its torch tensors are views
+    of the device copy (cloned if ``private``); numpy arrays stay in host memory."""
     import torch
 
     n = int.from_bytes(mm[base:base + 8], "little")
     meta = json.loads(bytes(mm[base + 8:base + 8 + n]))
     hlen = 8 + -(-n // ALIGN) * ALIGN
+    host = _numpy_indices(meta["d"]) if ring is not None else None
     tensors = []
-    for dtype, shape, off, nbytes in meta["t"]:
+    for i, (dtype, shape, off, nbytes) in enumerate(meta["t"]):
         dt = _dtype(dtype)
         count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        on_device = host is not None and i not in host
         if nbytes == 0:
-            tensors.append(torch.empty(shape, dtype=dt))
+            tensors.append(torch.empty(shape, dtype=dt, device=ring.device if on_device else "cpu"))
+        elif on_device:
+            start = ring_base + hlen + off
+            t = ring[start:start + nbytes].view(dt).view(shape)
+            tensors.append(t.clone() if private else t)
         else:
             tensors.append(torch.frombuffer(mm, dtype=dt, count=count, offset=base + hlen + off).view(shape))
     return _build(meta["d"], tensors)
+
+
+def _numpy_indices(desc: Any) -> set[int]:
+    if "N" in desc:
+        return {desc["N"]}
+    parts = [v for _, v in desc["D"]] if "D" in desc else desc.get("L") or desc.get("U") or []
+    return set().union(*(_numpy_indices(v) for v in parts))
 
 
 def _build(desc: Any, tensors: list[Any]) -> Any:

@@ -38,7 +38,8 @@ def _describe(ctl: R.Ctl, key: str) -> dict[str, Any]:
             "state": R.STATE_NAMES.get(state, "?") if running or state == R.P_FAILED else "dead",
             "published": int(w[R.H_HEAD]), "window": int(w[R.H_WINDOW]), "batch_size": int(w[R.H_BATCH]),
             "samples": int(w[R.H_N]), "slot_bytes": int(w[R.H_SLOT_BYTES]), "consumers": consumers,
-            "error": ctl.error() if state == R.P_FAILED else ""}
+            "error": ctl.error() if state == R.P_FAILED else "", "gpu": bool(int(w[R.H_DEVICE])),
+            "stager_pid": int(w[R.H_GPID]), "on_gpu": int(w[R.H_GHEAD])}
 
 
 def _each_ctl(fd: int, path: str, keys: list[str]) -> Iterator[tuple[str, R.Ctl]]:

@@ -41,6 +41,7 @@ from typing import Any
 from .. import config
 from ..cache import _fs
 from ..errors import CacheError, ConfigError, LoaderError
+from . import _cuda
 from . import _ring as R
 from ._order import StreamOrder
 from .producer import Pipeline, spawn_producer
@@ -65,7 +66,10 @@ class SharedLoader:
     the producer's DataLoader uses them (shuffled, from ``seed``). ``name`` names the pipeline:
     consumers with the same name and batching parameters share one producer. ``rank``/``world``/
     ``group`` make this one rank of a data-parallel job (``group`` names the job). ``pace``,
-    ``hold``, ``window`` and ``segments`` are explained in the module docs. Raises ConfigError for bad
+    ``hold``, ``window`` and ``segments`` are explained in the module docs. ``device`` ("cuda",
+    "cuda:N") puts batches on that GPU: copied there once per batch for all the consumers on it, and
+    (``private``, the default) copied on the device for each consumer; ``private=False`` hands out the
+    shared device memory itself, which must then not be changed in place. Raises ConfigError for bad
     arguments and LoaderError when the producer fails or dies, or shared memory is unsafe.
     """
 
@@ -74,7 +78,8 @@ class SharedLoader:
                  worker_init_fn: Callable[[int], None] | None = None, prefetch_factor: int | None = None,
                  pace: str = "wait", hold: int = 1, rank: int = 0, world: int = 1, group: str | None = None,
                  window: int | None = None, segments: int | None = None, slot_bytes: int = 0,
-                 timeout: float | None = None, root: str | None = None):
+                 timeout: float | None = None, root: str | None = None, device: Any = None,
+                 private: bool = True):
         try:
             _fs.validate_name(name, "shared pipeline name")
         except CacheError as exc:
@@ -100,11 +105,21 @@ class SharedLoader:
         self.group = group or f"pid{os.getpid()}"
         self.timeout = float(config.get("loader_timeout") if timeout is None else timeout)
         self.root = os.path.abspath(root or config.get("shm_root"))
-        digest = hashlib.sha256(repr((n, batch_size, seed, segments, bool(drop_last), window)).encode()).hexdigest()
+        self._dev: _cuda.DeviceConsumer | None = None
+        uuid = ""
+        if device is not None:
+            index, uuid = _cuda.resolve_device(device)
+            self._dev = _cuda.DeviceConsumer(index, bool(private))
+        elif not private:
+            raise ConfigError("SharedLoader: private=False needs device=...; batches in host memory are always private")
+        self._uuid = uuid
+        self._head_word = R.H_GHEAD if uuid else R.H_HEAD
+        ident = (n, batch_size, seed, segments, bool(drop_last), window, uuid)
+        digest = hashlib.sha256(repr(ident).encode()).hexdigest()
         self.key = f"{name}.{digest[:12]}"
         self._collate = collate_fn
         self._pipe = Pipeline(self.key, name, dataset, self.order, num_workers, collate_fn, worker_init_fn,
-                              prefetch_factor, window, int(slot_bytes))
+                              prefetch_factor, window, int(slot_bytes), uuid)
         self._ctl: R.Ctl | None = None
         self._idx = -1
         self._first = 0
@@ -148,7 +163,8 @@ class SharedLoader:
 
     def stats(self) -> dict[str, Any]:
         """This consumer's counters: batches taken, batches it prepared itself, seconds waited."""
-        return dict(self._stats, first_batch=self._first, epochs=self._epoch)
+        return dict(self._stats, first_batch=self._first, epochs=self._epoch,
+                    device=f"cuda:{self._dev.index}" if self._dev is not None else "cpu")
 
     def close(self) -> None:
         """Detach; the last consumer of a dead producer removes the pipeline's shared memory."""
@@ -177,6 +193,8 @@ class SharedLoader:
             if self._data_fd >= 0:
                 os.close(self._data_fd)
                 self._data_fd = -1
+            if self._dev is not None:
+                self._dev.close()
             ctl.close()
 
     def __enter__(self) -> SharedLoader:
@@ -222,7 +240,8 @@ class SharedLoader:
         """The header words that make a pipeline this one (written at creation, checked on attach)."""
         o = self.order
         return {R.H_VERSION: R.VERSION, R.H_WINDOW: self.window, R.H_N: o.n, R.H_BATCH: o.batch_size,
-                R.H_SEED: o.seed, R.H_SEGMENTS: o.segments, R.H_DROP: int(o.drop_last)}
+                R.H_SEED: o.seed, R.H_SEGMENTS: o.segments, R.H_DROP: int(o.drop_last),
+                R.H_DEVICE: _group_id(self._uuid) if self._uuid else 0}
 
     def _check_same(self, ctl: R.Ctl) -> None:
         if any(int(ctl.w[k]) != v for k, v in self._identity().items()):
@@ -289,21 +308,27 @@ class SharedLoader:
         self._held.append(g)
         while len(self._held) > self.hold:
             self._held.popleft()
-        me[R.C_RELEASED] = self._held[0]
+        if self._dev is not None:
+            self._dev.release(me, self._held[0])
+        else:
+            me[R.C_RELEASED] = self._held[0]
         if int(me[R.C_STATE]) != R.C_ATTACHED:
             raise LoaderError(f"this consumer of shared pipeline {self.name!r} was detached by its producer "
                               f"(pid {self.producer_pid}); build a new SharedLoader to attach again")
         self._check_producer(ctl)
-        if int(ctl.w[R.H_HEAD]) <= g and not self._wait(ctl, g):
+        if int(ctl.w[self._head_word]) <= g and not self._wait(ctl, g):
             me[R.C_OWNPREP] += 1
             self._stats["own_prep"] += 1
-            return self._prepare(g)
+            batch = self._prepare(g)
+            return self._dev.to_device(batch) if self._dev is not None else batch
         s = g % self.window
         if int(ctl.slot(s)[R.S_SEQ]) != g:
             raise LoaderError(f"shared pipeline {self.name!r}: batch {g} was overwritten before this consumer "
                               "took it (a bug; please report it)")
         me[R.C_TAKEN] += 1
         self._stats["batches"] += 1
+        if self._dev is not None:
+            return self._dev.batch(ctl, self._map_slot(ctl, s), s)
         return R.decode(self._map_slot(ctl, s), 0)
 
     def _wait(self, ctl: R.Ctl, g: int) -> bool:
@@ -311,7 +336,9 @@ class SharedLoader:
         t0 = checked = time.monotonic()
         nap = 0.0002
         try:
-            while int(ctl.w[R.H_HEAD]) <= g:
+            while int(ctl.w[self._head_word]) <= g:
+                if self._dev is not None:
+                    self._dev.poll(ctl.cons(self._idx))
                 now = time.monotonic()
                 if now - checked >= _CHECK_EVERY:  # _take checked it just before; /proc costs more than a poll
                     self._check_producer(ctl)

@@ -55,6 +55,7 @@ class Pipeline:
     prefetch_factor: int | None
     window: int
     slot_bytes: int
+    device_uuid: str = ""  # the GPU batches are staged on ("" for host memory only)
 
 
 class _StreamBatches:
@@ -116,6 +117,7 @@ class _Producer:
         self.linger = float(config.get("loader_linger"))
         self.data_mm: Any = None
         self.data_view: Any = None
+        self.stager: Any = None
 
     def main(self) -> int:
         _quiet_streams()
@@ -127,9 +129,11 @@ class _Producer:
         w[R.H_BEAT] = R.now_ns()
         w[R.H_STATE] = R.P_RUNNING
         beat = threading.Thread(target=self._beat, name="hpcstagger-loader-beat", daemon=True)
-        beat.start()
         code = 0
         try:
+            if self.pipe.device_uuid:
+                self.stager = _start_stager(self.dir_path, self.pipe.key, self.ctl.ino, self.pipe.device_uuid)
+            beat.start()
             self._produce()
         except BaseException as exc:  # every failure must reach the consumers
             code = 1
@@ -138,7 +142,8 @@ class _Producer:
             self.stop.set()
         finally:
             self.stop.set()
-            beat.join(timeout=2.0)
+            if beat.is_alive():
+                beat.join(timeout=2.0)
             w[R.H_BEAT] = R.now_ns()
             self._finish()
         return code
@@ -218,11 +223,13 @@ class _Producer:
     def _wait_free(self, g: int) -> bool:
         """Wait until slot ``g % window`` may be overwritten; False if told to stop meanwhile."""
         w, window = self.ctl.w, self.pipe.window
+        staged = g - window if self.stager is not None else -1  # the stager has copied the slot's batch
         nap = 0.0002
         blocked = False
         while not self.stop.is_set():
             holders = self.ctl.attached()
-            if holders and all(int(self.ctl.cons(i)[R.C_RELEASED]) > g - window for i in holders):
+            if holders and all(int(self.ctl.cons(i)[R.C_RELEASED]) > g - window for i in holders) \
+                    and int(w[R.H_GHEAD]) > staged:
                 if blocked:
                     w[R.H_BLOCKED] = 0
                 return True
@@ -241,6 +248,9 @@ class _Producer:
         last_sweep = 0.0
         while not self.stop.wait(0.1):
             w[R.H_BEAT] = R.now_ns()
+            if self.stager is not None and self.stager.poll() is not None:
+                self._stager_died()
+                return
             now = time.monotonic()
             if now - last_sweep < 0.25:
                 continue
@@ -275,15 +285,44 @@ class _Producer:
             live += 1
         return live
 
+    def _stager_died(self) -> None:
+        code = self.stager.returncode
+        err = self.ctl.error() if int(self.ctl.w[R.H_ERRLEN]) else ""
+        if not err.startswith("GPU stager"):
+            err = f"GPU stager (pid {self.stager.pid}) exited with code {code} (killed?)"
+        self.ctl.set_error(err)
+        self.ctl.w[R.H_STATE] = R.P_FAILED
+        self.stop.set()
+
     def _finish(self) -> None:
         """Remove the pipeline's files if no consumer is left; else the last consumer removes them."""
         with R.DirLock(self.dir_fd):
-            if int(self.ctl.w[R.H_STATE]) == R.P_RUNNING:
+            if int(self.ctl.w[R.H_STATE]) in (R.P_STARTING, R.P_RUNNING):
                 self.ctl.w[R.H_STATE] = R.P_STOPPED
             if not self.removed and not self._sweep(time.monotonic()):
                 R.remove_files(self.dir_fd, self.pipe.key, self.ctl.ino)
                 self.removed = True
         os.close(self.dir_fd)
+        if self.stager is not None:  # it sees the state and exits, freeing its device memory
+            try:
+                self.stager.wait(timeout=5.0)
+            except Exception:  # subprocess.TimeoutExpired
+                self.stager.kill()
+                self.stager.wait()
+
+
+def _start_stager(dir_path: str, key: str, ino: int, uuid: str) -> Any:
+    """Start the GPU stager as a new interpreter (CUDA cannot be used in this forked process)."""
+    import subprocess
+    import sys
+
+    package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH", "")) if p)
+    root = os.path.dirname(dir_path)
+    return subprocess.Popen([sys.executable, "-m", "hpcstagger.loader.stager", root, key, str(ino), uuid],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=env, close_fds=True)
 
 
 def _close_inherited_pipes() -> None:

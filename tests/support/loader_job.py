@@ -1,9 +1,11 @@
 """A consumer of a shared loader pipeline, run as its own process by tests/test_loader.py.
 
 ``python loader_job.py SPEC.json``. SPEC holds the SharedLoader's arguments and what to do: how many
-epochs, how long to sleep per batch, a gate file to wait for before attaching. The job rewrites its
-own JSON file (``out``, atomically) after attaching and after every batch, so the test can follow it
-while it runs: per batch the epoch, the sample indices and whether every tensor matched its index.
+epochs, how long to sleep per batch, a gate file to wait for before attaching, whether to use CUDA
+before building the loader (``cuda_first``) and to change each batch in place after checking it
+(``inplace``). The job rewrites its own JSON file (``out``, atomically) after attaching and after
+every batch, so the test can follow it while it runs: per batch the epoch, the sample indices, the
+tensor's device and whether every tensor matched its index.
 A LoaderError ends the job with exit status 0 and is recorded (message, and when it was caught);
 anything else is a traceback on stderr and exit status 1.
 """
@@ -43,7 +45,7 @@ class Numbered(Dataset):
 def expected(i):
     """The tensor of sample ``i`` (or of each sample of a tensor of indices)."""
     if isinstance(i, torch.Tensor):
-        return 1000.0 * i.to(torch.float64)[:, None] + torch.arange(WIDTH, dtype=torch.float64)
+        return 1000.0 * i.to(torch.float64)[:, None] + torch.arange(WIDTH, dtype=torch.float64, device=i.device)
     return 1000.0 * i + torch.arange(WIDTH, dtype=torch.float64)
 
 
@@ -60,6 +62,8 @@ def main(spec_path: str) -> int:
         spec = json.load(f)
     out = spec["out"]
     record: dict = {"pid": os.getpid(), "batches": [], "error": None, "done": False}
+    if spec.get("cuda_first"):  # CUDA in use before the loader starts its producer (which forks)
+        torch.ones(1, device="cuda").sum().item()
     loader = SharedLoader(Numbered(spec["n"], spec.get("fail_at", -1)), spec["batch_size"], name=spec["name"],
                           root=spec["root"], **spec.get("loader", {}))
     record["len"] = len(loader)
@@ -73,7 +77,9 @@ def main(spec_path: str) -> int:
         for epoch in range(spec["epochs"]):
             for x, i in loader:
                 record["batches"].append({"e": epoch, "i": i.tolist(), "ok": torch.equal(x, expected(i)),
-                                          "t": time.time()})
+                                          "t": time.time(), "dev": str(x.device)})
+                if spec.get("inplace"):  # private batches: no other consumer may see this
+                    x.mul_(-1.0)
                 record["stats"] = loader.stats()
                 atomic_write_json(out, record, durable=False)
                 time.sleep(sleep)

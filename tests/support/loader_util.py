@@ -180,6 +180,22 @@ class Jobs:
                 pass
 
 
+def start_job(jobs: Jobs, label: str, n: int, batch_size: int, epochs: int, gate: str = "go", **loader: Any) -> Job:
+    """Start consumer ``label`` over ``Numbered(n)``; keys the job itself reads (``sleep``, ``fail_at``,
+    ``cuda_first``, ``inplace``) are taken from ``loader``, the rest are SharedLoader arguments."""
+    spec = {"n": n, "batch_size": batch_size, "epochs": epochs, "name": "pipe",
+            "gate": jobs.gate(gate) if gate else None, "sleep": loader.pop("sleep", 0.0),
+            "fail_at": loader.pop("fail_at", -1), "cuda_first": loader.pop("cuda_first", False),
+            "inplace": loader.pop("inplace", False), "loader": loader}
+    return jobs.start(label, spec)
+
+
+def built(*js: Job) -> None:
+    """Wait until the jobs have imported torch and built their loaders (they wait at their gate)."""
+    for j in js:
+        j.wait_for(lambda r: "len" in r, "its loader built")
+
+
 def stream_batch(order: StreamOrder, first: int, epoch: int, j: int, rank: int = 0, world: int = 1) -> int:
     """The stream batch that a consumer attached at ``first`` takes as batch ``j`` of ``epoch``."""
     return first + epoch * order.batches + rank + j * world
