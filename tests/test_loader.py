@@ -374,3 +374,29 @@ def test_pace_ahead_runs_at_its_own_speed(jobs):
     end_of_first_epoch = rs["batches"][order.batches - 1]["t"]
     assert rf["finished_at"] < end_of_first_epoch, (rf["finished_at"], end_of_first_epoch)
     jobs.assert_nothing_left()
+
+
+# ------------------------------------------------------------------------- session.data_loader
+class _Comm:
+    size, rank = 1, 0
+
+
+class _Session:
+    spec, job, comm = None, "j", _Comm()
+
+    def say(self, text: str) -> None:
+        pass
+
+
+def test_a_plain_data_loader_with_a_device_moves_every_batch(shm_root):
+    from hpcstagger.colocated.shared import data_loader
+
+    loader = data_loader(_Session(), Numbered(12), 4, share=False, device="cpu", hold=2, num_workers=0)
+    assert len(loader) == 3 and loader.batch_size == 4  # the DataLoader's attributes pass through
+    seen = []
+    for x, i in loader:
+        assert x.device.type == "cpu" and torch.equal(x, expected(i))
+        seen += i.tolist()
+    assert sorted(seen) == list(range(12))
+    with pytest.raises(ConfigError, match="not a CUDA device"):  # the shared loader says what is wrong
+        data_loader(_Session(), Numbered(12), 4, share=True, device="cpu", root=shm_root)

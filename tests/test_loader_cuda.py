@@ -125,3 +125,24 @@ def test_a_killed_stager_or_producer_is_raised_by_every_consumer(jobs, no_new_to
         else:
             assert f"(pid {pid}) died" in err["message"], err
     jobs.assert_nothing_left(timeout=LINGER + 5.0)  # the stager sees its producer gone within 0.25 s
+
+
+def test_session_data_loader_delivers_on_the_device_shared_or_not(shm_root):
+    from hpcstagger.colocated.shared import data_loader
+
+    class Session:
+        spec, job = None, "j"
+        comm = type("Comm", (), {"size": 1, "rank": 0})()
+
+        def say(self, text: str) -> None:
+            pass
+
+    with config.override(loader_linger=LINGER):
+        for share in (False, True):
+            loader = data_loader(Session(), Numbered(16), 4, share=share, device="cuda:0", root=shm_root)
+            got = [(x, i) for x, i in loader]
+            assert all(x.device.type == "cuda" and torch.equal(x, expected(i)) for x, i in got), share
+            assert sorted(int(v) for _, i in got for v in i) == list(range(16))
+            if share:
+                loader.close()
+    wait_loader_empty(shm_root)

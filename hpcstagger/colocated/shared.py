@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 __all__ = ["data_loader"]
 
-_SHARED_ONLY = ("pace", "hold", "window", "segments", "slot_bytes", "timeout", "root")
+_SHARED_ONLY = ("pace", "hold", "window", "segments", "slot_bytes", "timeout", "root", "private")
 
 
 def data_loader(session: Session, dataset: Any, batch_size: int = 1, *, share: bool | None = None,
@@ -25,15 +25,23 @@ def data_loader(session: Session, dataset: Any, batch_size: int = 1, *, share: b
 
     ``kwargs`` are DataLoader arguments (``num_workers``, ``collate_fn``, ``worker_init_fn``,
     ``prefetch_factor``, ``drop_last``); SharedLoader's own (``pace``, ``hold``, ...) override the
-    spec's ``[loader]`` table and are ignored for a plain DataLoader."""
+    spec's ``[loader]`` table and are ignored for a plain DataLoader. ``device="cuda:N"`` delivers
+    batches on that GPU either way (a plain DataLoader pins memory and copies each batch)."""
     spec = session.spec
     group = spec.loader_group(session.job) if spec is not None else ""
     if share is None:
         share = bool(group)
     world, rank = session.comm.size, session.comm.rank
     if not share:
-        return _plain(dataset, batch_size, seed, rank, world,
-                      {k: v for k, v in kwargs.items() if k not in _SHARED_ONLY})
+        plain = {k: v for k, v in kwargs.items() if k not in _SHARED_ONLY}
+        device = plain.pop("device", None)
+        if device is None:
+            return _plain(dataset, batch_size, seed, rank, world, plain)
+        import torch
+
+        if torch.device(device).type == "cuda":
+            plain.setdefault("pin_memory", True)
+        return _OnDevice(_plain(dataset, batch_size, seed, rank, world, plain), device)
     from ..loader import SharedLoader
 
     run = spec.run.name if spec is not None else "hpcstagger"
@@ -64,3 +72,36 @@ def _plain(dataset: Any, batch_size: int, seed: int, rank: int, world: int, kwar
     gen = torch.Generator()
     gen.manual_seed(seed)
     return DataLoader(dataset, batch_size, shuffle=True, generator=gen, **kwargs)
+
+
+class _OnDevice:
+    """A plain DataLoader whose batches are moved to ``device`` (asynchronously, from pinned memory)."""
+
+    def __init__(self, loader: Any, device: Any):
+        self.loader, self.device = loader, device
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Any:
+        for batch in self.loader:
+            yield _to(batch, self.device)
+
+    def __getattr__(self, name: str) -> Any:  # sampler, dataset, batch_size... of the DataLoader
+        if name == "loader":  # not set yet (never recurse)
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+
+def _to(obj: Any, device: Any) -> Any:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_to(v, device) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to(v, device) for v in obj)
+    return obj
