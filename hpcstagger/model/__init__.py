@@ -24,6 +24,10 @@ Semantics (followed by the model and the simulator alike; docs/model.md has them
   most recently used); none never caches. Two readers missing the same sample at once both read it.
 - The cache holds ``floor(capacity / sample_bytes)`` samples; it starts with ``cache.initial`` of
   the dataset (a random subset).
+- A partitioned cache over M nodes (``cache.partitioned``, ``cache.nodes``) is M such caches, every
+  sample owned by one node, where its miss is inserted and its lookups look: the scenario's jobs
+  and source are those of all M nodes, the jobs' ranks spread evenly, and a hit is local (the
+  fetcher's node owns it, probability 1/M) or remote, ``sample_bytes / remote_bandwidth``.
 - With ``[node] cores = C`` the CPU is processor-shared too: each rank's step, each sample's CPU
   work in its fetcher (hit time and ``prep_time``) and each rank's start-up are tasks; while
   tasks totalling k run, each runs at ``min(1, C / k)`` of its speed.

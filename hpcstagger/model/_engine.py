@@ -102,8 +102,9 @@ class Engine(CacheState, OrderState):
         self.per_reader = [0.0] + [sc.storage.per_reader(k) for k in range(1, total + 1)]
         self.read_time = [0.0] + [self.s / self.per_reader[k] for k in range(1, total + 1)]
         self.sharing = _loader.Sharing(self.per_reader, self.s)
-        self.hit_time = sc.hit_time
-        self.cap = float(sc.cache_samples)
+        self.hit_time = sc.hit_time  # partitioned: the mean of a local and a remote hit
+        self.hit_spread = _loader.hit_spread(sc)  # and how the two differ (None: every hit alike)
+        self.cap = float(sc.cache_samples)  # partitioned: every node's cache, one cache of owners
         self.initial = float(sc.initial_samples)
         self.lru = sc.cache.policy == "lru" and 0 < self.cap < self.n
         self.epochs = [j.epochs for j in sc.jobs]
@@ -114,8 +115,10 @@ class Engine(CacheState, OrderState):
         self.grouped = any(o and self.orders.count(o) > 1 for o in self.orders)
         self.window = [float(max(1, L.W) * L.R * L.B) for L in self.loaders]
         self.coalesce = sc.cache.coalesce
-        # the node's cores (None: CPU time not shared; a job then starts ``startup`` after its delay)
-        self.cpu = _cpu.CpuShare(sc.node.cores, sum(j.fetchers() + j.ranks for j in sc.jobs)) if sc.node.cores else None
+        # the node's cores (None: CPU time not shared; a job then starts ``startup`` after its delay);
+        # a partitioned cache's nodes pool theirs, the jobs' ranks spread evenly over them
+        tasks = sum(j.fetchers() + j.ranks for j in sc.jobs)
+        self.cpu = _cpu.CpuShare(sc.total_cores, tasks) if sc.node.cores else None
         self.speed = [[1.0, 1.0, 1.0] for _ in range(J)]
         # a job's time per sample if it missed everything alone: the scale of step errors
         self.t_ref = [self.job_time(j, 1.0, self.read_time[self.F[j]], self.read_time[self.F[j]] ** 2)
@@ -241,14 +244,16 @@ class Engine(CacheState, OrderState):
         """Job j's steady seconds per sample at miss fraction m, a miss taking miss_t on average
         (second moment miss_m2; sharing makes it vary), its CPU work at its current speeds:
         see :mod:`._loader`."""
-        L, a = self.loaders[j], self.hit_time
+        L, a, hit = self.loaders[j], self.hit_time, self.hit_spread
         if self.cpu is not None:
             vm, vw, _ = self.speed[j]
             if L.W == 0:
                 vw = vm  # the main process fetches
             L = L.at_speed(vm, vw)
             a /= vw
-        return _loader.time_per_sample(L, m, a, miss_t, miss_m2, PIPE, MISS_VARIANCE)
+            if hit is not None:
+                hit = (hit[0] / vw, hit[1] / (vw * vw))
+        return _loader.time_per_sample(L, m, a, miss_t, miss_m2, PIPE, MISS_VARIANCE, hit)
 
     def cpu_speeds(self, running: list[int], x: list[float], m: list[float]) -> list[tuple[int, int, float, float]]:
         """(job, which, old speed, new speed) of each CPU group (:func:`._cpu.groups`) at these rates."""

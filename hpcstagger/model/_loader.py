@@ -67,25 +67,38 @@ def shapes(sc: Scenario) -> list[Shape]:
                   j.sample_time) for j in sc.jobs]
 
 
-def fetch_moments(L: Shape, m: float, a: float, miss_t: float, miss_m2: float) -> tuple[float, float]:
-    """Mean and variance of one sample's fetch: prep plus a hit (``a``) or, with probability m,
-    a miss (mean ``miss_t``, second moment ``miss_m2``)."""
+def hit_spread(sc: Scenario) -> tuple[float, float] | None:
+    """A partitioned cache's hits take one of two times (local, remote): the fastest hit's time and
+    the second moment of a hit's time. None when every hit takes :attr:`Scenario.hit_time`."""
+    M, local, remote = sc.cache.nodes, sc.local_hit_time, sc.remote_hit_time
+    if M == 1 or local == remote:
+        return None
+    return min(local, remote), (local * local + (M - 1) * remote * remote) / M
+
+
+def fetch_moments(L: Shape, m: float, a: float, miss_t: float, miss_m2: float,
+                  a2: float | None = None) -> tuple[float, float]:
+    """Mean and variance of one sample's fetch: prep plus a hit (mean ``a``, second moment ``a2``,
+    default ``a * a``) or, with probability m, a miss (mean ``miss_t``, second moment ``miss_m2``)."""
     p = L.prep
     mean = p + (1.0 - m) * a + m * miss_t
-    second = (1.0 - m) * (p + a) ** 2 + m * (p * p + 2.0 * p * miss_t + miss_m2)
+    hit2 = (p + a) ** 2 if a2 is None else p * p + 2.0 * p * a + a2
+    second = (1.0 - m) * hit2 + m * (p * p + 2.0 * p * miss_t + miss_m2)
     return mean, max(0.0, second - mean * mean)
 
 
 def time_per_sample(L: Shape, m: float, a: float, miss_t: float, miss_m2: float, pipe: Pipe,
-                    variance: bool = True) -> float:
-    """Steady-state seconds per sample of a job whose samples miss with probability m."""
+                    variance: bool = True, hit: tuple[float, float] | None = None) -> float:
+    """Steady-state seconds per sample of a job whose samples miss with probability m. ``hit``
+    (:func:`hit_spread`): the fastest hit's time and a hit's second moment, when hits vary."""
     per_step = L.R * L.B
-    mean, var = fetch_moments(L, m, a, miss_t, miss_m2 if variance else miss_t * miss_t)
+    mean, var = fetch_moments(L, m, a, miss_t, miss_m2 if variance else miss_t * miss_t,
+                              None if hit is None else hit[1])
     if L.W == 0:
         return (L.B * mean + L.step) / per_step
     W = L.W
-    lo = (L.prep + a) / W  # every sample a hit
-    if L.B == 1 and (not variance or miss_m2 <= miss_t * miss_t * (1 + 1e-9) or miss_t <= a):
+    lo = (L.prep + (a if hit is None else hit[0])) / W  # every sample a (fast) hit
+    if L.B == 1 and hit is None and (not variance or miss_m2 <= miss_t * miss_t * (1 + 1e-9) or miss_t <= a):
         # two fetch times only: the table's own case
         return pipe(L.depth, 1.0 - m, lo, (L.prep + miss_t) / W, L.step) / per_step
     mu = L.B * mean / W

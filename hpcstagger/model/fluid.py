@@ -27,6 +27,9 @@ the cache and the other jobs change. The rules, all following the semantics stat
   of this processor-sharing network. When the aggregate bandwidth does not depend on the number
   of readers this is max-min fair sharing of a work-conserving source; the product form also
   captures that overlapping reads last longer, hence overlap more.
+- **Partitioned cache.** A cache partitioned over M nodes is one cache of their total capacity;
+  a hit takes the mean of a local hit (probability 1/M) and a remote one, and the spread of
+  the two goes into the pipeline's fetch-time variance as a miss's does.
 - **Integration.** Between events (job starts, epoch ends, the cache filling up) the rates are
   constant when the cache contents do not change (minio once full, no cache, lru holding the
   whole dataset), and the model jumps from event to event exactly. While minio fills or lru

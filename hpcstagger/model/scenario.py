@@ -10,11 +10,14 @@ valid keys with their defaults. The format::
     [storage]
     bandwidth = [2.0e8, 1.2e8] # aggregate bytes/s with 1, 2, ... concurrent readers; last holds beyond
     [cache]                    # optional; no [cache] means no cache
-    capacity = 6.0e8           # bytes; 0 = no cache
+    capacity = 6.0e8           # bytes (per node when partitioned); 0 = no cache
     policy = "minio"           # minio | lru | none
     hit_bandwidth = 5.0e9      # bytes/s per reader; optional, default unlimited
     initial = 0.0              # fraction of the dataset cached when the run starts (default 0: cold)
     coalesce = false           # concurrent misses of one sample are one read (the page cache); default false
+    partitioned = false        # one cache over the nodes' caches, each sample owned by one node; default false
+    nodes = 1                  # nodes the jobs and the partitioned cache span (> 1 needs partitioned)
+    remote_bandwidth = 1.0e9   # bytes/s per reader of a hit owned by another node (partitioned, nodes > 1)
     [loader]                   # optional
     prefetch = 2               # default prefetch of the jobs' loaders (a job's own value wins)
     [node]                     # optional
@@ -81,13 +84,23 @@ class Cache:
     """The node-local cache: ``capacity`` bytes, a policy, per-reader hit bandwidth, the fraction
     of the dataset it holds when the run starts (``initial``; at most what it can hold), and
     whether concurrent misses of one sample are one read (``coalesce``: the page cache, whose
-    readers wait for a page being read; a ShmCache does not, and each reader reads it)."""
+    readers wait for a page being read; a ShmCache does not, and each reader reads it).
+
+    ``partitioned``: the caches of ``nodes`` nodes form one cache (``capacity`` bytes on each
+    node, ``nodes * capacity`` in all). Every sample has one owner node, where a miss is inserted;
+    a hit on a sample another node owns (a remote hit, a share ``1 - 1/nodes`` of the hits) reads
+    at ``remote_bandwidth`` bytes/s per reader, a local hit at ``hit_bandwidth``. The scenario then
+    describes the jobs on all the nodes together (see docs/model.md).
+    """
 
     capacity: float = 0.0
     policy: str = "minio"
     hit_bandwidth: float = math.inf
     initial: float = 0.0
     coalesce: bool = False
+    partitioned: bool = False
+    nodes: int = 1
+    remote_bandwidth: float | None = None
 
 
 @dataclass(frozen=True)
@@ -162,6 +175,10 @@ _CACHE = S.Table("cache", [
     S.Field("hit_bandwidth", S.number(minimum=0, exclusive=True, allow_inf=True), math.inf, shown="unlimited"),
     S.Field("initial", S.number(minimum=0), 0.0, shown="0 (cold)"),
     S.Field("coalesce", S.boolean(), False),
+    S.Field("partitioned", S.boolean(), False),
+    S.Field("nodes", S.integer(minimum=1, maximum=1 << 16), 1),
+    S.Field("remote_bandwidth", S.optional(S.number(minimum=0, exclusive=True, allow_inf=True)), None,
+            shown="unset; required when partitioned over nodes > 1"),
 ])
 _LOADER = S.Table("loader", [S.Field("prefetch", S.integer(minimum=1), 2)])
 _NODE = S.Table("node", [S.Field("cores", S.number(minimum=0), 0.0, shown="0 (CPU not shared)")])
@@ -209,7 +226,15 @@ class Scenario:
 
     @property
     def cache_samples(self) -> int:
-        """How many samples the cache holds (0 when the policy is "none"), at most ``samples``."""
+        """How many samples the cache holds (0 when the policy is "none"), at most ``samples``;
+        a partitioned cache, all its nodes together."""
+        if self.cache.policy == "none" or self.cache.capacity <= 0:
+            return 0
+        return min(self.dataset.samples, self.node_cache_samples * self.cache.nodes)
+
+    @property
+    def node_cache_samples(self) -> int:
+        """How many samples one node's cache holds (the whole cache unless partitioned), at most ``samples``."""
         if self.cache.policy == "none" or self.cache.capacity <= 0:
             return 0
         return min(self.dataset.samples, int(self.cache.capacity // self.dataset.sample_bytes))
@@ -220,10 +245,33 @@ class Scenario:
         return self.dataset.sample_bytes / self.storage.bandwidth[0]
 
     @property
-    def hit_time(self) -> float:
-        """Seconds to read one sample from the cache (0 with unlimited hit bandwidth)."""
+    def local_hit_time(self) -> float:
+        """Seconds to read one sample from this node's cache (0 with unlimited hit bandwidth)."""
         h = self.cache.hit_bandwidth
         return 0.0 if math.isinf(h) else self.dataset.sample_bytes / h
+
+    @property
+    def remote_hit_time(self) -> float:
+        """Seconds to read one sample that another node's cache holds (partitioned over nodes > 1;
+        otherwise every hit is local and this is :attr:`local_hit_time`)."""
+        r = self.cache.remote_bandwidth
+        if self.cache.nodes == 1 or r is None:
+            return self.local_hit_time
+        return 0.0 if math.isinf(r) else self.dataset.sample_bytes / r
+
+    @property
+    def hit_time(self) -> float:
+        """Mean seconds to read one sample from the cache (0 with unlimited hit bandwidth): a
+        partitioned cache's hit is local with probability ``1 / nodes``, remote otherwise."""
+        M = self.cache.nodes
+        if M == 1:
+            return self.local_hit_time
+        return (self.local_hit_time + (M - 1) * self.remote_hit_time) / M
+
+    @property
+    def total_cores(self) -> float:
+        """CPU cores of all the nodes the jobs run on: ``[node] cores`` times ``cache.nodes`` (0: not shared)."""
+        return self.node.cores * self.cache.nodes
 
     @property
     def initial_samples(self) -> int:
@@ -309,6 +357,11 @@ class Scenario:
             cache["initial"] = self.cache.initial
         if self.cache.coalesce:
             cache["coalesce"] = True
+        if self.cache.partitioned:
+            cache["partitioned"] = True
+            cache["nodes"] = self.cache.nodes
+            if self.cache.remote_bandwidth is not None:
+                cache["remote_bandwidth"] = self.cache.remote_bandwidth
         out: dict[str, Any] = {
             "dataset": {"samples": self.dataset.samples, "sample_bytes": self.dataset.sample_bytes},
             "storage": {"bandwidth": list(self.storage.bandwidth)},
@@ -377,6 +430,30 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"cannot write {value!r} as TOML")
 
 
+def _validate_partition(s: Scenario) -> None:
+    """The partitioned cache's fields, checked together."""
+    c = s.cache
+    if c.nodes > 1 and not c.partitioned:
+        raise ConfigError(f"cache.nodes = {c.nodes} needs cache.partitioned = true: only a partitioned cache is "
+                          "modelled across nodes (node-local caches on several nodes are not); set "
+                          "partitioned = true, or nodes = 1 to model one node")
+    if c.remote_bandwidth is not None and not c.partitioned:
+        raise ConfigError("cache.remote_bandwidth is only for a partitioned cache; set cache.partitioned = true "
+                          "and cache.nodes, or leave remote_bandwidth out")
+    if not c.partitioned:
+        return
+    if c.coalesce:
+        raise ConfigError("cache.coalesce (the page cache, which is node-local) cannot be partitioned; set "
+                          "cache.coalesce = false or cache.partitioned = false")
+    if c.nodes > 1 and c.remote_bandwidth is None:
+        raise ConfigError(f"cache.remote_bandwidth is required with cache.partitioned = true and cache.nodes = "
+                          f"{c.nodes}: give the bytes/s one reader gets for a hit another node holds (the "
+                          "partitioned cache's measured remote-hit throughput; inf for free remote hits)")
+    if c.nodes > 1 and not math.isfinite(s.remote_hit_time):
+        raise ConfigError(f"cache.remote_bandwidth = {c.remote_bandwidth!r} is too small for dataset.sample_bytes "
+                          f"= {s.dataset.sample_bytes!r}: a remote hit takes forever; give it in bytes/s")
+
+
 def _validate(s: Scenario) -> None:
     """Check a scenario built from its parts, with the checkers that from_dict uses."""
     for table, part in ((_DATASET, s.dataset), (_CACHE, s.cache), (_LOADER, s.loader), (_NODE, s.node)):
@@ -396,6 +473,7 @@ def _validate(s: Scenario) -> None:
     if s.cache.initial > 1:
         raise ConfigError(f"cache.initial is the fraction of the dataset cached at the start, between 0 and 1; "
                           f"got {s.cache.initial!r}")
+    _validate_partition(s)
     reads = []
     most = sum(j.fetchers() for j in s.jobs)
     for k in sorted(set(range(1, len(s.storage.bandwidth) + 1)) | {most}):
@@ -407,7 +485,7 @@ def _validate(s: Scenario) -> None:
                               f"dataset.sample_bytes = {s.dataset.sample_bytes!r}: reading one sample takes "
                               "forever; give the bandwidth in bytes/s")
         reads.append(read)
-    slowest = max(reads)
+    slowest = max(max(reads), s.hit_time)  # a hit slower than a miss (a remote one) bounds it too
     total = sum(float(j.epochs) * (s.dataset.samples * (j.sample_time + j.prep_time + j.handoff + slowest)
                                    + j.epoch_start) + j.startup for j in s.jobs)
     if not math.isfinite(total):

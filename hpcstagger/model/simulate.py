@@ -27,7 +27,11 @@ It follows the semantics stated in :mod:`hpcstagger.model` literally, sample by 
   full and never changes after; lru inserts and evicts the least recently used sample (a hit
   refreshes it); none never caches. Two readers missing the same sample at once both read it,
   unless ``cache.coalesce``: a reader missing a sample that is being read then waits for that read.
-  ``cache.initial`` of the dataset (a random subset) is cached at the start.
+  ``cache.initial`` of the dataset (a random subset) is cached at the start;
+- a partitioned cache is ``nodes`` caches of a node's capacity each; sample x belongs to node
+  ``x % nodes`` (the permutations are random, so this is a random balanced owner), is inserted
+  and looked up there, and its hit takes ``sample_bytes / remote_bandwidth`` unless the fetcher
+  is on that node (rank r of R on node ``r * nodes // R``). The nodes' cores are one pool.
 
 Everything is explicit (permutations, cache contents, in-flight reads, each worker's queue), so it
 is slow next to the fluid model but exact for the semantics; it is used to validate the model,
@@ -66,41 +70,53 @@ class SimResult:
 
 
 class _Cache:
-    """The cache's contents under its policy."""
+    """The cache's contents under its policy. A partitioned cache is one cache per node, each of a
+    node's capacity, sample x owned by (inserted at, looked up in) node ``x % nodes``."""
 
     def __init__(self, sc: Scenario, rng: Any):
         n = sc.dataset.samples
-        self.cap = sc.cache_samples
+        self.nodes = M = sc.cache.nodes
+        self.cap = sc.node_cache_samples  # per node
         self.policy = sc.cache.policy if self.cap > 0 else "none"
         self.cached = bytearray(n)
-        self.lru: OrderedDict[int, None] = OrderedDict()
-        first = rng.permutation(n)[:sc.initial_samples].tolist() if self.cap > 0 else []
-        for x in first:
-            self.cached[x] = 1
-            self.lru[x] = None
-        self.count = len(first)
+        self.lrus: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(M)]
+        self.counts = [0] * M
+        want = sc.initial_samples
+        first = rng.permutation(n).tolist() if self.cap > 0 and want > 0 else []
+        for x in first:  # the first of a random order, while their owners have room
+            if want <= 0:
+                break
+            o = x % M
+            if self.counts[o] < self.cap:
+                self.cached[x] = 1
+                self.lrus[o][x] = None
+                self.counts[o] += 1
+                want -= 1
 
     def lookup(self, x: int) -> bool:
         if self.policy == "minio":
             return bool(self.cached[x])
         if self.policy == "lru":
-            if x in self.lru:
-                self.lru.move_to_end(x)
+            lru = self.lrus[x % self.nodes]
+            if x in lru:
+                lru.move_to_end(x)
                 return True
         return False
 
     def insert(self, x: int) -> None:
+        o = x % self.nodes
         if self.policy == "minio":
-            if self.count < self.cap and not self.cached[x]:
+            if self.counts[o] < self.cap and not self.cached[x]:
                 self.cached[x] = 1
-                self.count += 1
+                self.counts[o] += 1
         elif self.policy == "lru":
-            if x in self.lru:
-                self.lru.move_to_end(x)
+            lru = self.lrus[o]
+            if x in lru:
+                lru.move_to_end(x)
             else:
-                self.lru[x] = None
-                if len(self.lru) > self.cap:
-                    self.lru.popitem(last=False)
+                lru[x] = None
+                if len(lru) > self.cap:
+                    lru.popitem(last=False)
 
 
 class _Shared:
@@ -208,12 +224,13 @@ class _Sim:
         J = len(sc.jobs)
         total = sum(j.fetchers() for j in sc.jobs)
         self.per_reader = [0.0] + [sc.storage.per_reader(k) for k in range(1, total + 1)]
-        self.hit_time = sc.hit_time
+        self.hit_time = sc.local_hit_time
+        self.remote_time = sc.remote_hit_time  # a hit on a sample another node owns
         self.cache = _Cache(sc, np.random.default_rng([int(seed), 1 << 20]))
         per_reader, top = self.per_reader, len(self.per_reader) - 1
         self.size = float(sc.dataset.sample_bytes)
         self.source = _Shared(lambda reads: per_reader[min(reads, top)])  # bytes/s each of the reads gets
-        cores = float(sc.node.cores)
+        cores = float(sc.total_cores)  # a partitioned cache's nodes: one pool of their cores
         self.cpu = _Shared(lambda load: min(1.0, cores / load)) if cores > 0 else None
         # with coalescing reads: sample -> the fetchers waiting for its read in flight
         self.inflight: dict[int, list[int]] | None = {} if sc.cache.coalesce else None
@@ -225,6 +242,9 @@ class _Sim:
             self.jobs.append(_Job(sc, j, delays[j], np.random.default_rng([int(seed), key]), first))
             first += sc.jobs[j].fetchers()
         self.owner = [job for job in self.jobs for _ in job.fetchers]
+        # each fetcher's node: rank r of R on node r * nodes // R, blocks of ranks (its workers with it)
+        M = sc.cache.nodes
+        self.node = [(k // max(1, job.W)) * M // job.R for job in self.jobs for k in range(len(job.fetchers))]
         # per fetcher: FIFO of (available time, step, rank), the batch in progress, position in it
         self.queue: list[deque[tuple[float, int, int]]] = [deque() for _ in range(first)]
         self.current: list[tuple[int, int] | None] = [None] * first
@@ -279,7 +299,9 @@ class _Sim:
         x = batch[self.pos[f]]
         if self.cache.lookup(x):
             job.hits += 1
-            work = self.hit_time + job.prep
+            cache = self.cache
+            local = cache.nodes == 1 or x % cache.nodes == self.node[f]
+            work = (self.hit_time if local else self.remote_time) + job.prep
             if self.cpu is not None and work > 0:
                 self.cpu.start((2, f), work, now)  # kind 2: the fetcher has prepared the sample
             else:
