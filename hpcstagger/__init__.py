@@ -27,6 +27,7 @@ _EXPORTS: dict[str, str] = {
     "LaunchError": "hpcstagger.errors",
     "ModelError": "hpcstagger.errors",
     "ShmCache": "hpcstagger.cache.store",
+    "PartitionedCache": "hpcstagger.cache.partitioned",
     "DirectorySource": "hpcstagger.cache.sources",
     "HDF5Source": "hpcstagger.cache.sources",
     "ThrottledSource": "hpcstagger.cache.throttle",

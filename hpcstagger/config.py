@@ -80,6 +80,15 @@ _KNOB_LIST: list[Knob] = [
          "capacity_bytes / this many entries (ShmCache's max_entries overrides it)"),
     Knob("throttle_dir", str, "",
          "where ThrottledSource keeps its shared reader state; empty means <shm_root>/.throttle"),
+    # --- partitioned cache across nodes (hpcstagger.cache.partitioned) ---
+    Knob("cache_nodes", int, 0,
+         "emulate this many nodes for a partitioned cache: blocks of consecutive ranks, each with its own "
+         "shm root <shm_root>/node<i> (0: the real nodes, found with MPI_Comm_split_type(SHARED))"),
+    Knob("cache_remote_timeout", float, 5.0,
+         "seconds a partitioned cache waits for one transfer from another node before it stops asking "
+         "that node (its samples then come from the source)"),
+    Knob("cache_partitioned", bool, False,
+         "session.cache() partitions the spec's cache across the job's nodes even without [cache] partitioned"),
     # --- shared loader (hpcstagger.loader) ---
     Knob("loader_window", int, 8,
          "batches a shared loader's producer keeps in shared memory (the most a consumer can run ahead of "

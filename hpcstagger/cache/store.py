@@ -23,11 +23,10 @@ from .. import config
 from .._io import CHECKSUM_ALGORITHM
 from ..errors import CacheError
 from . import _fs
-from ._layout import (ENTRY, ENTRY_HDR, ENTRY_MAGIC, H_ENTRIES, H_GEN, H_INDEX_USED, H_MAX_ENTRIES,
-                      H_POLICY, H_RESERVED, H_RESERVED_ENTRIES, H_TOP, H_USED, H_WASTED, LEN_MASK,
-                      LIVE, SLOT, S_CORRUPT, S_DUPLICATES, S_HITS, S_INSERTS, S_INSERT_BYTES, S_READ_BYTES, S_READ_NS,
-                      S_MISSES, S_REFUSED, S_RES_GEN, S_RES_OFF, S_RES_PAYLOAD, S_RES_SIZE, TOMB,
-                      align)
+from ._layout import (ENTRY, ENTRY_HDR, ENTRY_MAGIC, H_ENTRIES, H_GEN, H_INDEX_USED, H_MAX_ENTRIES, H_POLICY,
+                      H_RESERVED, H_RESERVED_ENTRIES, H_TOP, H_USED, H_WASTED, LEN_MASK, LIVE, SLOT, S_CORRUPT,
+                      S_DUPLICATES, S_HITS, S_INSERTS, S_INSERT_BYTES, S_READ_BYTES, S_READ_NS, S_MISSES,
+                      S_REFUSED, S_RES_GEN, S_RES_OFF, S_RES_PAYLOAD, S_RES_SIZE, TOMB, align)
 from ._ledger import Ledger
 from .policy import Policy, Space, get_policy
 
@@ -39,11 +38,7 @@ assert CHECKSUM_ALGORITHM == "xxh3_64"  # entries carry hpcstagger's checksum, a
 _checksum = xxhash.xxh3_64_intdigest
 _hash128 = xxhash.xxh3_128_digest
 _OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
-
-
-_unpack_slot = SLOT.unpack_from
-_unpack_entry = ENTRY.unpack_from
-_unpack_hash = struct.Struct("<QQ").unpack
+_unpack_slot, _unpack_entry, _unpack_hash = SLOT.unpack_from, ENTRY.unpack_from, struct.Struct("<QQ").unpack
 
 
 def key_hash(key: str | int) -> tuple[int, int]:
@@ -203,11 +198,19 @@ class ShmCache:
         nbytes, ns = self._led.read_totals()
         return nbytes, ns / 1e9
 
-    def _read(self, hi: int, lo: int, retry: bool = True) -> memoryview | None:
+    def regions(self) -> tuple[memoryview, memoryview, int]:
+        """(index, arena, generation): this process's read-only mappings of the current index and
+        arena files, which :mod:`hpcstagger.cache.partitioned` exposes to the other nodes."""
         led = self._led
         if led.w[H_GEN] != led.gen:
             with led.lock():
                 led.map_generation()
+        return led.imv, led.amv, led.gen
+
+    def _read(self, hi: int, lo: int, retry: bool = True) -> memoryview | None:
+        led = self._led
+        if led.w[H_GEN] != led.gen:
+            self.regions()
         i, state = self._probe(hi, lo)
         if state != LIVE:
             return None
@@ -262,8 +265,7 @@ class ShmCache:
             return False
         led = self._led
         if led.w[H_GEN] != led.gen:
-            with led.lock():
-                led.map_generation()
+            self.regions()
         found = self._probe(hi, lo)
         return found[1] == LIVE
 
@@ -295,14 +297,12 @@ class ShmCache:
             view = view.cast("B") if view.c_contiguous else memoryview(view.tobytes())
         n = view.nbytes
         hi, lo = key_hash(key)
-        led = self._led
-        w = led.w
+        led, w = self._led, self._led.w
         if not self._stores:
             self._count(S_REFUSED)
             return False
         if led.w[H_GEN] != led.gen:
-            with led.lock():
-                led.map_generation()
+            self.regions()
         if self._probe(hi, lo)[1] == LIVE:  # lock-free: already cached
             self._count(S_DUPLICATES)
             return True

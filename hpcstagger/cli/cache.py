@@ -28,7 +28,9 @@ def register(sub: Any) -> None:
 
     q = csub.add_parser("stats", help="print one cache's node-wide statistics",
                         description="Print the statistics of cache NAME, summed over every process that "
-                                    "used it: lookups, hits, misses, inserts, refused, bytes used, ...")
+                                    "used it: lookups, hits, misses, inserts, refused, bytes used, ...; for a "
+                                    "partitioned cache also its local hits, remote hits and source reads "
+                                    "(emulated nodes: --root <root>/node<i>).")
     q.add_argument("name", metavar="NAME")
     common(q)
     q.add_argument("--json", action="store_true", help="print exactly one JSON object")
@@ -79,6 +81,7 @@ def run_ls(args: argparse.Namespace) -> int:
 
 
 def run_stats(args: argparse.Namespace) -> int:
+    from ..cache.partitioned import partition_stats
     from ..cache.store import ShmCache
 
     cache = ShmCache(args.name, None, root=_root(args))
@@ -86,16 +89,18 @@ def run_stats(args: argparse.Namespace) -> int:
         stats = cache.stats()
     finally:
         cache.close()
+    stats.update(partition_stats(args.name, _root(args)))  # a partitioned cache's local/remote/source counts
     if args.json:
         json.dump(stats, sys.stdout, sort_keys=True)
         sys.stdout.write("\n")
         return 0
     order = ["name", "path", "policy", "capacity_bytes", "bytes_used", "entries", "max_entries", "lookups",
              "hits", "misses", "hit_rate", "inserts", "refused", "duplicates", "corrupt", "read_bytes",
-             "read_seconds", "reserved_bytes",
+             "read_seconds", "partition_node", "partition_nodes", "local_hits", "remote_hits", "remote_misses",
+             "remote_failures", "source_reads", "source_bytes", "reserved_bytes",
              "wasted_bytes", "processes", "generation"]
     width = max(map(len, order))
-    for k in order + sorted(set(stats) - set(order)):
+    for k in [k for k in order if k in stats] + sorted(set(stats) - set(order)):
         v = stats[k]
         if k in ("capacity_bytes", "bytes_used", "reserved_bytes", "wasted_bytes"):
             v = f"{v} ({human_bytes(v)})"

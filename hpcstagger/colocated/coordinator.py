@@ -128,8 +128,9 @@ class Session:
         return self._need_spec("source").make_source()
 
     def cache(self) -> Any:
-        """The spec's ``[cache]`` as the node's ShmCache, or None (capacity 0)."""
-        return self._need_spec("cache").make_cache()
+        """The spec's ``[cache]`` as the node's ShmCache (partitioned across this job's nodes, collectively,
+        with ``[cache] partitioned``), or None (capacity 0)."""
+        return self._need_spec("cache").make_cache(self.comm)
 
     def checkpoint_dir(self) -> tuple[str, str | None]:
         """This job's checkpoint directory and staging directory (None without a fast level)."""

@@ -133,6 +133,9 @@ def prefetcher_for(session: Any) -> Prefetcher | None:
         return None
     if session.job != release_groups(session.delays, list(session.jobs))[-1][0]:
         return None
+    if spec.cache.partitioned:
+        log.warning("[plan] prefetch does not fill a partitioned [cache] (it would keep other nodes' samples here)")
+        return None
     cache = spec.make_cache()
     if cache is None:
         log.warning("[plan] prefetch needs a shared [cache]: not prefetching")

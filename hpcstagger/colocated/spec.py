@@ -18,6 +18,7 @@ rank, through ``HPCSTAGGER_SPEC``) all read it. The format::
     [cache]
     capacity = "120MB"             # bytes or a size; 0 = no cache
     policy = "minio"               # minio | none
+    partitioned = false            # true: one cache partitioned across the job's nodes over MPI
 
     [checkpoint]
     directory = "checkpoints"      # one subdirectory per job
@@ -63,6 +64,7 @@ from typing import Any
 from collections.abc import Mapping, Sequence
 
 from .. import _schema as S
+from .. import config
 from ..errors import CacheError, ConfigError
 
 __all__ = ["Spec", "RunSpec", "DatasetSpec", "CacheSpec", "CheckpointSpec", "PlanSpec", "SlurmSpec",
@@ -99,13 +101,15 @@ class DatasetSpec:
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """The shared node-local cache; ``capacity`` 0 means no cache."""
+    """The shared node-local cache; ``capacity`` 0 means no cache. ``partitioned``: the node caches
+    of a job form one cache partitioned across its nodes (:mod:`hpcstagger.cache.partitioned`)."""
 
     name: str = ""
     capacity: int = 0
     policy: str = "minio"
     root: str = ""
     max_entries: int = 0
+    partitioned: bool = False
 
 
 @dataclass(frozen=True)
@@ -204,6 +208,7 @@ _CACHE = S.Table("cache", [
     S.Field("root", S.string(), "", shown="HPCSTAGGER_SHM_ROOT or /dev/shm/hpcstagger-<uid>"),
     S.Field("max_entries", S.integer(minimum=0), 0,
             shown="0 (auto: capacity / cache_min_sample_bytes, and at least the dataset's samples)"),
+    S.Field("partitioned", S.boolean(), False),
 ])
 _CHECKPOINT = S.Table("checkpoint", [
     S.Field("directory", S.string(), "checkpoints", shown='"checkpoints" under the workdir'),
@@ -409,13 +414,18 @@ class Spec:
                                    latency=ds.latency)
         return base
 
-    def make_cache(self) -> Any:
-        """The ``[cache]`` as the node's ShmCache, or None (capacity 0 or policy none)."""
+    def make_cache(self, comm: Any = None) -> Any:
+        """The ``[cache]`` as the node's ShmCache, or None (capacity 0 or policy none). With
+        ``partitioned`` (or the ``cache_partitioned`` knob) a PartitionedCache across the nodes of
+        ``comm``, collective over it (``capacity`` is then per node)."""
         c = self.cache
         if c.capacity <= 0 or c.policy == "none":
             return None
-        from ..cache import ShmCache
+        from ..cache import PartitionedCache, ShmCache
 
+        if c.partitioned or config.get("cache_partitioned"):
+            return PartitionedCache(c.name, c.capacity, comm, policy=c.policy, root=c.root or None,
+                                    max_entries=self.cache_entries())
         return ShmCache(c.name, c.capacity, policy=c.policy, root=c.root or None, max_entries=self.cache_entries())
 
     def cache_entries(self) -> int:
