@@ -12,6 +12,7 @@ Modules, by concept:
   agreement, gather, commit, broadcast of the outcome)
 - :mod:`.load`: :func:`load`, :func:`restore`, :func:`verify_checkpoint`
 - :mod:`.gates`: what the writer asks before each chunk; :mod:`.rng`: generator states
+- :mod:`.probe`: optional timing of the writer's steps (off by default; for benchmarks)
 
 Names are imported lazily, so ``import hpcstagger.checkpoint.sharding`` does not import torch.
 """

@@ -20,7 +20,7 @@ from typing import Any
 from .. import config
 from ..comm import Comm, poll_until
 from ..errors import CheckpointError, CollectiveError, describe_exception
-from . import catalog
+from . import catalog, probe
 from .flushq import FlushQueue
 from .manifest import build_manifest, shard_filename, step_dirname, versions
 from .sharding import ShardPlan
@@ -204,7 +204,8 @@ class SaveTask:
         if self.wcomm.rank == 0:
             for i in committed:
                 try:
-                    catalog.prune(self.levels[i], self.keeps[i], protect=h.step)
+                    with probe.timed("prune"):
+                        catalog.prune(self.levels[i], self.keeps[i], protect=h.step)
                 except Exception as exc:  # retention must not fail a good checkpoint
                     log.warning("checkpoint retention in %s failed: %s", self.levels[i], exc)
 
@@ -234,7 +235,8 @@ class SaveTask:
         except Exception as exc:  # every rank learns it below
             verb = "writing" if i == 0 else "flushing to"
             err = str(exc) if isinstance(exc, CheckpointError) else f"{verb} {path}: {describe_exception(exc)}"
-        results = c.gather((self.record if i == 0 else None, err), timeout=self.timeout)
+        with probe.timed("collectives"):
+            results = c.gather((self.record if i == 0 else None, err), timeout=self.timeout)
         outcome = None
         if c.rank == 0:
             assert results is not None, "rank 0 is the gather's root"
@@ -247,11 +249,13 @@ class SaveTask:
                             assert rec is not None, "a rank without an error sends its shard's record"
                             records.append(rec)
                         self.manifest = self._build(records)
-                    catalog.commit(step_dir, self.manifest)
+                    with probe.timed("commit"):
+                        catalog.commit(step_dir, self.manifest)
                 except Exception as exc:
                     failures[0] = f"committing {os.path.join(step_dir, 'manifest.json')}: {describe_exception(exc)}"
             outcome = failures or None
-        outcome = c.bcast(outcome, timeout=self.timeout)
+        with probe.timed("collectives"):
+            outcome = c.bcast(outcome, timeout=self.timeout)
         if outcome:
             lines = [f"checkpoint of step {h.step} in {root} failed on rank(s) "
                      f"{', '.join(map(str, sorted(outcome)))} of {c.size} and was not committed; "

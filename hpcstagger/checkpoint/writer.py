@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 from .. import config
 from .._io import fsync_dir, temp_path
 from ..errors import CheckpointError
+from . import probe
 from .gates import Gate
 from .manifest import FORMAT, FORMAT_VERSION, dataset_name
 from .sharding import Piece, TensorSpec
@@ -50,6 +51,7 @@ class Pacer:
         self._hurry = threading.Event()
         self.chunks = 0
         self.waits = 0
+        self.polls = 0  # the gate's wait_idle calls (10 ms slices) over all waits
         self.waited_s = 0.0
 
     def hurry(self) -> None:
@@ -70,13 +72,17 @@ class Pacer:
         deadline = t + self.max_wait
         while not self._hurry.is_set():  # in slices, so that hurry() takes effect within 10 ms
             left = deadline - time.monotonic()
-            if left <= 0 or gate.wait_idle(min(left, 0.01)):
+            if left <= 0:
+                break
+            self.polls += 1
+            if gate.wait_idle(min(left, 0.01)):
                 break
         self.waits += 1
         self.waited_s += time.monotonic() - t
 
     def stats(self) -> dict[str, Any]:
-        return {"chunks": self.chunks, "gate_waits": self.waits, "gate_wait_s": round(self.waited_s, 6)}
+        return {"chunks": self.chunks, "gate_waits": self.waits, "gate_polls": self.polls,
+                "gate_wait_s": round(self.waited_s, 6)}
 
 
 @dataclass
@@ -97,16 +103,28 @@ def _hash_chunks(data: Any, pacer: Pacer) -> str:
     step = pacer.chunk_bytes
     for a in range(0, len(data), step):
         pacer.before_chunk()
-        h.update(data[a:a + step])
+        chunk = data[a:a + step]
+        with probe.timed("hash", len(chunk)):
+            h.update(chunk)
     return h.hexdigest()
+
+
+def _hash_read(h: Any, fd: int, n: int, pos: int) -> int:
+    """Read ``n`` bytes of ``fd`` at ``pos`` into hash ``h``; returns the bytes read."""
+    with probe.timed("pread", n):
+        block = os.pread(fd, n, pos)
+    with probe.timed("hash", len(block)):
+        h.update(block)
+    return len(block)
 
 
 def pwrite_all(fd: int, data: Any, offset: int) -> None:
     """Write all of ``data`` to ``fd`` at ``offset`` (``os.pwrite`` may write less than asked)."""
     view = memoryview(data)
-    while len(view):
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
+    with probe.timed("pwrite", len(view)):
+        while len(view):
+            n = os.pwrite(fd, view, offset)
+            view, offset = view[n:], offset + n
 
 
 def copy_hashed(src_fd: int, dst_fd: int, chunk_bytes: int, *, before: Callable[[], object] | None = None,
@@ -127,7 +145,8 @@ def copy_hashed(src_fd: int, dst_fd: int, chunk_bytes: int, *, before: Callable[
         if before is not None:
             before()
         chunk = memoryview(buf)[:n]
-        h.update(chunk)
+        with probe.timed("hash", n):
+            h.update(chunk)
         pwrite_all(dst_fd, chunk, size)
         size += n
         if after is not None:
@@ -180,9 +199,10 @@ def _published(path: str, failure: str) -> Iterator[str]:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = temp_path(path)
         yield tmp
-        os.replace(tmp, path)
-        tmp = None
-        fsync_dir(os.path.dirname(path))
+        with probe.timed("publish"):
+            os.replace(tmp, path)
+            tmp = None
+            fsync_dir(os.path.dirname(path))
     except CheckpointError:
         raise
     except Exception as exc:  # reported with the path, cause kept
@@ -203,8 +223,9 @@ class ShardWriter:
         """Write ``items`` durably to ``path``; returns the shard's record for the manifest."""
         with _published(path, f"writing checkpoint shard {path} failed") as tmp:
             checksums = [_hash_chunks(it.data, pacer) for it in items]
-            offsets = _create_structure(tmp, step=step, rank=rank, nshards=nshards, items=items,
-                                        checksums=checksums, pacer=pacer)
+            with probe.timed("h5_structure"):
+                offsets = _create_structure(tmp, step=step, rank=rank, nshards=nshards, items=items,
+                                            checksums=checksums, pacer=pacer)
             size, digest = self._fill(tmp, items, offsets, pacer)
         pieces = [{"key": it.spec.key, "dataset": dataset_name(it.spec.key), "start": it.piece.start,
                    "count": it.piece.count, "checksum": c} for it, c in zip(items, checksums, strict=True)]
@@ -226,20 +247,21 @@ class ShardWriter:
                     raise CheckpointError(f"HDF5 placed a dataset at bytes {off}..{off + len(data)} of {tmp}, "
                                           f"outside the file ({size} bytes) or over another; report this bug")
                 if off > pos:
-                    h.update(os.pread(fd, off - pos, pos))
+                    _hash_read(h, fd, off - pos, pos)
                 for a in range(0, len(data), pacer.chunk_bytes):
                     chunk = data[a:a + pacer.chunk_bytes]
                     pacer.before_chunk()
                     pwrite_all(fd, chunk, off + a)
-                    h.update(chunk)
+                    with probe.timed("hash", len(chunk)):
+                        h.update(chunk)
                 pos = off + len(data)
             while pos < size:
-                block = os.pread(fd, min(size - pos, 1 << 20), pos)
-                if not block:
+                n = _hash_read(h, fd, min(size - pos, 1 << 20), pos)
+                if not n:
                     break
-                h.update(block)
-                pos += len(block)
-            os.fsync(fd)
+                pos += n
+            with probe.timed("fsync"):
+                os.fsync(fd)
         finally:
             os.close(fd)
         return size, h.hexdigest()
@@ -252,7 +274,8 @@ class ShardWriter:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                 try:
                     size, digest = copy_hashed(fin.fileno(), fd, pacer.chunk_bytes, before=pacer.before_chunk)
-                    os.fsync(fd)
+                    with probe.timed("fsync"):
+                        os.fsync(fd)
                 finally:
                     os.close(fd)
             check_copy(src, size, digest, expect)
