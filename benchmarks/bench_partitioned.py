@@ -302,6 +302,7 @@ def part_faults(a: argparse.Namespace) -> dict:
         cmd = [str(BIN / "mpiexec"), "-disable-auto-cleanup", "-n", "4", sys.executable, str(job), str(d), root,
                "--epochs", "3", f"--{how}", "3:1"]
         t = time.monotonic()
+        before = set(os.listdir("/dev/shm"))  # MPICH's segments that a killed or stopped rank leaves
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         try:
             while proc.poll() is None and len(list(d.glob("*.closed"))) < 3 and time.monotonic() - t < 120:
@@ -313,6 +314,9 @@ def part_faults(a: argparse.Namespace) -> dict:
             if proc.poll() is None:
                 proc.kill()
             shutil.rmtree(root, ignore_errors=True)
+            for name in set(os.listdir("/dev/shm")) - before:
+                if name.startswith("mpich_shm_"):
+                    os.unlink(os.path.join("/dev/shm", name))
         reports = [json.loads(p.read_text()) for p in d.glob("*.json")]
         shutil.rmtree(d, ignore_errors=True)
         row = {"survivors_finished": len(reports), "wrong": sum(e["wrong"] for r in reports for e in r["epochs"]),

@@ -7,6 +7,8 @@ hash: ``owner = key hash hi % nodes``. The owner keeps it in its ordinary node-l
 - A lookup of a sample this node owns is a local :meth:`ShmCache.get`.
 - A lookup of another node's sample reads the owner's cache files with one-sided MPI (``MPI_Rget``
   under a ``MPI_Win_lock_all`` epoch): the index slots where the key would be, then the entry.
+  Where an entry lies is remembered, so the next lookup of the key (the next epoch's) is one read
+  of the entry; a moved, evicted or overwritten entry fails verification, and the index is read.
   The owner's processes take no part, so a busy owner (one that holds the GIL in a training loop)
   serves at full speed. The entry's header and xxh3-64 checksum are verified here, at the reader:
   a corrupt or torn entry is a miss, never wrong bytes.
@@ -52,6 +54,8 @@ PROBE_SLOTS = 8       # index slots fetched per round trip (load factor <= 1/2: 
 MAX_PENDING = 64      # inserts in flight to other nodes per process; more are dropped
 MAX_DRAIN = 16        # inserts taken in per call
 ALIVE_EVERY = 0.05    # seconds between two looks in /proc at a peer on this host
+PROGRESS_EVERY = 0.001  # seconds between two takes of incoming inserts on the remote-hit path
+WHERE_MAX = 1 << 18   # remote entries whose place in the owner's arena this process remembers
 _TAG = 0x5043
 
 
@@ -92,6 +96,9 @@ class PartitionedCache:
         self._icomm: Any = None
         self._peers: list[tuple[str, int, int, int]] = []
         self._checked: dict[int, float] = {}
+        self._where: dict[tuple[int, int], tuple[int, int]] = {}  # (hi, lo) -> (arena offset, length)
+        self._mpi: Any = None
+        self._next_progress = 0.0
         if self.layout.count > 1 and self.local.policy.stores:
             self._open_windows(timeout)
 
@@ -99,7 +106,7 @@ class PartitionedCache:
 
     def _open_windows(self, timeout: Any) -> None:
         """Expose this process's mappings of its node's index and arena as two MPI windows."""
-        MPI = mpi_module()
+        MPI = self._mpi = mpi_module()
         index, arena, _ = self.local.regions()
         self._regions = (index, arena)  # the windows point into these mappings: keep them alive
         self._peers = self.comm.allgather((socket.gethostname(), os.getpid(), len(index) // SLOT.size, len(arena)),
@@ -218,7 +225,7 @@ class PartitionedCache:
     def _wait(self, req: Any, node: int, keep: Any, rank: int) -> bool:
         """Poll ``req`` until it completes (True), or fails, passes the deadline or ``rank`` is seen
         to end (False: the node is dead, and the request and its buffer are kept, never freed)."""
-        MPI = mpi_module()
+        MPI = self._mpi
         deadline = time.monotonic() + self._timeout
         backoff = Backoff(0.00005, 0.005, spins=200)
         try:
@@ -236,7 +243,7 @@ class PartitionedCache:
         return True
 
     def _rget(self, win: Any, buf: bytearray, node: int, disp: int) -> bool:
-        MPI = mpi_module()
+        MPI = self._mpi
         target = self._target(node)
         if not self._alive(target):
             self._mark_dead(node, f"rank {target} ended")
@@ -265,12 +272,25 @@ class PartitionedCache:
             return view
         if owner in self._dead or not self._remote_ok():
             return None
-        self.progress()
+        now = time.monotonic()
+        if now >= self._next_progress:  # at most every PROGRESS_EVERY s on this path: it is hot
+            self._next_progress = now + PROGRESS_EVERY
+            self.progress()
         view = self._fetch(owner, hi, lo)
         self.counters.add("remote_hits" if view is not None else "remote_misses")
         return view
 
     def _fetch(self, node: int, hi: int, lo: int) -> memoryview | None:
+        where = self._where.get((hi, lo))
+        if where is not None:  # found there before: one round trip, verified like any other
+            entry = bytearray(ENTRY_HDR + where[1])
+            if self._rget(self._wins[1], entry, node, where[0]):
+                view = verify_entry(entry, hi, lo, where[1])
+                if view is not None:
+                    return view
+            del self._where[(hi, lo)]  # moved, evicted or torn: look it up in the index
+            if node in self._dead:
+                return None
         _, _, slots, arena_bytes = self._peers[self._target(node)]
         mask = slots - 1
         i = lo & mask
@@ -294,7 +314,11 @@ class PartitionedCache:
         if not self._rget(self._wins[1], entry, node, off):
             return None
         view = verify_entry(entry, hi, lo, n)
-        if view is None:
+        if view is not None:
+            if len(self._where) >= WHERE_MAX:
+                del self._where[next(iter(self._where))]
+            self._where[(hi, lo)] = (off, n)
+        else:
             self.counters.add("remote_failures")
             log.warning("cache %s: an entry fetched from node %d failed verification; treated as a miss",
                         self.name, node)
@@ -363,7 +387,7 @@ class PartitionedCache:
         return True
 
     def _reap_sends(self) -> None:
-        MPI = mpi_module()
+        MPI = self._mpi
         while self._pending:
             req, msg = self._pending[0]
             try:
@@ -378,7 +402,7 @@ class PartitionedCache:
         :meth:`get` and :meth:`put`; call it when the process uses the cache rarely)."""
         if not self._remote_ok():
             return
-        MPI = mpi_module()
+        MPI = self._mpi
         status = MPI.Status()
         for _ in range(MAX_DRAIN):
             msg = self._icomm.Improbe(MPI.ANY_SOURCE, _TAG, status)
@@ -434,6 +458,7 @@ def _detached(name: str, root: str, layout: NodeLayout) -> PartitionedCache:
     self.counters = _pstats.Counters(root, name, {"node": layout.node, "nodes": layout.count})
     self._pid, self._dead, self._abandoned, self._pending = os.getpid(), set(), [], deque()
     self._timeout, self._wins, self._icomm, self._peers, self._checked = 0.0, [], None, [], {}
+    self._where, self._mpi, self._next_progress = {}, None, 0.0
     return self
 
 
