@@ -84,24 +84,13 @@ class _OnDevice:
         return len(self.loader)
 
     def __iter__(self) -> Any:
+        from ..loader import to_device
+
         for batch in self.loader:
-            yield _to(batch, self.device)
+            yield to_device(batch, self.device, non_blocking=True)
 
     def __getattr__(self, name: str) -> Any:  # sampler, dataset, batch_size... of the DataLoader
         if name == "loader":  # not set yet (never recurse)
             raise AttributeError(name)
         return getattr(self.loader, name)
 
-
-def _to(obj: Any, device: Any) -> Any:
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_to(v, device) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to(v, device) for v in obj)
-    return obj

@@ -5,6 +5,7 @@ Importing this package imports neither torch nor numpy; each name is loaded on f
 - :class:`SharedLoader`: use it where a DataLoader was built; ``for batch in loader`` stays the same.
 - :class:`StreamOrder`: the order of the shared batch stream (epochs, segments, late joins).
 - :func:`list_pipelines`: the pipelines in a node's shared memory, with their producer and consumers.
+- :func:`to_device`: a batch with its tensors moved to a device.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ _EXPORTS: dict[str, str] = {
     "SharedLoader": "consumer",
     "StreamOrder": "_order",
     "list_pipelines": "admin",
+    "to_device": "_cuda",
 }
 
 __all__ = list(_EXPORTS)

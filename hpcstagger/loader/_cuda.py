@@ -147,6 +147,21 @@ class ImportedRing(_Memory):
                 pass
 
 
+def to_device(batch: Any, device: Any, *, non_blocking: bool = False) -> Any:
+    """``batch`` with every tensor in it (in dicts, lists, tuples and namedtuples) moved to ``device``."""
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device, non_blocking=non_blocking) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(to_device(v, device, non_blocking=non_blocking) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device, non_blocking=non_blocking) for v in batch)
+    return batch
+
+
 def host_register(ptr: int, size: int) -> bool:
     """Page-lock ``size`` bytes of mapped host memory at ``ptr`` for fast copies; False if refused."""
     import torch
@@ -210,17 +225,7 @@ class DeviceConsumer:
 
     def to_device(self, batch: Any) -> Any:
         """A batch this consumer prepared itself, its tensors moved to the device."""
-        import torch
-
-        if isinstance(batch, torch.Tensor):
-            return batch.to(f"cuda:{self.index}")
-        if isinstance(batch, dict):
-            return {k: self.to_device(v) for k, v in batch.items()}
-        if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
-            return type(batch)(*(self.to_device(v) for v in batch))
-        if isinstance(batch, (list, tuple)):
-            return type(batch)(self.to_device(v) for v in batch)
-        return batch
+        return to_device(batch, f"cuda:{self.index}")
 
     def close(self) -> None:
         self.ring = None

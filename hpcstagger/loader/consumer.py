@@ -40,6 +40,7 @@ from typing import Any
 
 from .. import config
 from ..cache import _fs
+from ..comm import Backoff
 from ..errors import CacheError, ConfigError, LoaderError
 from . import _cuda
 from . import _ring as R
@@ -334,7 +335,7 @@ class SharedLoader:
     def _wait(self, ctl: R.Ctl, g: int) -> bool:
         """Wait until batch ``g`` is published (True), or False if this consumer should prepare it."""
         t0 = checked = time.monotonic()
-        nap = 0.0002
+        backoff = Backoff(0.0002, _NAP_MAX)
         try:
             while int(ctl.w[self._head_word]) <= g:
                 if self._dev is not None:
@@ -350,8 +351,7 @@ class SharedLoader:
                     raise LoaderError(f"shared pipeline {self.name!r}: no batch from its producer (pid "
                                       f"{self.producer_pid}, alive) for {waited:.0f} s; a consumer may be stuck "
                                       f"(pace='ahead' lets others go on), or raise the loader_timeout knob")
-                time.sleep(nap)
-                nap = min(nap * 2, _NAP_MAX)
+                backoff.sleep()
             return True
         finally:
             self._stats["wait_s"] += time.monotonic() - t0

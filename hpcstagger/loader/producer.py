@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import config
+from ..comm import Backoff
 from ..errors import LoaderError, describe_exception
 from . import _ring as R
 from ._order import StreamOrder
@@ -224,7 +225,7 @@ class _Producer:
         """Wait until slot ``g % window`` may be overwritten; False if told to stop meanwhile."""
         w, window = self.ctl.w, self.pipe.window
         staged = g - window if self.stager is not None else -1  # the stager has copied the slot's batch
-        nap = 0.0002
+        backoff = Backoff(0.0002, 0.004)
         blocked = False
         while not self.stop.is_set():
             holders = self.ctl.attached()
@@ -236,8 +237,7 @@ class _Producer:
             if holders and not blocked:
                 w[R.H_BLOCKED] = R.now_ns()
                 blocked = True
-            time.sleep(nap)
-            nap = min(nap * 2, 0.004)
+            backoff.sleep()
         return False
 
     # ---- liveness ---------------------------------------------------------------------------

@@ -29,6 +29,7 @@ import sys
 import time
 from typing import Any
 
+from ..comm import Backoff
 from ..errors import LoaderError, describe_exception
 from . import _cuda
 from . import _ring as R
@@ -118,13 +119,12 @@ class _Stager:
         w = self.ctl.w
         stream = torch.cuda.Stream()
         g = int(w[R.H_GHEAD])
-        nap = 0.0002
+        backoff = Backoff(0.0002, 0.002)
         while self.running():
             if int(w[R.H_HEAD]) <= g:
-                time.sleep(nap)
-                nap = min(nap * 2, 0.002)
+                backoff.sleep()
                 continue
-            nap = 0.0002
+            backoff.reset()
             s = g % self.window
             slot = self.ctl.slot(s)
             if int(slot[R.S_SEQ]) != g:
