@@ -291,6 +291,8 @@ def part_transport(a: argparse.Namespace) -> dict:
 
 
 def part_faults(a: argparse.Namespace) -> dict:
+    from hpcstagger.colocated._shm import remove_stale_mpich_segments
+
     job = HERE.parent / "tests" / "support" / "partitioned_job.py"
     out: dict = {}
     print("(d) faults: 2 nodes x 2 ranks, rank 3 (node 1) stopped or killed half way through epoch 2")
@@ -302,7 +304,7 @@ def part_faults(a: argparse.Namespace) -> dict:
         cmd = [str(BIN / "mpiexec"), "-disable-auto-cleanup", "-n", "4", sys.executable, str(job), str(d), root,
                "--epochs", "3", f"--{how}", "3:1"]
         t = time.monotonic()
-        before = set(os.listdir("/dev/shm"))  # MPICH's segments that a killed or stopped rank leaves
+        since = time.time()  # MPICH's segments that a killed or stopped rank leaves are removed after
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         try:
             while proc.poll() is None and len(list(d.glob("*.closed"))) < 3 and time.monotonic() - t < 120:
@@ -314,9 +316,7 @@ def part_faults(a: argparse.Namespace) -> dict:
             if proc.poll() is None:
                 proc.kill()
             shutil.rmtree(root, ignore_errors=True)
-            for name in set(os.listdir("/dev/shm")) - before:
-                if name.startswith("mpich_shm_"):
-                    os.unlink(os.path.join("/dev/shm", name))
+            remove_stale_mpich_segments(since, settle=2.0)
         reports = [json.loads(p.read_text()) for p in d.glob("*.json")]
         shutil.rmtree(d, ignore_errors=True)
         row = {"survivors_finished": len(reports), "wrong": sum(e["wrong"] for r in reports for e in r["epochs"]),

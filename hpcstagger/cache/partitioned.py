@@ -35,13 +35,13 @@ import socket
 import time
 from collections import deque
 from typing import Any
-from collections.abc import Callable
 
 import numpy as np
 
 from .. import config
 from ..comm import UNSET, Backoff, Comm, as_comm, mpi_module
 from . import _fs, _pstats
+from ._base import LoadThrough
 from ._layout import ENTRY_HDR, SLOT
 from ._wire import ABSENT, FOUND, pack_insert, scan_slots, unpack_insert, verify_entry
 from .nodes import NodeLayout, discover
@@ -59,7 +59,7 @@ WHERE_MAX = 1 << 18   # remote entries whose place in the owner's arena this pro
 _TAG = 0x5043
 
 
-class PartitionedCache:
+class PartitionedCache(LoadThrough):
     """A cache partitioned across the nodes of ``comm``, used like a :class:`ShmCache`.
 
     Collective over ``comm`` (a :class:`~hpcstagger.comm.Comm`, an mpi4py communicator, or None for
@@ -85,13 +85,19 @@ class PartitionedCache:
         with self.comm.guard("open the partitioned cache", timeout=timeout):
             local = ShmCache(name, capacity_bytes, policy=policy, root=self.root, max_entries=max_entries)
         assert local is not None
+        self._own_state(local, float(config.get("cache_remote_timeout")))
+        if self.layout.count > 1 and self.local.policy.stores:
+            self._open_windows(timeout)
+
+    def _own_state(self, local: ShmCache, remote_timeout: float) -> None:
+        """This process's state over its node cache ``local`` (``root``, ``name`` and ``layout`` set)."""
         self.local = local
-        self.counters = _pstats.Counters(self.root, name, {"node": self.layout.node, "nodes": self.layout.count})
+        self.counters = _pstats.Counters(self.root, self.name, {"node": self.layout.node, "nodes": self.layout.count})
         self._pid = os.getpid()
         self._dead: set[int] = set()
         self._abandoned: list[Any] = []  # requests given up on: freeing an active request is erroneous
         self._pending: deque[tuple[Any, bytearray]] = deque()
-        self._timeout = float(config.get("cache_remote_timeout"))
+        self._timeout = remote_timeout
         self._wins: list[Any] = []
         self._icomm: Any = None
         self._peers: list[tuple[str, int, int, int]] = []
@@ -99,8 +105,6 @@ class PartitionedCache:
         self._where: dict[tuple[int, int], tuple[int, int]] = {}  # (hi, lo) -> (arena offset, length)
         self._mpi: Any = None
         self._next_progress = 0.0
-        if self.layout.count > 1 and self.local.policy.stores:
-            self._open_windows(timeout)
 
     # ---- set-up and tear-down ------------------------------------------------------------------
 
@@ -421,15 +425,6 @@ class PartitionedCache:
             self.counters.add("inserts_received")
         self._reap_sends()
 
-    def get_or_load(self, key: str | int, loader: Callable[[], Any]) -> Any:
-        """The cached sample for ``key``, or ``loader()``'s result, stored at its owner."""
-        view = self.get(key)
-        if view is not None:
-            return view
-        data = loader()
-        self.put(key, data)
-        return data
-
     # ---- management ----------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -454,11 +449,7 @@ def _detached(name: str, root: str, layout: NodeLayout) -> PartitionedCache:
     samples only."""
     self = PartitionedCache.__new__(PartitionedCache)
     self.comm, self.layout, self.root, self.name = Comm.single(), layout, root, name
-    self.local = ShmCache(name, None, root=root)
-    self.counters = _pstats.Counters(root, name, {"node": layout.node, "nodes": layout.count})
-    self._pid, self._dead, self._abandoned, self._pending = os.getpid(), set(), [], deque()
-    self._timeout, self._wins, self._icomm, self._peers, self._checked = 0.0, [], None, [], {}
-    self._where, self._mpi, self._next_progress = {}, None, 0.0
+    self._own_state(ShmCache(name, None, root=root), 0.0)
     return self
 
 

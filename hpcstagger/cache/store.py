@@ -15,7 +15,6 @@ import os
 import struct
 import weakref
 from typing import Any
-from collections.abc import Callable
 
 import xxhash
 
@@ -27,7 +26,9 @@ from ._layout import (ENTRY, ENTRY_HDR, ENTRY_MAGIC, H_ENTRIES, H_GEN, H_INDEX_U
                       H_RESERVED, H_RESERVED_ENTRIES, H_TOP, H_USED, H_WASTED, LEN_MASK, LIVE, SLOT, S_CORRUPT,
                       S_DUPLICATES, S_HITS, S_INSERTS, S_INSERT_BYTES, S_READ_BYTES, S_READ_NS, S_MISSES,
                       S_REFUSED, S_RES_GEN, S_RES_OFF, S_RES_PAYLOAD, S_RES_SIZE, TOMB, align)
+from ._base import LoadThrough
 from ._ledger import Ledger
+from ._wire import verify_entry
 from .policy import Policy, Space, get_policy
 
 __all__ = ["ShmCache", "key_hash", "default_max_entries"]
@@ -63,7 +64,7 @@ def default_max_entries(capacity_bytes: int) -> int:
     return max(64, capacity_bytes // max(1, int(config.get("cache_min_sample_bytes"))))
 
 
-class ShmCache:
+class ShmCache(LoadThrough):
     """A named cache of byte samples in shared memory, shared by every process on the node.
 
     ``ShmCache(name, capacity_bytes)`` creates the cache or attaches to it; ``capacity_bytes=None``
@@ -219,14 +220,10 @@ class ShmCache:
         if meta >> 56 != LIVE:
             return None
         n = meta & LEN_MASK
-        start = off + ENTRY_HDR
-        amv = led.amv
-        if start + n <= led.w[H_TOP]:
-            magic, ehi, elo, elen, ck, _ = _unpack_entry(amv, off)
-            if magic == ENTRY_MAGIC and elo == lo and ehi == hi and elen == n:
-                view = amv[start:start + n]
-                if _checksum(view) == ck:
-                    return view
+        if off + ENTRY_HDR + n <= led.w[H_TOP]:
+            view = verify_entry(led.amv[off:off + ENTRY_HDR + n], hi, lo, n)
+            if view is not None:
+                return view
         if self._drop_corrupt(i, hi, lo, off, meta, imv) or not retry:
             return None
         return self._read(hi, lo, retry=False)  # the slot changed under us: look again
@@ -242,11 +239,8 @@ class ShmCache:
                 data = os.pread(led.arena_fd, ENTRY_HDR + n, off) if off + ENTRY_HDR + n <= led.w[H_TOP] else b""
             except OSError:
                 data = b""
-            if len(data) == ENTRY_HDR + n:
-                magic, ehi, elo, elen, ck, _ = ENTRY.unpack_from(data)
-                if ((magic, ehi, elo, elen) == (ENTRY_MAGIC, hi, lo, n)
-                        and _checksum(memoryview(data)[ENTRY_HDR:]) == ck):
-                    return False  # a torn read of a slot being published, not corruption
+            if verify_entry(data, hi, lo, n) is not None:
+                return False  # a torn read of a slot being published, not corruption
             os.pwrite(led.index_fd, ((TOMB << 56) | n).to_bytes(8, "little"), (i << 5) + 24)
             # The region is abandoned (someone may still hold a view of it). The index's own length
             # may be what was corrupt, so recount the occupancy rather than subtract it.
@@ -403,19 +397,6 @@ class ShmCache:
         if state == 0:
             w[H_INDEX_USED] += 1
         return "inserted"
-
-    def get_or_load(self, key: str | int, loader: Callable[[], Any]) -> Any:
-        """The cached sample for ``key``, or ``loader()``'s bytes-like result, inserted if the policy allows.
-
-        The caller always gets its bytes: a refused insert (full cache, full /dev/shm) only means
-        the next reader loads it again.
-        """
-        view = self.get(key)
-        if view is not None:
-            return view
-        data = loader()
-        self.put(key, data)
-        return data
 
     # ---- management ----------------------------------------------------------------------------
 
