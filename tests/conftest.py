@@ -16,7 +16,7 @@ import time
 from support.cli import in_ci
 from support.shm import new_shm_entries, remove_stale_mpich_segments
 
-# Fixtures: slurm_cluster, slurm_two_nodes, batch_job, batch_job_on, shm_root. pytest allows this
+# Fixtures: slurm_cluster, slurm_two_nodes, batch_job, batch_job_on, shm_root, jobs. pytest allows this
 # only in a conftest it loads at start-up (this one is, for every run under tests/), not in one
 # it finds while collecting.
 pytest_plugins = ["support.fixtures"]

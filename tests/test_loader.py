@@ -22,20 +22,11 @@ from hpcstagger.errors import ConfigError, LoaderError
 from hpcstagger.loader import SharedLoader, StreamOrder, list_pipelines
 from hpcstagger.loader.admin import remove_stale
 from support.loader_job import Numbered, expected
-from support.loader_util import (LINGER, Jobs, built, check_epochs, gone, loader_files, start_job,
+from support.loader_util import (LINGER, FakeSession, built, check_epochs, gone, loader_files, start_job,
                                  wait_loader_empty, wait_until)
 
 pytestmark = pytest.mark.timeout(60)
 FORK = mp.get_context("fork")
-
-
-@pytest.fixture
-def jobs(shm_root, tmp_path):
-    j = Jobs(tmp_path, shm_root)
-    try:
-        yield j
-    finally:
-        j.cleanup()
 
 
 @pytest.fixture
@@ -377,21 +368,10 @@ def test_pace_ahead_runs_at_its_own_speed(jobs):
 
 
 # ------------------------------------------------------------------------- session.data_loader
-class _Comm:
-    size, rank = 1, 0
-
-
-class _Session:
-    spec, job, comm = None, "j", _Comm()
-
-    def say(self, text: str) -> None:
-        pass
-
-
 def test_a_plain_data_loader_with_a_device_moves_every_batch(shm_root):
     from hpcstagger.colocated.shared import data_loader
 
-    loader = data_loader(_Session(), Numbered(12), 4, share=False, device="cpu", hold=2, num_workers=0)
+    loader = data_loader(FakeSession(), Numbered(12), 4, share=False, device="cpu", hold=2, num_workers=0)
     assert len(loader) == 3 and loader.batch_size == 4  # the DataLoader's attributes pass through
     seen = []
     for x, i in loader:
@@ -399,4 +379,4 @@ def test_a_plain_data_loader_with_a_device_moves_every_batch(shm_root):
         seen += i.tolist()
     assert sorted(seen) == list(range(12))
     with pytest.raises(ConfigError, match="not a CUDA device"):  # the shared loader says what is wrong
-        data_loader(_Session(), Numbered(12), 4, share=True, device="cpu", root=shm_root)
+        data_loader(FakeSession(), Numbered(12), 4, share=True, device="cpu", root=shm_root)

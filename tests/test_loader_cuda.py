@@ -18,22 +18,14 @@ import torch
 from hpcstagger import config
 from hpcstagger.loader import SharedLoader, StreamOrder, list_pipelines
 from support.loader_job import Numbered, expected
-from support.loader_util import LINGER, Jobs, built, check_epochs, gone, start_job, wait_loader_empty, wait_until
+from support.loader_util import (LINGER, FakeSession, built, check_epochs, gone, start_job, wait_loader_empty,
+                                 wait_until)
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: torch.cuda.is_available() is False"),
     pytest.mark.timeout(120),
 ]
-
-
-@pytest.fixture
-def jobs(shm_root, tmp_path):
-    j = Jobs(tmp_path, shm_root)
-    try:
-        yield j
-    finally:
-        j.cleanup()
 
 
 @pytest.fixture
@@ -130,16 +122,9 @@ def test_a_killed_stager_or_producer_is_raised_by_every_consumer(jobs, no_new_to
 def test_session_data_loader_delivers_on_the_device_shared_or_not(shm_root):
     from hpcstagger.colocated.shared import data_loader
 
-    class Session:
-        spec, job = None, "j"
-        comm = type("Comm", (), {"size": 1, "rank": 0})()
-
-        def say(self, text: str) -> None:
-            pass
-
     with config.override(loader_linger=LINGER):
         for share in (False, True):
-            loader = data_loader(Session(), Numbered(16), 4, share=share, device="cuda:0", root=shm_root)
+            loader = data_loader(FakeSession(), Numbered(16), 4, share=share, device="cuda:0", root=shm_root)
             got = [(x, i) for x, i in loader]
             assert all(x.device.type == "cuda" and torch.equal(x, expected(i)) for x, i in got), share
             assert sorted(int(v) for _, i in got for v in i) == list(range(16))

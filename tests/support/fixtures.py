@@ -1,5 +1,6 @@
 """The suite's shared fixtures, a pytest plugin (``pytest_plugins`` in tests/conftest.py): the real
-single-node and two-node Slurm, batch jobs on them, and a private /dev/shm root for the cache."""
+single-node and two-node Slurm, batch jobs on them, a private /dev/shm root for the cache, and
+shared-loader consumer processes."""
 
 from __future__ import annotations
 
@@ -102,3 +103,17 @@ def shm_root():
             yield root
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------- shared loader
+@pytest.fixture
+def jobs(shm_root, tmp_path):
+    """Shared-loader consumer processes (support/loader_util.Jobs) under ``shm_root``; whatever a
+    failed test left running is killed."""
+    from .loader_util import Jobs
+
+    j = Jobs(tmp_path, shm_root)
+    try:
+        yield j
+    finally:
+        j.cleanup()

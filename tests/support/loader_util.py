@@ -196,6 +196,16 @@ def built(*js: Job) -> None:
         j.wait_for(lambda r: "len" in r, "its loader built")
 
 
+class FakeSession:
+    """What ``colocated.shared.data_loader`` needs of a Session: no spec, job "j", one rank."""
+
+    spec, job = None, "j"
+    comm = type("Comm", (), {"size": 1, "rank": 0})()
+
+    def say(self, text: str) -> None:
+        pass
+
+
 def stream_batch(order: StreamOrder, first: int, epoch: int, j: int, rank: int = 0, world: int = 1) -> int:
     """The stream batch that a consumer attached at ``first`` takes as batch ``j`` of ``epoch``."""
     return first + epoch * order.batches + rank + j * world
