@@ -1,20 +1,24 @@
 """The in-memory snapshot: this rank's pieces of the state, copied into reusable host buffers.
 
-:class:`SnapshotBuffers` keeps one flat host buffer holding the bytes of every piece this rank
-writes, each piece at a 64-byte aligned offset. It is allocated on the first save and reused while
-the layout stays the same (reallocated, old one freed first, when it changes), so at most one
-snapshot is in memory. When any source tensor is on a CUDA device the buffer is pinned, the copies
-are issued asynchronously on the current stream of each source device (ordered after the kernels
-that produced the values), and the streams are synchronised before :meth:`SnapshotBuffers.copy`
-returns, so the snapshot is complete and the training may change its tensors at once. CPU sources
-are copied with numpy (a single memcpy per piece).
+:class:`SnapshotBuffers` keeps one flat, page-aligned host buffer holding the bytes of every piece
+this rank writes, each piece at a 64-byte aligned offset and pieces of 64 KiB or more at a page
+boundary, so that the writer can hand them to the device with ``O_DIRECT`` (:mod:`._direct`). It
+is allocated on the first save and reused while the layout stays the same (reallocated, old one
+freed first, when it changes), so at most one snapshot is in memory. When any source tensor is on
+a CUDA device the buffer is pinned, the copies are issued asynchronously on the current stream of
+each source device (ordered after the kernels that produced the values), and the streams are
+synchronised before :meth:`SnapshotBuffers.copy` returns, so the snapshot is complete and the
+training may change its tensors at once. CPU sources are copied with numpy (a single memcpy per
+piece).
 
-The pinned buffer is a private anonymous mapping page-locked with ``cudaHostRegister``: the size
-of the snapshot (in whole pages), unpinned and unmapped when it is released, and not inherited by
-forked children. It does not come from torch's pinned allocator (``pin_memory=True``), which
-rounds every block up to a power of two (a 1.2 GB snapshot took 2 GiB there) and keeps a freed
-block cached, still pinned, until the process ends, so that a layout change would leave the old
-buffer pinned beside the new one (benchmarks/RESULTS.md, issue 16).
+The buffer is a private anonymous mapping of the snapshot's size (in whole pages), unmapped when
+it is released and not inherited by forked children (DataLoader workers forked after the first
+save would otherwise share its pages copy-on-write, and the next snapshot would copy every page
+once more). With CUDA sources it is page-locked with ``cudaHostRegister`` and unpinned when
+released. It does not come from torch's pinned allocator (``pin_memory=True``), which rounds every
+block up to a power of two (a 1.2 GB snapshot took 2 GiB there) and keeps a freed block cached,
+still pinned, until the process ends, so that a layout change would leave the old buffer pinned
+beside the new one (benchmarks/RESULTS.md, issue 16).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import weakref
 from typing import Any
 from collections.abc import Sequence
 
+from ._direct import ALIGN_THRESHOLD
 from .sharding import Piece
 from .state import Leaf
 
@@ -42,20 +47,26 @@ def _unregister(ptr: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
-def _pinned(nbytes: int) -> tuple[Any, int | None]:
-    """A uint8 host tensor of ``nbytes`` page-locked by cudaHostRegister, and the pointer to
-    unregister; (a tensor from torch's pinned allocator, None) if registering fails.
-
-    The memory is a private anonymous mapping of its own (page-aligned, shared with no other
-    allocation, returned to the system when the last view of it goes) that forked children do not
-    inherit (DataLoader workers would otherwise each get a copy of the pinned pages)."""
+def _mapped(nbytes: int) -> Any:
+    """A uint8 host tensor of ``nbytes`` over a private anonymous mapping of its own (page-aligned,
+    shared with no other allocation, returned to the system when its last view goes), which forked
+    children do not inherit."""
     import torch
 
     size = -(-nbytes // _PAGE) * _PAGE
     mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_DONTFORK"):
         mem.madvise(mmap.MADV_DONTFORK)
-    buf = torch.frombuffer(mem, dtype=torch.uint8, count=nbytes)  # (the tensor keeps the mapping)
+    return torch.frombuffer(mem, dtype=torch.uint8, count=nbytes)  # (the tensor keeps the mapping)
+
+
+def _pinned(nbytes: int) -> tuple[Any, int | None]:
+    """A :func:`_mapped` tensor of ``nbytes`` page-locked by cudaHostRegister, and the pointer to
+    unregister; (a tensor from torch's pinned allocator, None) if registering fails."""
+    import torch
+
+    buf = _mapped(nbytes)
+    size = -(-nbytes // _PAGE) * _PAGE
     err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), size, 0))
     if err == 0:
         return buf, buf.data_ptr()
@@ -110,14 +121,17 @@ class SnapshotBuffers:
         self.release()  # at most one snapshot in memory: drop the old buffer before allocating
         offsets, pos = [], 0
         for p, leaf in entries:
+            nbytes = p.count * leaf.spec.itemsize
+            if nbytes >= ALIGN_THRESHOLD:
+                pos = -(-pos // _PAGE) * _PAGE
             offsets.append(pos)
-            pos += -(-(p.count * leaf.spec.itemsize) // _ALIGN) * _ALIGN
+            pos += -(-nbytes // _ALIGN) * _ALIGN
         if pin:
             self._buf, ptr = _pinned(max(pos, _ALIGN))
             if ptr is not None:  # unpinned by release(), or when this object goes
                 self._unpin = weakref.finalize(self, _unregister, ptr)
         else:
-            self._buf = torch.empty(max(pos, _ALIGN), dtype=torch.uint8)
+            self._buf = _mapped(max(pos, _ALIGN))
         self._np = self._buf.numpy()
         self._offsets = offsets
         self._key = key

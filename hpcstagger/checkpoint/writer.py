@@ -9,8 +9,10 @@ piece that is the whole tensor has the tensor's shape; a part of a tensor split 
 numpy lacks (bfloat16, float8, complex32) are stored as unsigned integers of the same width.
 
 How it is written: h5py creates the file structure with every dataset's space allocated up front
-(contiguous, no fill), then the data goes in with ``os.pwrite`` at the datasets' file offsets, in
-chunks of ``ckpt_chunk_bytes``, each after asking the gate (through a :class:`Pacer`). ``pwrite`` and
+(contiguous, no fill; datasets of 64 KiB or more page-aligned), then the data goes in with
+``os.pwrite`` at the datasets' file offsets, in chunks of ``ckpt_chunk_bytes``, each after asking
+the gate (through a :class:`Pacer`). The page-aligned parts are written with ``O_DIRECT``, so that
+they are not copied into the page cache, where the file system allows it (:mod:`._direct`). ``pwrite`` and
 xxh3 release the GIL, h5py does not, so the training thread is held up only by the short structure
 step. While writing, the writer hashes the file from start to end (structure bytes read back, data
 bytes from memory), giving the whole-file checksum the manifest records. The file is written under
@@ -34,11 +36,12 @@ from .. import config
 from .._io import fsync_dir, temp_path
 from ..errors import CheckpointError
 from . import probe
+from ._direct import ALIGN, ALIGN_THRESHOLD, FileSink, aligned_buffer
 from .gates import Gate
 from .manifest import FORMAT, FORMAT_VERSION, dataset_name
 from .sharding import Piece, TensorSpec
 
-__all__ = ["Pacer", "ShardItem", "ShardWriter", "check_copy", "copy_hashed", "pwrite_all"]
+__all__ = ["Pacer", "ShardItem", "ShardWriter", "check_copy", "copy_hashed"]
 
 
 class Pacer:
@@ -118,39 +121,32 @@ def _hash_read(h: Any, fd: int, n: int, pos: int) -> int:
     return len(block)
 
 
-def pwrite_all(fd: int, data: Any, offset: int) -> None:
-    """Write all of ``data`` to ``fd`` at ``offset`` (``os.pwrite`` may write less than asked)."""
-    view = memoryview(data)
-    with probe.timed("pwrite", len(view)):
-        while len(view):
-            n = os.pwrite(fd, view, offset)
-            view, offset = view[n:], offset + n
-
-
 def copy_hashed(src_fd: int, dst_fd: int, chunk_bytes: int, *, before: Callable[[], object] | None = None,
                 after: Callable[[int], object] | None = None) -> tuple[int, str]:
     """Copy ``src_fd`` from its current position to ``dst_fd`` from byte 0, in chunks, hashing (xxh3-64)
     the bytes as they are written; returns (bytes copied, hex digest). ``before()`` runs after each
     chunk is read, before it is written (it may wait, or raise to stop); ``after(bytes so far)``
-    after each chunk is written."""
+    after each chunk is written. The writes go around the page cache where they can (:mod:`._direct`)."""
+    import numpy as np
     import xxhash
 
     h = xxhash.xxh3_64()
-    buf = bytearray(chunk_bytes)
+    buf = aligned_buffer(chunk_bytes)  # unmapped with its last view
+    arr = np.frombuffer(buf, dtype=np.uint8)
     size = 0
-    while True:
-        n = os.readv(src_fd, [buf])
-        if not n:
-            return size, h.hexdigest()
-        if before is not None:
-            before()
-        chunk = memoryview(buf)[:n]
-        with probe.timed("hash", n):
-            h.update(chunk)
-        pwrite_all(dst_fd, chunk, size)
-        size += n
-        if after is not None:
-            after(size)
+    with FileSink(dst_fd) as sink:
+        while True:
+            n = os.readv(src_fd, [memoryview(buf)[:chunk_bytes]])
+            if not n:
+                return size, h.hexdigest()
+            if before is not None:
+                before()
+            with probe.timed("hash", n):
+                h.update(memoryview(buf)[:n])
+            sink.write(arr[:n], size)
+            size += n
+            if after is not None:
+                after(size)
 
 
 def _create_structure(tmp: str, *, step: int, rank: int, nshards: int, items: Sequence[ShardItem],
@@ -161,7 +157,7 @@ def _create_structure(tmp: str, *, step: int, rank: int, nshards: int, items: Se
 
     offsets: list[int | None] = []
     with h5py.File(tmp, "w", libver="earliest", locking=False,
-                   alignment_threshold=65536, alignment_interval=4096) as f:
+                   alignment_threshold=ALIGN_THRESHOLD, alignment_interval=ALIGN) as f:
         f.attrs.update({"format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
                         "rank": rank, "nshards": nshards})
         dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
@@ -233,12 +229,14 @@ class ShardWriter:
 
     def _fill(self, tmp: str, items: Sequence[ShardItem], offsets: Sequence[int | None],
               pacer: Pacer) -> tuple[int, str]:
-        """pwrite every item's bytes at its offset, hashing the whole file in order; fsync."""
+        """pwrite every item's bytes at its offset (directly where it can, see :mod:`._direct`),
+        hashing the whole file in order; fsync."""
         import xxhash
 
         regions = sorted((off, it.data) for off, it in zip(offsets, items, strict=True) if off is not None)
         h = xxhash.xxh3_64()
         fd = os.open(tmp, os.O_RDWR)
+        sink = FileSink(fd)
         try:
             size = os.fstat(fd).st_size
             pos = 0
@@ -251,7 +249,7 @@ class ShardWriter:
                 for a in range(0, len(data), pacer.chunk_bytes):
                     chunk = data[a:a + pacer.chunk_bytes]
                     pacer.before_chunk()
-                    pwrite_all(fd, chunk, off + a)
+                    sink.write(chunk, off + a)
                     with probe.timed("hash", len(chunk)):
                         h.update(chunk)
                 pos = off + len(data)
@@ -263,6 +261,7 @@ class ShardWriter:
             with probe.timed("fsync"):
                 os.fsync(fd)
         finally:
+            sink.close()
             os.close(fd)
         return size, h.hexdigest()
 
