@@ -114,6 +114,9 @@ _KNOB_LIST: list[Knob] = [
          "tensors smaller than this are never split between two checkpoint shards"),
     Knob("ckpt_staging_keep", int, 1,
          "committed checkpoints kept in the fast staging level (AsyncCheckpointer staging_dir)"),
+    Knob("ckpt_direct_io", bool, True,
+         "write checkpoint data with O_DIRECT where the file system allows it (no copy into the page cache; "
+         "0: always through the page cache)"),
     Knob("ckpt_writer_nice", int, 0,
          "nice increment of the background checkpoint writer thread (0: same priority as training)"),
     Knob("ckpt_flush_by", str, "self",
