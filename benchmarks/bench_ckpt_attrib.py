@@ -44,7 +44,8 @@ sys.path.insert(0, HERE)
 import procstat  # noqa: E402  (benchmarks/procstat.py)
 
 OUT = os.path.join(HERE, "out")
-PROBED = ("pwrite", "pwrite_direct", "hash", "h5_structure", "fsync", "pread", "publish", "commit", "collectives", "prune")
+PROBED = ("pwrite", "pwrite_direct", "hash", "h5_structure", "fsync", "pread", "publish", "commit", "collectives",
+          "prune")
 VM_COUNTERS = ("pgpgout", "nr_dirtied", "nr_written", "pgscan_kswapd", "pgscan_direct", "pgsteal_kswapd",
                "pgsteal_direct", "allocstall_normal", "pgfault", "pgmajfault", "pgfree")
 MAIN_KEYS = ("wall", "thread_time", "oncpu", "rundelay", "utime", "stime", "vol", "invol", "minflt")
