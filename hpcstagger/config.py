@@ -89,6 +89,10 @@ _KNOB_LIST: list[Knob] = [
          "that node (its samples then come from the source)"),
     Knob("cache_partitioned", bool, False,
          "session.cache() partitions the spec's cache across the job's nodes even without [cache] partitioned"),
+    Knob("cache_remote_bandwidth", float, 2.0e9,
+         "bytes/s one reader gets for a remote hit, where the planner has no measured one and the scenario "
+         "gives no [cache] remote_bandwidth (the default: about what 100 KB remote hits measured over UCX "
+         "loopback on the development VM, benchmarks/RESULTS.md issue 15; not a real network's)"),
     # --- shared loader (hpcstagger.loader) ---
     Knob("loader_window", int, 8,
          "batches a shared loader's producer keeps in shared memory (the most a consumer can run ahead of "
@@ -110,13 +114,13 @@ _KNOB_LIST: list[Knob] = [
          "seconds the checkpoint writer waits at most for a busy gate before writing the next chunk anyway"),
     Knob("ckpt_timeout", float, 1800.0,
          "seconds the ranks' background checkpoint writers wait for each other before failing the save"),
+    Knob("ckpt_direct_io", bool, True,
+         "write checkpoint data with O_DIRECT where the file system allows it (no copy into the page cache; "
+         "0: always through the page cache)"),
     Knob("ckpt_min_split_bytes", int, 4 << 20,
          "tensors smaller than this are never split between two checkpoint shards"),
     Knob("ckpt_staging_keep", int, 1,
          "committed checkpoints kept in the fast staging level (AsyncCheckpointer staging_dir)"),
-    Knob("ckpt_direct_io", bool, True,
-         "write checkpoint data with O_DIRECT where the file system allows it (no copy into the page cache; "
-         "0: always through the page cache)"),
     Knob("ckpt_writer_nice", int, 0,
          "nice increment of the background checkpoint writer thread (0: same priority as training)"),
     Knob("ckpt_flush_by", str, "self",

@@ -1,5 +1,6 @@
 """Cache administration helpers behind ``hpcstagger cache``: list caches, look into one without
-creating it, empty or remove one, remove a damaged one."""
+creating it, empty or remove one, remove a damaged one. A partitioned cache's per-process stats
+files (``<root>/.partition/<name>/``) go with the cache when it is removed."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 from .. import config
 from ..errors import CacheError
-from . import _fs
+from . import _fs, _pstats
 from .store import ShmCache
 
 __all__ = ["list_caches", "cache_contents", "clear_cache", "remove_broken"]
@@ -90,7 +91,9 @@ def clear_cache(name: str, root: str | None = None, *, missing_ok: bool = False)
     The cache's safety checks apply (owner, mode, no symlinks), as in :class:`ShmCache`. A damaged
     cache is removed with :func:`remove_broken`. Returns ``{"name", "root", "action", "entries",
     "bytes", "processes"}`` with ``action`` one of ``"removed"``, ``"cleared"`` (kept: in use),
-    ``"removed damaged"`` or ``"absent"`` (only with ``missing_ok``; nothing was there). Raises
+    ``"removed damaged"`` or ``"absent"`` (only with ``missing_ok``; nothing was there). A removed
+    cache's partitioned-cache stats directory is removed with it; a cleared one's keeps the counts
+    of live and ended processes, the ended ones folded into one file (:func:`._pstats.prune`). Raises
     CacheError for an unknown cache (unless ``missing_ok``) or one that is not safe to touch.
     """
     root = os.path.abspath(root or config.get("shm_root"))
@@ -102,6 +105,7 @@ def clear_cache(name: str, root: str | None = None, *, missing_ok: bool = False)
             return out
         if remove_broken(name, root):  # a half-created or damaged cache: remove what is there
             out["action"] = "removed damaged"
+            _pstats.remove(root, name)
             return out
         raise
     stats = cache.stats()
@@ -110,7 +114,9 @@ def clear_cache(name: str, root: str | None = None, *, missing_ok: bool = False)
         cache.clear()
         cache.close()
         out["action"] = "cleared"
+        _pstats.prune(root, name)  # kept, as the cache's own counters are: only ended processes' files go
     else:
         cache.destroy()
         out["action"] = "removed"
+        _pstats.remove(root, name)  # its counters restart with the cache
     return out

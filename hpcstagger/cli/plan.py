@@ -43,14 +43,25 @@ def _seconds(x: float) -> str:
     return f"{x:.3f} s"
 
 
+def _cache(sc: Any) -> str:
+    """The scenario's cache in a few words; a partitioned one's capacity per node and in all."""
+    c = sc.cache
+    if sc.cache_samples == 0:
+        return "no cache"
+    held = f"{sc.cache_samples / sc.dataset.samples:.0%} of the data"
+    if c.nodes <= 1:
+        return f"cache {human_bytes(c.capacity)} {c.policy} ({held})"
+    remote = "free" if c.remote_bandwidth == float("inf") else f"{c.remote_bandwidth / 1e6:.0f} MB/s"
+    return (f"cache partitioned over {c.nodes} nodes, {human_bytes(c.capacity)} per node "
+            f"({human_bytes(c.capacity * c.nodes)} in all) {c.policy} ({held}; remote hits {remote} per reader); "
+            "jobs and source over all nodes")
+
+
 def format_plan(path: str, sc: Any, plan: Any) -> str:
     """The human-readable plan table."""
     bw = "/".join(f"{b / 1e6:.0f}" for b in sc.storage.bandwidth)
-    cache = ("no cache" if sc.cache_samples == 0 else
-             f"cache {human_bytes(sc.cache.capacity)} {sc.cache.policy} "
-             f"({sc.cache_samples / sc.dataset.samples:.0%} of the data)")
     lines = [f"{path}: {len(sc.jobs)} job(s), {sc.dataset.samples} samples of {human_bytes(sc.dataset.sample_bytes)}, "
-             f"source {bw} MB/s with 1, 2, ... readers, {cache}", ""]
+             f"source {bw} MB/s with 1, 2, ... readers, {_cache(sc)}", ""]
     width = max(len("job"), *(len(n) for n in sc.job_names))
     lines.append(f"{'job'.ljust(width)}  {'start delay':>12}  {'predicted finish':>16}")
     for name in plan.order:

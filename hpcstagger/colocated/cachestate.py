@@ -7,6 +7,8 @@
   spec's cache with the cache's own clear/remove (its ownership and permission checks apply), and
   ask the kernel to drop the dataset's files from its page cache (``posix_fadvise DONTNEED``,
   which needs no root; failures are logged and reported, not raised).
+- :func:`run_partition`: for a partitioned cache, the nodes the run spans (collective), which
+  the plan is made for.
 - :func:`describe_start`, :func:`describe_cold`: one line each for the launch output (pure).
 """
 
@@ -18,10 +20,12 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Mapping
 
+from .. import config
 from ..errors import CacheError
 from .spec import Spec
 
-__all__ = ["observe_cache", "make_cold", "drop_page_cache", "dataset_files", "describe_start", "describe_cold"]
+__all__ = ["observe_cache", "run_partition", "make_cold", "drop_page_cache", "dataset_files", "describe_start",
+           "describe_cold"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +55,25 @@ def observe_cache(spec: Spec | None) -> dict[str, Any] | None:
     if found is not None:
         out.update(exists=True, entries=found["entries"], bytes=found["bytes"])
     return out
+
+
+def run_partition(world: Any, spec: Spec | None, timeout: float) -> dict[str, Any] | None:
+    """The run's partitioned cache, for the planner: ``{"nodes", "remote_bandwidth"}``, or None
+    when the spec has no cache or does not partition it (``[cache] partitioned`` or the
+    ``cache_partitioned`` knob, as :meth:`Spec.make_cache` decides).
+
+    ``nodes`` is how many nodes ``world`` spans, found as the cache finds them
+    (:func:`hpcstagger.cache.nodes.discover`: the ``cache_nodes`` knob's emulated nodes, else
+    ``MPI_Comm_split_type``); ``remote_bandwidth`` is the ``cache_remote_bandwidth`` knob, the
+    default for a remote hit. Collective over ``world`` when it partitions (every rank reads the
+    same spec and knobs). Raises ConfigError for a bad ``cache_nodes`` and CollectiveTimeout when a
+    rank never arrives."""
+    if spec is None or not _has_cache(spec) or not (spec.cache.partitioned or config.get("cache_partitioned")):
+        return None
+    from ..cache.nodes import discover
+
+    return {"nodes": discover(world, timeout=timeout).count,
+            "remote_bandwidth": float(config.get("cache_remote_bandwidth"))}
 
 
 def dataset_files(spec: Spec) -> list[str]:

@@ -18,8 +18,12 @@ Within the budget (knob ``calibrate_budget``, 60 s, for the whole spec), with pr
 5. **The scenario**: each job's loader shape and costs, the source curve (with the cost a miss adds
    in the jobs, its lookup and insert, folded in as ``scenario_for`` does), and the cache; when the
    page cache holds the dataset, the cache is the page cache: the whole dataset, hit at the slower
-   of the page cache's and the ShmCache's bandwidth. Every value is commented with how it was
-   measured, and the reports stay in ``<workdir>/calibrate/<time>/``.
+   of the page cache's and the ShmCache's bandwidth. A partitioned ``[cache]`` is written
+   partitioned, with ``nodes = 1`` (a run plans with the nodes it spans) and the
+   ``cache_remote_bandwidth`` knob as ``remote_bandwidth``, commented as not measured: every
+   measurement here runs in this one process on one node, and a job's DataLoader workers cannot
+   read another node's cache, so no remote hit is measured. Every value is commented with how it
+   was measured, and the reports stay in ``<workdir>/calibrate/<time>/``.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from collections.abc import Callable, Mapping
@@ -220,16 +225,18 @@ def _new_dir(base: Path) -> Path:
 
 
 def _fresh_cache(twin: Spec) -> Any:
-    """The private calibration cache, emptied first (a crashed calibration may have left one)."""
-    if twin.cache.capacity <= 0 or twin.cache.policy == "none":
+    """The private calibration cache, emptied first (a crashed calibration may have left one). It is
+    the node's ShmCache even when ``[cache]`` is partitioned: this driver is one process on one node."""
+    c = twin.cache
+    if c.capacity <= 0 or c.policy == "none":
         return None
     from ..cache import ShmCache
 
     try:
-        ShmCache(twin.cache.name, None, root=twin.cache.root or None).destroy(force=True)
+        ShmCache(c.name, None, root=c.root or None).destroy(force=True)
     except CacheError:
         pass
-    return twin.make_cache()
+    return ShmCache(c.name, c.capacity, policy=c.policy, root=c.root or None, max_entries=twin.cache_entries())
 
 
 def _run_command(argv: list[str], env: dict[str, str], cwd: str, limit: float, log: Path) -> int:
@@ -289,11 +296,24 @@ def scenario_cache(meas: Mapping[str, Any], spec: Spec, capacity: float | str | 
     if entries < min(n, cap // size):  # the index fills before the arena
         notes["cache.capacity"] = (f"{entries} entries of {size:.0f} bytes: the cache's index ([cache] max_entries) "
                                    f"holds fewer samples than {cap:.0f} bytes would")
-        return Cache(capacity=entries * size, policy=pol, hit_bandwidth=_finite(shm)), notes
+        return _partitioned(spec, Cache(capacity=entries * size, policy=pol, hit_bandwidth=_finite(shm)), notes), notes
     if not pc["holds"] and pc["source"] != "other":
         notes["cache.capacity"] = ("the spec's [cache] (the source is emulated: no page cache)" if pc["emulated"] else
                                    "the spec's [cache]: the dataset is too large for the page cache to keep")
-    return Cache(capacity=cap, policy=pol, hit_bandwidth=_finite(shm)), notes
+    return _partitioned(spec, Cache(capacity=cap, policy=pol, hit_bandwidth=_finite(shm)), notes), notes
+
+
+def _partitioned(spec: Spec, cache: Cache, notes: dict[str, str]) -> Cache:
+    """``cache`` partitioned when the spec's cache is (``[cache] partitioned`` or the knob), with the
+    default remote-hit bandwidth: calibration runs on one node and cannot measure a remote hit."""
+    if not (spec.cache.partitioned or config.get("cache_partitioned")) or cache.capacity <= 0:
+        return cache
+    remote = float(config.get("cache_remote_bandwidth"))
+    notes["cache.capacity"] = notes.get("cache.capacity", "the spec's [cache]") + "; per node (partitioned)"
+    notes["cache.nodes"] = "calibration runs on one node; a run plans with the nodes it spans"
+    notes["cache.remote_bandwidth"] = (f"NOT MEASURED (calibration runs on one node): the cache_remote_bandwidth "
+                                       f"knob ({remote / 1e9:.2f} GB/s); set your network's remote-hit throughput")
+    return replace(cache, partitioned=True, nodes=1, remote_bandwidth=remote)
 
 
 def scenario_job(name: str, m: Mapping[str, Any], epochs: int) -> Job:

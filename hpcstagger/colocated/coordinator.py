@@ -41,7 +41,7 @@ from . import env as E, learn
 from ._rendezvous import rendezvous
 from .identity import resolve_job
 from .calibration import calibration_dir, calibration_spec, no_plan, wrap_loader
-from .cachestate import describe_start, observe_cache
+from .cachestate import describe_start, observe_cache, run_partition
 from .planning import plan_delays
 from .history import describe as describe_history, plan_history
 from .idle import flush_root, flusher_for
@@ -451,13 +451,14 @@ def _exchange_plan(world: Comm, comm: Comm, spec: Spec | None, name: str, order:
     timings["calibration"] = time.perf_counter() - t
     mode = os.environ.get(E.MODE) or (spec.plan.mode if spec else "simultaneous")
     fixed = E.decode_delays(os.environ)
+    partition = run_partition(world, spec, limit)  # a partitioned cache: the nodes the run spans (collective)
 
     def plan(hellos: list[Any]) -> dict[int, Any]:
         leaders = {h["job"]: h["calibration"] for h in hellos if h["leader"]}
         # plan from the cache as it is now: a warm cache (an earlier run's) changes the plan
         decided = plan_delays(spec, order, leaders, mode, fixed=fixed, cache_state=observe_cache(spec),
                               steer_interval=float(config.get("steer_interval")), history=plan_history(spec, mode),
-                              learned=learn.resolve(spec, mode))
+                              learned=learn.resolve(spec, mode), partition=partition)
         return {r: decided for r in range(len(hellos))}
 
     t = time.perf_counter()

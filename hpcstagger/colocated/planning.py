@@ -1,7 +1,8 @@
 """Planning a co-located run: the delays for a mode, and what the model predicts (pure).
 
 World rank 0 of :func:`hpcstagger.init` calls :func:`plan_delays` with every job leader's
-calibration and what the shared cache holds at that moment (``cache_state``, looked up by the
+calibration, what the shared cache holds at that moment (``cache_state``, looked up by the
+coordinator) and, for a partitioned cache, the nodes the run spans (``partition``, found by the
 coordinator); nothing here reads the environment, the cache or talks to other ranks, so it is
 tested as a plain function.
 """
@@ -14,7 +15,8 @@ from collections.abc import Mapping, Sequence
 from ..errors import ConfigError
 from .spec import PLAN_MODES, PLAN_MODES_IN_WORLD, PLANNED_MODES, Spec
 
-__all__ = ["plan_delays", "scenario_for", "cached_fraction", "fold_miss_overhead", "loader_representatives"]
+__all__ = ["plan_delays", "scenario_for", "cached_fraction", "fold_miss_overhead", "loader_representatives",
+           "partition_cache"]
 
 
 def _needs_scenario() -> ConfigError:
@@ -33,7 +35,8 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
                 mode: str, *, fixed: Mapping[str, float] | None = None,
                 cache_state: Mapping[str, Any] | None = None, steer_interval: float = 1.0,
                 history: Mapping[str, Any] | None = None,
-                learned: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                learned: Mapping[str, Any] | None = None,
+                partition: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The delays for ``mode`` (world rank 0 calls this), and what the model predicts when it can.
 
     ``order`` lists the jobs in spec order; ``calibrations`` maps a job to what its leader
@@ -57,11 +60,14 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
     ``learn``: with its ``scenario`` the plan is made from that learned scenario; without one
     (nothing learned yet) job ``k`` (spec order) starts ``k * learned["stagger"]`` seconds late,
     within ``[plan] min_delay`` and ``max_delay``.
+
+    ``partition`` (the run's partitioned cache: ``nodes``, the nodes the run spans, and
+    ``remote_bandwidth``, the default for a remote hit) makes the plan's scenario partitioned as
+    :func:`scenario_for` says; it is returned as ``partition``, for the run's watcher.
     """
     out: dict[str, Any] = {"mode": mode, "delays": _mode_delays(spec, order, mode, fixed),
                            "calibrations": {n: dict(c) for n, c in calibrations.items()}}
-    if cache_state is not None:
-        out["cache"] = dict(cache_state)
+    out.update({k: dict(v) for k, v in (("partition", partition), ("cache", cache_state)) if v is not None})
     if learned is not None and spec is not None and not spec.plan.scenario:
         out["learn"] = dict(learned)
         if not learned.get("scenario"):  # the first run: a short stagger, observed
@@ -82,7 +88,7 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
         out["loader_groups"], out["delays"] = spec.loader_groups(), {n: given[n] for n in order}
     h = history or {}
     scenario = scenario_for(spec, order, calibrations, cache_state=cache_state, source_scale=float(
-        h.get("source") or 1.0), job_scales=h.get("jobs") or None)
+        h.get("source") or 1.0), job_scales=h.get("jobs") or None, partition=partition)
     if history:
         out["history"] = dict(history)
     if cache_state is not None:
@@ -97,18 +103,22 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
                         else float(predict(scenario, out["delays"]).makespan)}
     out["delays"] = {n: out["delays"][rep[n]] for n in full_order} if mode in PLANNED_MODES else given
     order = full_order
-    if mode == "plan" and spec is not None:
-        from .release import steer_record
-
-        steer = steer_record(out["delays"], order, lo=spec.plan.min_delay, hi=spec.plan.max_delay,
-                             horizon=max(float(p.sequential), 1.0), interval=steer_interval,
-                             observe_only=not spec.plan.steer)
-        if steer:
-            out["steer"] = steer
+    if mode == "plan":
+        out.update(_steer(spec, out["delays"], order, float(p.sequential), steer_interval))
     out["scenario"] = scenario.to_dict()
     out["curve"] = p.to_dict()["curve"]
     out["jitter"] = float(p.jitter)  # the start-time spread the plan was made for (seconds)
     return out
+
+
+def _steer(spec: Spec, delays: Mapping[str, float], order: Sequence[str], sequential: float,
+           interval: float) -> dict[str, Any]:
+    """Mode "plan"'s ``steer`` record (:func:`~.release.steer_record`) when some job waits, else {}."""
+    from .release import steer_record
+
+    steer = steer_record(delays, order, lo=spec.plan.min_delay, hi=spec.plan.max_delay,
+                         horizon=max(sequential, 1.0), interval=interval, observe_only=not spec.plan.steer)
+    return {"steer": steer} if steer else {}
 
 
 def loader_representatives(spec: Spec, order: Sequence[str],
@@ -168,11 +178,13 @@ def _learning_delays(spec: Spec, order: Sequence[str], calibrations: Mapping[str
 
 def scenario_for(spec: Spec | None, order: Sequence[str], calibrations: Mapping[str, Mapping[str, float]],
                  *, cache_state: Mapping[str, Any] | None = None, source_scale: float = 1.0,
-                 job_scales: Mapping[str, float] | None = None) -> Any:
+                 job_scales: Mapping[str, float] | None = None, partition: Mapping[str, Any] | None = None) -> Any:
     """The scenario to plan with: the spec's calibrated scenario file, with each job's epochs from
     the spec, its sample time from the job's own calibration when it sent one, and the cache's
     contents at the start when ``cache_state`` gives them: ``cache.initial`` is then its
-    ``entries`` over the dataset's samples, clipped to [0, 1] (the file's value otherwise).
+    ``entries`` over the dataset's samples, clipped to [0, 1] (the file's value otherwise); for a
+    cache partitioned over M nodes ``cache_state`` is one node's cache, which holds the samples
+    that node owns, so its entries count M times.
 
     A job's calibration may also report ``miss_overhead``: seconds each read that goes to the source
     costs the job beyond the source's own time (its cache insert, its loader's work). The source is
@@ -182,6 +194,11 @@ def scenario_for(spec: Spec | None, order: Sequence[str], calibrations: Mapping[
     The closed-loop watcher (:mod:`.steer`) refits the model with ``source_scale`` (a factor on the
     source's bandwidth, before the overhead is added) and ``job_scales`` (job -> a factor on its
     ``sample_time``, ``prep_time`` and ``handoff``).
+
+    A run whose cache is partitioned (the spec's ``[cache] partitioned``, or a ``partition`` given:
+    the coordinator gives one for the ``cache_partitioned`` knob too) is planned with a partitioned
+    cache, whatever the file says: see :func:`partition_cache` for where ``nodes`` and
+    ``remote_bandwidth`` come from.
     """
     from ..model import Scenario
 
@@ -207,9 +224,13 @@ def scenario_for(spec: Spec | None, order: Sequence[str], calibrations: Mapping[
                 entry[key] = float(entry[key]) * scale
         jobs.append(entry)
     base["job"] = jobs
+    if (spec.cache.partitioned or partition is not None) and base.get("cache"):
+        base["cache"] = partition_cache(base["cache"], partition, calibrations)
     if cache_state is not None:
         samples = float(base["dataset"]["samples"])
-        base.setdefault("cache", {})["initial"] = cached_fraction(float(cache_state.get("entries") or 0), samples)
+        cache = base.setdefault("cache", {})
+        share = int(cache.get("nodes") or 1) if cache.get("partitioned") else 1  # one node holds its share
+        cache["initial"] = cached_fraction(float(cache_state.get("entries") or 0) * share, samples)
     if source_scale != 1.0:
         base["storage"]["bandwidth"] = [float(b) * source_scale for b in base["storage"]["bandwidth"]]
     overheads = [float(c["miss_overhead"]) for c in calibrations.values() if c.get("miss_overhead", 0) > 0]
@@ -218,6 +239,30 @@ def scenario_for(spec: Spec | None, order: Sequence[str], calibrations: Mapping[
                                                           float(base["dataset"]["sample_bytes"]),
                                                           sum(overheads) / len(overheads))
     return Scenario.from_dict(base)
+
+
+def partition_cache(cache: Mapping[str, Any], partition: Mapping[str, Any] | None,
+                    calibrations: Mapping[str, Mapping[str, float]]) -> dict[str, Any]:
+    """A scenario's ``[cache]`` (as a dict) for a run whose cache is partitioned.
+
+    What the run knows wins over the scenario file: ``partitioned`` is true, and ``nodes`` is
+    ``partition["nodes"]`` (the nodes the run spans) when given, else the file's (default 1).
+    ``remote_bandwidth`` is a measured one when a job's calibration reports it (the lowest of
+    them), else the file's, else ``partition["remote_bandwidth"]`` (the ``cache_remote_bandwidth``
+    knob's default, which the coordinator passes). A cache that is the page cache (``coalesce``,
+    the whole dataset on every node) is left node-local: the model does not partition it."""
+    out = dict(cache)
+    if out.get("coalesce"):
+        return out
+    p = partition or {}
+    out["partitioned"] = True
+    out["nodes"] = int(p.get("nodes") or out.get("nodes") or 1)
+    measured = [float(c["remote_bandwidth"]) for c in calibrations.values() if (c.get("remote_bandwidth") or 0) > 0]
+    if measured:
+        out["remote_bandwidth"] = min(measured)
+    elif out.get("remote_bandwidth") is None and p.get("remote_bandwidth"):
+        out["remote_bandwidth"] = float(p["remote_bandwidth"])
+    return out
 
 
 def fold_miss_overhead(bandwidth: Sequence[float], sample_bytes: float, overhead: float) -> list[float]:

@@ -149,7 +149,7 @@ def _steering(session: Any) -> Steering:
         # the fitted factors are on top of the history's (the plan's starting point)
         jobs = {n: float(alpha.get(n, 1.0)) * h_jobs.get(n, 1.0) for n in set(alpha) | set(h_jobs)}
         return scenario_for(spec, order, calibrations, cache_state=cache_state, source_scale=beta * h_source,
-                            job_scales=jobs)
+                            job_scales=jobs, partition=plan.get("partition"))
 
     # the source factor is fitted against the prior's curve: the file's, times the history's factor
     bandwidth = [b * h_source for b in Scenario.from_toml(spec.plan.scenario).storage.bandwidth]
