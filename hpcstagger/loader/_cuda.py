@@ -217,11 +217,13 @@ class DeviceConsumer:
         self.fences.append((value, ev))
         self.poll(me)
 
-    def poll(self, me: Any) -> None:
+    def poll(self, me: Any) -> bool:
+        """Release the batches whose CUDA work has run; True while some work is still to finish."""
         from . import _ring as R
 
         while self.fences and self.fences[0][1].query():
             me[R.C_RELEASED] = self.fences.popleft()[0]
+        return bool(self.fences)
 
     def to_device(self, batch: Any) -> Any:
         """A batch this consumer prepared itself, its tensors moved to the device."""

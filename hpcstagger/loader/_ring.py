@@ -6,14 +6,22 @@ pipeline's key:
 ``<key>.ctl`` (32 KiB, created by the first consumer, which then starts the producer)
     A header (configuration, the producer's pid and start time, heartbeat, state, ``head`` = batches
     published, slot size, error text), a table of :data:`MAX_CONSUMERS` consumer entries (pid and
-    start time, state, data-parallel group, rank and world, first batch, ``released``) and a table of
-    slot entries (which batch a slot holds, its size). Each word has one writer at a time: the
-    producer writes the header and the slots, a consumer its own entry; claiming and freeing entries
-    and creating or removing the files happen under ``flock`` on the directory.
+    start time, state, data-parallel group, rank and world, first batch, ``released``, ``waiting``)
+    and a table of slot entries (which batch a slot holds, its size). Each word has one writer at a
+    time: the producer writes the header and the slots (the GPU stager ``gpu_head`` and its own
+    waiting flag), a consumer its own entry; claiming and freeing entries and creating or removing
+    the files happen under ``flock`` on the directory.
 ``<key>.data`` (``window`` slots, created by the producer once it knows a batch's size)
     Batch ``g`` lives in slot ``g % window`` as a JSON descriptor of its structure followed by its
     tensors' bytes, each 64-byte aligned. The producer overwrites a slot only after every attached
     consumer has released the batch it held.
+
+Waiting (see :mod:`._futex`): a process that waits for a word to change sleeps on it in the kernel
+(a futex, with a timeout so that it still checks the producer's life and its own deadlines) after
+raising its waiting flag: a consumer its entry's ``waiting`` (``head`` or ``gpu_head``), the
+producer ``H_PWAIT`` (for ``released`` words, ``gpu_head``, attaching and leaving consumers), the
+stager ``H_SWAIT`` (for ``head``). Whoever advances a word wakes it, with a system call only when a
+flag is up, so nobody pays one per batch while nobody waits.
 
 Nothing is pickled: the descriptor names dtypes, shapes and offsets, and consumers build tensors over
 a private copy-on-write mapping of the slot, so an in-place change by one job never reaches another.
@@ -32,9 +40,10 @@ import numpy as np
 
 from ..cache import _fs
 from ..errors import CacheError, LoaderError
+from . import _futex
 
 MAGIC = 0x48505353_4C4F4144  # "HPSSLOAD"
-VERSION = 2
+VERSION = 3
 CTL_BYTES = 32 << 10
 MAX_CONSUMERS = 64
 MAX_WINDOW = 256
@@ -44,12 +53,12 @@ ALIGN = 64
 # header words
 (H_MAGIC, H_VERSION, H_WINDOW, H_N, H_BATCH, H_SEED, H_SEGMENTS, H_DROP, H_PPID, H_PSTART, H_BEAT, H_STATE,
  H_HEAD, H_SLOT_BYTES, H_BLOCKED, H_CREATED, H_ERRLEN, H_WORKERS, H_SPAWNER, H_DEVICE, H_GHEAD, H_GPID,
- H_IPCLEN) = range(23)
+ H_IPCLEN, H_PWAIT, H_SWAIT) = range(25)
 ERR_OFF, ERR_MAX = 512, 480                      # error text bytes
 IPC_OFF, IPC_MAX = 20480, 1024                   # the GPU ring's handle (JSON), after the slot table
 CONS_OFF, CONS_WORDS = 1024, 16                  # consumer table
 (C_PID, C_START, C_STATE, C_GROUP, C_RANK, C_WORLD, C_FIRST, C_RELEASED, C_TAKEN, C_DEADLINE,
- C_OWNPREP) = range(11)
+ C_OWNPREP, C_WAITING) = range(12)
 SLOT_OFF = CONS_OFF + MAX_CONSUMERS * CONS_WORDS * 8
 SLOT_WORDS = 4
 S_SEQ, S_NBYTES = 0, 1
@@ -73,6 +82,8 @@ class Ctl:
         self.ino = os.fstat(fd).st_ino
         self.mm = mmap.mmap(fd, CTL_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.w = np.frombuffer(self.mm, dtype=np.int64)
+        base = CONS_OFF // 8 + C_WAITING
+        self._waiting = self.w[base:base + MAX_CONSUMERS * CONS_WORDS:CONS_WORDS]  # every entry's flag
 
     def cons(self, i: int) -> np.ndarray:
         base = (CONS_OFF // 8) + i * CONS_WORDS
@@ -117,7 +128,30 @@ class Ctl:
         states = (C_ATTACHED, C_PENDING) if pending else (C_ATTACHED,)
         return [i for i in range(MAX_CONSUMERS) if int(self.cons(i)[C_STATE]) in states]
 
+    # ---- waiting and waking (module docs) ---------------------------------------------------------
+
+    def wait(self, word: int, expected: int, timeout: float, backoff: Any) -> None:
+        """Sleep while header word ``word`` holds ``expected``: at most ``timeout`` s, until woken; the
+        caller raised its waiting flag first and checks its condition again after."""
+        _futex.wait(_futex.address(self.w, word), expected, timeout, backoff)
+
+    def wake_consumers(self, word: int) -> None:
+        """Wake the consumers waiting on header word ``word`` (``H_HEAD`` or ``H_GHEAD``), if any wait."""
+        if self._waiting.any():
+            _futex.wake(_futex.address(self.w, word))
+
+    def wake_producer(self) -> None:
+        """Wake the producer if it waits for a slot to free (a batch released, a consumer come or gone)."""
+        if self.w[H_PWAIT]:
+            _futex.wake(_futex.address(self.w, H_PWAIT))
+
+    def wake_stager(self) -> None:
+        """Wake the GPU stager if it waits for ``head``."""
+        if self.w[H_SWAIT]:
+            _futex.wake(_futex.address(self.w, H_HEAD))
+
     def close(self) -> None:
+        del self._waiting
         del self.w
         try:
             self.mm.close()

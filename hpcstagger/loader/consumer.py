@@ -52,9 +52,11 @@ log = logging.getLogger(__name__)
 __all__ = ["SharedLoader"]
 
 _PACES = ("wait", "ahead")
-# A waiting consumer polls ``head``, backing off to one poll per _NAP_MAX s, and checks that the
-# producer lives every _CHECK_EVERY s: a prep-bound consumer waits most of the time, and each poll's
-# wake-up takes CPU from the DataLoader workers on the same cores.
+# A waiting consumer sleeps on ``head`` (a futex, woken by the producer's publish) and wakes at least
+# every _CHECK_EVERY s to check that the producer lives: a prep-bound consumer waits most of the
+# time, and every wake-up takes CPU from the DataLoader workers on the same cores. Where futexes are
+# not available it polls, backing off to one poll per _NAP_MAX s; so does a GPU consumer while CUDA
+# work it queued is still to finish (it releases those batches as it sees the work done).
 _NAP_MAX = 0.005
 _CHECK_EVERY = 0.05
 
@@ -150,6 +152,7 @@ class SharedLoader:
             with R.DirLock(dir_fd):
                 self._ctl = self._open_or_start(dir_fd, dir_path)
                 self._idx, self._first = self._claim(self._ctl)
+                self._ctl.wake_producer()
         finally:
             os.close(dir_fd)
         _live.add(self)
@@ -184,10 +187,12 @@ class SharedLoader:
                 with R.DirLock(dir_fd):
                     ctl.cons(self._idx)[R.C_STATE] = R.C_LEFT
                     self._drop_group_pending(ctl)
+                    ctl.wake_producer()  # it may wait for this consumer to release a slot
                     if not _producer_running(ctl) and not _others_alive(ctl):
                         R.remove_files(dir_fd, self.key, ctl.ino)
             else:
                 ctl.cons(self._idx)[R.C_STATE] = R.C_LEFT
+                ctl.wake_producer()
         finally:
             if dir_fd >= 0:
                 os.close(dir_fd)
@@ -258,7 +263,7 @@ class SharedLoader:
                 c = ctl.cons(i)
                 if (int(c[R.C_GROUP]), int(c[R.C_WORLD]), int(c[R.C_RANK])) == (group, self.world, self.rank):
                     if int(c[R.C_STATE]) == R.C_PENDING:
-                        c[R.C_PID], c[R.C_START] = pid, start
+                        c[R.C_PID], c[R.C_START], c[R.C_WAITING] = pid, start, 0
                         c[R.C_STATE] = R.C_ATTACHED
                         return i, int(c[R.C_FIRST])
         free = [i for i in range(R.MAX_CONSUMERS) if int(ctl.cons(i)[R.C_STATE]) not in (R.C_ATTACHED, R.C_PENDING)]
@@ -278,7 +283,7 @@ class SharedLoader:
                 c = ctl.cons(free[r])
                 c[R.C_GROUP], c[R.C_RANK], c[R.C_WORLD] = group, r, self.world
                 c[R.C_FIRST], c[R.C_RELEASED], c[R.C_TAKEN], c[R.C_OWNPREP] = first, first + r, 0, 0
-                c[R.C_DEADLINE] = deadline
+                c[R.C_DEADLINE], c[R.C_WAITING] = deadline, 0
                 if r == self.rank:
                     c[R.C_PID], c[R.C_START] = pid, start
                     c[R.C_STATE] = R.C_ATTACHED
@@ -313,6 +318,7 @@ class SharedLoader:
             self._dev.release(me, self._held[0])
         else:
             me[R.C_RELEASED] = self._held[0]
+        ctl.wake_producer()
         if int(me[R.C_STATE]) != R.C_ATTACHED:
             raise LoaderError(f"this consumer of shared pipeline {self.name!r} was detached by its producer "
                               f"(pid {self.producer_pid}); build a new SharedLoader to attach again")
@@ -336,10 +342,14 @@ class SharedLoader:
         """Wait until batch ``g`` is published (True), or False if this consumer should prepare it."""
         t0 = checked = time.monotonic()
         backoff = Backoff(0.0002, _NAP_MAX)
+        me = ctl.cons(self._idx)
+        me[R.C_WAITING] = 1  # before reading head again: a publish after that read wakes this process
         try:
-            while int(ctl.w[self._head_word]) <= g:
+            while (head := int(ctl.w[self._head_word])) <= g:
+                pending = False
                 if self._dev is not None:
-                    self._dev.poll(ctl.cons(self._idx))
+                    pending = self._dev.poll(me)
+                    ctl.wake_producer()
                 now = time.monotonic()
                 if now - checked >= _CHECK_EVERY:  # _take checked it just before; /proc costs more than a poll
                     self._check_producer(ctl)
@@ -351,9 +361,13 @@ class SharedLoader:
                     raise LoaderError(f"shared pipeline {self.name!r}: no batch from its producer (pid "
                                       f"{self.producer_pid}, alive) for {waited:.0f} s; a consumer may be stuck "
                                       f"(pace='ahead' lets others go on), or raise the loader_timeout knob")
-                backoff.sleep()
+                nap = min(checked + _CHECK_EVERY - now, t0 + self.timeout - now) + 0.0005
+                if pending:  # CUDA work still to finish: look again soon
+                    nap = min(nap, backoff.next_pause())
+                ctl.wait(self._head_word, head, nap, backoff)
             return True
         finally:
+            me[R.C_WAITING] = 0
             self._stats["wait_s"] += time.monotonic() - t0
 
     def _check_producer(self, ctl: R.Ctl) -> None:

@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Pipeline", "spawn_producer"]
 
+_NAP = 0.02  # the longest a producer waiting for a free slot sleeps without being woken
+
 
 @dataclass
 class Pipeline:
@@ -193,6 +195,7 @@ class _Producer:
                 slot[R.S_NBYTES] = nbytes
                 slot[R.S_SEQ] = g
                 self.ctl.w[R.H_HEAD] = g + 1
+                self._wake_head()
                 g += 1
         finally:
             # Shut the DataLoader's workers down now: on a failure the iterator sits in a reference
@@ -221,24 +224,40 @@ class _Producer:
         self.data_view = torch.frombuffer(self.data_mm, dtype=torch.uint8)
         self.ctl.w[R.H_SLOT_BYTES] = size
 
+    def _wake_head(self) -> None:
+        """Wake whoever waits for ``head``: the consumers, or the GPU stager (consumers wait for it)."""
+        if self.stager is not None:
+            self.ctl.wake_stager()
+        else:
+            self.ctl.wake_consumers(R.H_HEAD)
+
     def _wait_free(self, g: int) -> bool:
-        """Wait until slot ``g % window`` may be overwritten; False if told to stop meanwhile."""
+        """Wait until slot ``g % window`` may be overwritten; False if told to stop meanwhile. It sleeps
+        on ``H_PWAIT`` (module docs of :mod:`._ring`): consumers wake it when they release a batch,
+        attach or leave, the stager when it advances ``gpu_head``, the beat thread when it detaches a
+        consumer or stops; every _NAP s it looks anyway."""
         w, window = self.ctl.w, self.pipe.window
         staged = g - window if self.stager is not None else -1  # the stager has copied the slot's batch
         backoff = Backoff(0.0002, 0.004)
         blocked = False
-        while not self.stop.is_set():
-            holders = self.ctl.attached()
-            if holders and all(int(self.ctl.cons(i)[R.C_RELEASED]) > g - window for i in holders) \
-                    and int(w[R.H_GHEAD]) > staged:
-                if blocked:
-                    w[R.H_BLOCKED] = 0
-                return True
-            if holders and not blocked:
-                w[R.H_BLOCKED] = R.now_ns()
-                blocked = True
-            backoff.sleep()
-        return False
+        w[R.H_PWAIT] = 1  # before reading the words it waits for
+        try:
+            while not self.stop.is_set():
+                holders = self.ctl.attached()
+                if holders and all(int(self.ctl.cons(i)[R.C_RELEASED]) > g - window for i in holders) \
+                        and int(w[R.H_GHEAD]) > staged:
+                    if blocked:
+                        w[R.H_BLOCKED] = 0
+                    return True
+                if holders and not blocked:
+                    w[R.H_BLOCKED] = R.now_ns()
+                    blocked = True
+                    # pace="ahead" consumers waiting for a batch now prepare it themselves
+                    self.ctl.wake_consumers(R.H_GHEAD if self.stager is not None else R.H_HEAD)
+                self.ctl.wait(R.H_PWAIT, 1, _NAP, backoff)
+            return False
+        finally:
+            w[R.H_PWAIT] = 0
 
     # ---- liveness ---------------------------------------------------------------------------
 
@@ -257,6 +276,7 @@ class _Producer:
             last_sweep = now
             with R.DirLock(self.dir_fd):
                 live = self._sweep(now)
+                self.ctl.wake_producer()  # a consumer it detached may have held a slot back
                 if live:
                     empty_since = None
                 elif empty_since is None:
@@ -266,6 +286,7 @@ class _Producer:
                     R.remove_files(self.dir_fd, self.pipe.key, self.ctl.ino)
                     self.removed = True
                     self.stop.set()
+                    self.ctl.wake_producer()
 
     def _sweep(self, now: float) -> int:
         """Detach dead consumers and expired pending ranks (lock held); return how many remain."""
@@ -280,6 +301,7 @@ class _Producer:
                     continue
             elif not alive(int(c[R.C_PID]), int(c[R.C_START])):
                 c[R.C_STATE] = R.C_DROPPED
+                c[R.C_WAITING] = 0  # killed while it waited: publishing need not wake it
                 log.info("shared loader %s: detached consumer pid %d (gone)", self.pipe.name, int(c[R.C_PID]))
                 continue
             live += 1
@@ -293,6 +315,7 @@ class _Producer:
         self.ctl.set_error(err)
         self.ctl.w[R.H_STATE] = R.P_FAILED
         self.stop.set()
+        self.ctl.wake_producer()
 
     def _finish(self) -> None:
         """Remove the pipeline's files if no consumer is left; else the last consumer removes them."""
@@ -302,6 +325,10 @@ class _Producer:
             if not self.removed and not self._sweep(time.monotonic()):
                 R.remove_files(self.dir_fd, self.pipe.key, self.ctl.ino)
                 self.removed = True
+        # Waiting consumers and the stager see the state now, not at their next look.
+        self.ctl.wake_consumers(R.H_HEAD)
+        self.ctl.wake_consumers(R.H_GHEAD)
+        self.ctl.wake_stager()
         os.close(self.dir_fd)
         if self.stager is not None:  # it sees the state and exits, freeing its device memory
             try:

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 __all__ = ["main"]
 
 _CHECK_EVERY = 0.25
+_NAP = 0.02  # the longest the stager sleeps on ``head`` without being woken
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,8 +122,12 @@ class _Stager:
         g = int(w[R.H_GHEAD])
         backoff = Backoff(0.0002, 0.002)
         while self.running():
-            if int(w[R.H_HEAD]) <= g:
-                backoff.sleep()
+            if int(w[R.H_HEAD]) <= g:  # sleep on head, flag up (the producer wakes it); look every _NAP s
+                w[R.H_SWAIT] = 1
+                head = int(w[R.H_HEAD])  # again, now that a publish wakes it
+                if head <= g:
+                    self.ctl.wait(R.H_HEAD, head, _NAP, backoff)
+                w[R.H_SWAIT] = 0
                 continue
             backoff.reset()
             s = g % self.window
@@ -136,6 +141,8 @@ class _Stager:
             stream.synchronize()
             g += 1
             w[R.H_GHEAD] = g
+            self.ctl.wake_consumers(R.H_GHEAD)
+            self.ctl.wake_producer()  # it may wait for this batch's host slot
 
 
 if __name__ == "__main__":
