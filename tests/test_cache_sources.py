@@ -11,6 +11,7 @@ import time
 import pytest
 
 from hpcstagger.cache import DirectorySource, HDF5Source, Source, ThrottledSource
+from hpcstagger.cache.throttle import remove_if_idle
 from hpcstagger.errors import CacheError, ConfigError
 from support import cache_util
 
@@ -207,3 +208,28 @@ def test_throttle_latency_and_pickling(shm_root, slow_files):
     clone.close()
     src.close()  # the last one out removes the state file
     assert not os.path.exists(os.path.join(shm_root, ".throttle", "lat"))
+
+
+def _attach_and_wait(src: ThrottledSource, attached, leave) -> None:
+    src[0]  # attaches this process to the shared reader table
+    attached.set()
+    leave.wait(30)
+    os._exit(0)  # as a DataLoader worker ends: without detaching
+
+
+@pytest.mark.timeout(120)
+def test_remove_if_idle_keeps_a_table_in_use_and_removes_an_abandoned_one(shm_root, slow_files):
+    path = os.path.join(shm_root, ".throttle", "left")
+    assert remove_if_idle("left") is False  # nothing there
+    src = ThrottledSource(slow_files, 1e12, shared_name="left")
+    attached, leave = FORK.Event(), FORK.Event()
+    proc = FORK.Process(target=_attach_and_wait, args=(src, attached, leave))
+    proc.start()
+    assert attached.wait(30)
+    assert remove_if_idle("left") is False and os.path.exists(path)  # a live reader holds it
+    leave.set()
+    proc.join(30)
+    assert proc.exitcode == 0 and os.path.exists(path)  # it left without detaching: the table stays
+    assert remove_if_idle("left") is True and not os.path.exists(path)
+    with pytest.raises(CacheError):
+        remove_if_idle("../left")

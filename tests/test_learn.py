@@ -127,6 +127,8 @@ def test_two_launches_learn_then_plan_from_what_they_saw(tmp_path, shm_root):
     assert first.returncode == 0, first.stderr
     r1 = json.loads(first.stdout)
     assert r1["delays"] == {"a": 0.0, "b": 1.5} and r1["learn"]["scenario"] is None
+    # the DataLoader workers exit without detaching from the emulated source; the launcher removes its table
+    assert not os.path.exists(os.path.join(shm_root, ".throttle", "learning-source"))
     obs = r1["learn"]["observe"]
     for name in ("a", "b"):
         assert os.path.exists(os.path.join(obs, name, "job.json"))

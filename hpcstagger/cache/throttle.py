@@ -40,7 +40,7 @@ from ..errors import CacheError, ConfigError
 from . import _fs
 from .sources import Source
 
-__all__ = ["ThrottledSource", "throttle_dir"]
+__all__ = ["ThrottledSource", "throttle_dir", "remove_if_idle"]
 
 _MAGIC = int.from_bytes(b"HPCSTHR1", "little")
 _NSLOTS = 256
@@ -58,6 +58,39 @@ MAX_CREDIT = 0.010  # most oversleep carried into the next read
 def throttle_dir() -> str:
     """Where throttle state lives: the ``throttle_dir`` knob, else ``<shm_root>/.throttle``."""
     return os.path.abspath(config.get("throttle_dir") or os.path.join(config.get("shm_root"), ".throttle"))
+
+
+def remove_if_idle(shared_name: str, state_dir: str | os.PathLike[str] | None = None) -> bool:
+    """Remove the shared state file of ``shared_name`` when no live process is attached to it; True
+    if it was removed. A run's readers leave it behind when the last of them to exit still saw
+    others alive (forked DataLoader workers do not detach), so a launcher calls this after its run.
+    Raises CacheError for an unsafe state directory or file."""
+    name = _fs.validate_name(shared_name, "throttle shared_name")
+    directory = os.path.abspath(os.fspath(state_dir)) if state_dir is not None else throttle_dir()
+    if not os.path.lexists(os.path.join(directory, name)):
+        return False
+    dir_fd = _fs.open_secure_dir(directory, create=False, what="throttle state directory")
+    try:
+        try:
+            fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            st = _fs.check_secure_file(fd, os.path.join(directory, name), "throttle state file")
+            if st.st_nlink == 0 or st.st_size != _SIZE:
+                return False  # gone already, or not ours to judge: left alone
+            words = os.pread(fd, _BUSY - _PIDS, _PIDS)
+            pids = struct.unpack_from(f"<{_NSLOTS}q", words)
+            starts = struct.unpack_from(f"<{_NSLOTS}q", words, 8 * _NSLOTS)
+            if any(p and _fs.alive(p, t) for p, t in zip(pids, starts, strict=True)):
+                return False
+            os.unlink(name, dir_fd=dir_fd)
+            return True
+        finally:
+            os.close(fd)  # (releases the lock)
+    finally:
+        os.close(dir_fd)
 
 
 class _State:

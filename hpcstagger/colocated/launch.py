@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from ._shm import remove_stale_mpich_segments
 from . import env as E
-from ..errors import ConfigError, LaunchError
+from ..errors import CacheError, ConfigError, LaunchError
 from .spec import PLAN_MODES, JobSpec, Spec
 
 __all__ = ["JobResult", "RunResult", "mpmd_command", "launch", "collect_results", "parse_delays", "exec_job",
@@ -327,6 +327,24 @@ def run_group(argv: list[str], env: dict[str, str], cwd: str, timeout: float, *,
     return rc
 
 
+def _release_throttle(spec: Spec, env: Mapping[str, str]) -> None:
+    """Remove the emulated source's shared reader table once the run is over and nobody reads it
+    (the jobs' DataLoader workers exit without detaching, so it would stay in /dev/shm). ``env``
+    is the jobs' environment, which may move the table (the throttle_dir and shm_root knobs)."""
+    if not spec.dataset.throttle:
+        return
+    from .. import config
+    from ..cache.throttle import remove_if_idle
+
+    knobs = config.KNOBS
+    state_dir = env.get(knobs["throttle_dir"].env) or os.path.join(
+        env.get(knobs["shm_root"].env) or config.get("shm_root"), ".throttle")
+    try:
+        remove_if_idle(f"{spec.run.name}-source", state_dir)
+    except CacheError as exc:
+        log.warning("could not remove the throttle state of run %s: %s", spec.run.name, exc)
+
+
 def _run(argv: list[str], env: dict[str, str], timeout: float, cwd: str) -> int:
     log.info("running: %s", " ".join(argv))
 
@@ -428,5 +446,6 @@ def launch(spec: Spec, *, mode: str | None = None, delays: Mapping[str, float] |
         result = collect_results(spec, run_dir, returncode=rc)
     result.wall = time.monotonic() - start
     result.cold_cache = cold
+    _release_throttle(spec, base_env)
     _io.atomic_write_json(run_dir / "result.json", result.to_dict(), durable=False)
     return result
