@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from hpcstagger import config
 from hpcstagger.cache import ShmCache, list_caches
 from hpcstagger.colocated.cachestate import (describe_cold, describe_start, drop_page_cache, make_cold,
                                              observe_cache)
@@ -18,6 +19,21 @@ from support.cli import run_cli
 from support.spec_util import CAPACITY, fill, write_spec
 
 pytestmark = pytest.mark.timeout(180)
+
+
+def test_a_partitioned_cache_on_emulated_nodes_is_seen_on_node_0_and_cleared_on_every_node(tmp_path, shm_root):
+    path = write_spec(tmp_path, shm_root)
+    spec = Spec.from_toml(path)
+    fill(os.path.join(shm_root, "node0"), 20)
+    fill(os.path.join(shm_root, "node1"), 7)
+    assert observe_cache(spec)["entries"] == 0  # node-local: the root's own cache, which is empty
+    with config.override(cache_partitioned=True, cache_nodes=2):
+        seen = observe_cache(spec)
+        assert seen["exists"] and seen["entries"] == 20  # node 0's share, where world rank 0 is
+        cold = make_cold(spec)
+        assert cold["cache"]["entries"] == 27 and cold["cache"]["nodes"] == 2
+        assert observe_cache(spec)["entries"] == 0
+    assert list_caches(os.path.join(shm_root, "node0")) == list_caches(os.path.join(shm_root, "node1")) == []
 
 
 def test_observe_and_make_cold_on_a_real_cache(tmp_path, shm_root):

@@ -47,7 +47,7 @@ def observe_cache(spec: Spec | None) -> dict[str, Any] | None:
 
     out: dict[str, Any] = {"name": spec.cache.name, "exists": False, "entries": 0, "bytes": 0}
     try:
-        found = cache_contents(spec.cache.name, spec.cache.root or None)
+        found = cache_contents(spec.cache.name, _node_roots(spec)[0])  # world rank 0, which looks, is on node 0
     except CacheError as exc:
         log.warning("cannot read the shared cache %r, planning as for a cold start: %s", spec.cache.name, exc)
         out["error"] = str(exc)
@@ -55,6 +55,16 @@ def observe_cache(spec: Spec | None) -> dict[str, Any] | None:
     if found is not None:
         out.update(exists=True, entries=found["entries"], bytes=found["bytes"])
     return out
+
+
+def _node_roots(spec: Spec) -> list[str | None]:
+    """The shm roots of the spec's cache: its root (None: the knob's), or for a partitioned cache
+    on emulated nodes (the ``cache_nodes`` knob) each node's ``<root>/node<i>``, node 0 first."""
+    nodes = int(config.get("cache_nodes"))
+    if not (spec.cache.partitioned or config.get("cache_partitioned")) or nodes <= 0:
+        return [spec.cache.root or None]
+    base = os.path.abspath(spec.cache.root or config.get("shm_root"))
+    return [os.path.join(base, f"node{i}") for i in range(nodes)]
 
 
 def run_partition(world: Any, spec: Spec | None, timeout: float) -> dict[str, Any] | None:
@@ -127,7 +137,11 @@ def make_cold(spec: Spec) -> dict[str, Any]:
         from ..cache.admin import clear_cache
 
         try:
-            out["cache"] = clear_cache(spec.cache.name, spec.cache.root or None, missing_ok=True)
+            reports = [clear_cache(spec.cache.name, root, missing_ok=True) for root in _node_roots(spec)]
+            out["cache"] = reports[0]
+            if len(reports) > 1:  # emulated nodes: one report for all of them
+                out["cache"].update(entries=sum(r["entries"] for r in reports), bytes=sum(r["bytes"] for r in reports),
+                                    nodes=len(reports))
         except CacheError as exc:
             raise CacheError(f"--cold-cache: cannot clear the shared cache {spec.cache.name!r}: {exc}") from None
     files = dataset_files(spec)
