@@ -13,8 +13,22 @@
     samples owned by another node against the same for local hits.
 (c) Transport: one-sided ``MPI_Rget`` against two-sided request/reply to a server thread, with the
     target process idle and with it busy in Python (it holds the GIL), 100 KB per transfer.
-(d) Faults: 2 nodes x 2 ranks; one rank of node 1 is stopped (SIGSTOP: a hung node) or killed
-    (SIGKILL) half way through epoch 2. Whether the others finished, wrong samples, dead nodes.
+(d) Faults: 2 nodes x 2 ranks; rank 3 (node 1) is stopped (SIGSTOP: a hung node) or killed
+    (SIGKILL) half way through epoch 2. Per case: which ranks wrote a report of every epoch, wrong
+    samples, dead nodes. Every rank writes its report as soon as its epochs are done, then lingers
+    (until every rank but the victim has reported or ended, at most 60 s) before it leaves, so that the launcher's
+    clean-up at a rank's exit cannot cut another rank's epoch short. The kill runs three times:
+    - ``kill``: one Hydra proxy for all 4 ranks (plain ``mpiexec -n 4``). Hydra's proxy SIGKILLs
+      every rank it started once it reaps a rank that died of a signal, with or without
+      ``-disable-auto-cleanup``, at its next event (any rank's output or PMI call, or an exit). So
+      the survivors finish only if nothing reaches the proxy first: this measures Hydra, not the cache.
+    - ``kill-per-node``: one proxy per emulated node (``-launcher fork -hosts localhost:2,127.0.0.1:2``),
+      as Hydra runs on real nodes. Node 1's proxy ends node 1; node 0 (ranks 0 and 1) must finish.
+      MPICH then sees two nodes, and node 0 reads node 1 over UCX, which on one host copies with
+      CMA (``process_vm_readv``): a read from a rank that is dying aborts the reader inside UCX.
+    - ``kill-per-node-nocma``: the same with ``UCX_TLS=^cma``, so UCX reads through its other
+      transports; the reader is not aborted, and the dead node is marked dead by the cache.
+    Faults run with ``MPIR_CVAR_NO_COLLECTIVE_FINALIZE=1``: ``MPI_Finalize`` with a dead rank hangs.
 
 Usage: python benchmarks/bench_partitioned.py [--quick] [--parts abcd] [--json PATH]
 Prints tables and writes JSON (default benchmarks/out/bench_partitioned.json). Worker processes are
@@ -296,13 +310,17 @@ def part_faults(a: argparse.Namespace) -> dict:
     job = HERE.parent / "tests" / "support" / "partitioned_job.py"
     out: dict = {}
     print("(d) faults: 2 nodes x 2 ranks, rank 3 (node 1) stopped or killed half way through epoch 2")
-    for how in ("stop", "kill"):
+    for how in ("stop", "kill", "kill-per-node", "kill-per-node-nocma"):
         d = Path(tempfile.mkdtemp(prefix="bench-part-faults-"))
         root = tempfile.mkdtemp(prefix="bench-part-", dir="/dev/shm")
         env = {**os.environ, "HPCSTAGGER_CACHE_NODES": "2", "HPCSTAGGER_CACHE_REMOTE_TIMEOUT": "1",
-               "HPCSTAGGER_COLLECTIVE_TIMEOUT": "5"}
-        cmd = [str(BIN / "mpiexec"), "-disable-auto-cleanup", "-n", "4", sys.executable, str(job), str(d), root,
-               "--epochs", "3", f"--{how}", "3:1"]
+               "HPCSTAGGER_COLLECTIVE_TIMEOUT": "5", "MPIR_CVAR_NO_COLLECTIVE_FINALIZE": "1"}
+        env.pop("MPIR_CVAR_PMI_VERSION", None)
+        if how.endswith("nocma"):
+            env["UCX_TLS"] = "^cma"
+        per_node = ["-launcher", "fork", "-hosts", "localhost:2,127.0.0.1:2"] if "per-node" in how else []
+        cmd = [str(BIN / "mpiexec"), "-disable-auto-cleanup", *per_node, "-n", "4", sys.executable, str(job),
+               str(d), root, "--epochs", "3", f"--{how.split('-')[0]}", "3:1"]
         t = time.monotonic()
         since = time.time()  # MPICH's segments that a killed or stopped rank leaves are removed after
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
@@ -319,11 +337,13 @@ def part_faults(a: argparse.Namespace) -> dict:
             remove_stale_mpich_segments(since, settle=2.0)
         reports = [json.loads(p.read_text()) for p in d.glob("*.json")]
         shutil.rmtree(d, ignore_errors=True)
-        row = {"survivors_finished": len(reports), "wrong": sum(e["wrong"] for r in reports for e in r["epochs"]),
+        done = sorted(r["rank"] for r in reports if len(r["epochs"]) == 3)
+        row = {"finished_ranks": done, "survivors_finished": len(done),
+               "wrong": sum(e["wrong"] for r in reports for e in r["epochs"]),
                "dead_nodes": sorted({n for r in reports for n in r["dead_nodes"]}),
                "seconds": time.monotonic() - t}
         out[how] = row
-        print(f"  {how:<5} survivors that finished: {row['survivors_finished']} of 3, wrong samples {row['wrong']}, "
+        print(f"  {how:<19} ranks that finished every epoch: {done} (of 0, 1, 2), wrong samples {row['wrong']}, "
               f"dead nodes seen {row['dead_nodes']}, {row['seconds']:.1f} s")
     return out
 

@@ -127,12 +127,13 @@ def test_a_single_process_partition_is_the_node_cache(shm_root):
 
 # ---- MPI jobs on emulated nodes ----------------------------------------------------------------
 
-def _run_job(tmp_path, *args, env=None, fault=False):
-    """Start the job on 4 ranks; returns (process, report directory, shm root)."""
+def _run_job(tmp_path, *args, env=None, fault=False, launch=()):
+    """Start the job on 4 ranks (``launch``: more mpiexec options); returns (process, report
+    directory, shm root)."""
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
     root = Path("/dev/shm") / f"hpcs-part-{os.getpid()}-{tmp_path.name}"
-    cmd = [str(BIN / "mpiexec"), *(["-disable-auto-cleanup"] if fault else []), "-n", "4", sys.executable,
+    cmd = [str(BIN / "mpiexec"), *(["-disable-auto-cleanup"] if fault else []), *launch, "-n", "4", sys.executable,
            str(JOB), str(out), str(root), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=cli_env(**(env or {})))
@@ -231,6 +232,28 @@ def test_a_killed_rank_never_hangs_the_others_or_returns_wrong_bytes(tmp_path):
     assert proc.returncode != 0  # the victim's signal
     for r in _reports(out).values():
         assert r["rank"] != 3 and all(e["wrong"] == 0 for e in r["epochs"]), r
+
+
+@pytest.mark.timeout(200)
+def test_a_killed_node_leaves_the_other_node_reading_every_epoch(tmp_path):
+    """One Hydra proxy per emulated node, as on real nodes: when rank 3 is SIGKILLed, node 1's
+    proxy ends node 1 and node 0's proxy leaves node 0 alone. Node 0's ranks must read every epoch
+    with no wrong byte (their report files say so). UCX_TLS=^cma: on one host UCX's CMA copy from a
+    dying rank aborts the reader inside UCX (docs/partitioned.md); its other transports let the
+    cache's deadline mark the node dead. What the ranks do after their reports (MPI_Finalize with a
+    dead peer) is not checked."""
+    env = {"HPCSTAGGER_CACHE_NODES": "2", "HPCSTAGGER_CACHE_REMOTE_TIMEOUT": "1", "HPCSTAGGER_COLLECTIVE_TIMEOUT": "5",
+           "MPIR_CVAR_NO_COLLECTIVE_FINALIZE": "1", "UCX_TLS": "^cma"}
+    proc, out, root = _run_job(tmp_path, "--epochs", "3", "--kill", "3:1", env=env, fault=True,
+                               launch=("-launcher", "fork", "-hosts", "localhost:2,127.0.0.1:2"))
+    text = _finish(proc, root, timeout=150)
+    reports = _reports(out)
+    assert {0, 1} <= set(reports) and 3 not in reports, text
+    for r in reports.values():
+        assert r["nodes"] == 2 and all(e["wrong"] == 0 for e in r["epochs"]), r
+    for rank in (0, 1):
+        assert len(reports[rank]["epochs"]) == 3 and reports[rank]["node"] == 0, reports[rank]
+    assert 1 in reports[1]["dead_nodes"]  # rank 1 reads node 1 through the killed rank 3
 
 
 @pytest.mark.timeout(200)

@@ -70,6 +70,14 @@ def corrupt_arena(root: str, name: str) -> int:
     return flipped
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` on this host still runs (a zombie has ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -86,6 +94,7 @@ def main() -> None:
     from hpcstagger.comm import Comm
 
     comm = Comm.world()
+    pids = comm.allgather(os.getpid())  # the ranks share this host in every test
     source = CountingSource(args.samples, args.size)
     layout_nodes = discover(comm).count
     capacity = int(args.samples * args.size / layout_nodes * 1.3)
@@ -124,10 +133,13 @@ def main() -> None:
     out.with_suffix(".tmp").write_text(json.dumps(report))
     out.with_suffix(".tmp").rename(out)
     if kill_rank >= 0:
-        # Under hydra, once a rank has died the first rank to exit ends the others: the survivors
-        # wait (through the file system) until every one of them has written its report.
+        # A launcher may end the others soon after a rank dies (Hydra's proxy does at its next event,
+        # such as a rank's exit: docs/partitioned.md). So every rank lingers, bounded, until each
+        # other rank but the victim has reported or ended.
         deadline = time.monotonic() + 60
-        while len(list(Path(args.out).glob("*.json"))) < comm.size - 1 and time.monotonic() < deadline:
+        while time.monotonic() < deadline and not all(
+                r == kill_rank or Path(args.out, f"{r}.json").exists() or not _alive(pid)
+                for r, pid in enumerate(pids)):
             time.sleep(0.05)
     t = time.monotonic()
     cache.close()
