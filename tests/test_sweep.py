@@ -9,7 +9,8 @@ import pytest
 
 from hpcstagger.cache import list_caches
 from hpcstagger.colocated.sweep import (DEFAULT_COUNT, DEFAULT_MAX_STAGGER, default_staggers, parse_staggers,
-                                        planned_stagger, stagger_delays, stagger_label, summarize, sweep_runs)
+                                        planned_stagger, repetition_order, stagger_delays, stagger_label, summarize,
+                                        sweep_runs)
 from hpcstagger.errors import ConfigError
 from support.cli import run_cli
 from support.spec_util import fill, write_spec
@@ -24,6 +25,15 @@ def test_parse_staggers():
                      ("inf", "not a finite number"), ("1;2", "cannot read")]:
         with pytest.raises(ConfigError, match=why):
             parse_staggers(bad)
+
+
+def test_repetitions_alternate_their_order():
+    runs = sweep_runs(["a", "b"], [1.0], sequential=True)
+    labels = [r.label for r in runs]
+    assert labels == ["plan", "open", "simultaneous", "b +1s", "a +1s", "sequential"]
+    assert [r.label for r in repetition_order(runs, 1)] == labels == [r.label for r in repetition_order(runs, 3)]
+    assert [r.label for r in repetition_order(runs, 2)] == labels[::-1]  # open before plan, sequential first
+    assert [r.label for r in runs] == labels  # the list itself is left alone
 
 
 def test_stagger_orders():

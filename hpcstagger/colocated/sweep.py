@@ -4,7 +4,8 @@
 plan (mode plan; when the spec has a ``[plan] scenario``, or with ``history`` a learned plan),
 once with a simultaneous start and once per fixed stagger, each from a cold cache
 (``launch(cold_cache=True)``), all of it ``repeat`` times, and compares the measured makespans
-with what the coordinator predicted for each run.
+with what the coordinator predicted for each run. Odd repetitions run in that order, even ones in
+the reverse order (:func:`repetition_order`).
 
 Staggers. A stagger ``s`` seconds is run in both orders: in spec order (job ``k`` of the spec,
 counting from 0, is delayed by ``k * s``) and in reverse order (job ``k`` of ``N`` is delayed by
@@ -37,7 +38,8 @@ from . import env as E
 from .spec import Spec
 
 __all__ = ["SweepRun", "DEFAULT_COUNT", "DEFAULT_MAX_STAGGER", "parse_staggers", "stagger_delays",
-           "stagger_label", "default_staggers", "sweep_runs", "predicted_curve", "summarize", "run_sweep"]
+           "stagger_label", "default_staggers", "sweep_runs", "repetition_order", "predicted_curve", "summarize",
+           "run_sweep"]
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +204,15 @@ def summarize(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def repetition_order(runs: Sequence[SweepRun], repetition: int) -> list[SweepRun]:
+    """The order of repetition ``repetition`` (from 1): ``runs`` as given in odd repetitions,
+    reversed in even ones, so that with two or more repetitions no mode always runs first or
+    always after the same run. A run's place in the sequence moves its makespan: with the plan
+    always first, steered runs lost to open-loop runs by 13 to 17% on a 2-core machine, and won by
+    2% with the open run first (benchmarks/RESULTS.md, issue 13)."""
+    return list(runs) if repetition % 2 else list(runs)[::-1]
+
+
 def _best_and_errors(points: list[dict[str, Any]], runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     staggered = [p for p in points if p["mode"] in ("simultaneous", "fixed") and p["measured_median"] is not None]
     best = min(staggered, key=lambda p: p["measured_median"], default=None)
@@ -317,7 +328,7 @@ def run_sweep(spec: Spec, *, staggers: Sequence[float] | None = None, repeat: in
     for rep in range(1, repeat + 1):
         k = 0
         while k < len(todo):
-            run = todo[k]
+            run = repetition_order(todo, rep)[k]
             k += 1
             name = f"sweep-{stamp}-{rep}-{done + 1:02d}-{_slug(run.label)}"
             result = launch(spec, mode=run.mode, delays=run.delays, timeout=timeout, run_name=name,
@@ -325,7 +336,7 @@ def run_sweep(spec: Spec, *, staggers: Sequence[float] | None = None, repeat: in
             done += 1
             if run.mode == "plan":
                 plans[rep] = result
-            rec = _record(run, result, rep, order, plans.get(rep))
+            rec = _record(run, result, rep, order, plans.get(rep) or plans.get(rep - 1))
             out["runs"].append(rec)
             if chosen is None and result.ok:  # the first run settles the staggers (from the plan's curve)
                 chosen = default_staggers(result.curve, result.delays if run.mode == "plan" else None, order,
