@@ -61,7 +61,7 @@ def _node_roots(spec: Spec) -> list[str | None]:
     """The shm roots of the spec's cache: its root (None: the knob's), or for a partitioned cache
     on emulated nodes (the ``cache_nodes`` knob) each node's ``<root>/node<i>``, node 0 first."""
     nodes = int(config.get("cache_nodes"))
-    if not (spec.cache.partitioned or config.get("cache_partitioned")) or nodes <= 0:
+    if not spec.cache_partitioned() or nodes <= 0:
         return [spec.cache.root or None]
     base = os.path.abspath(spec.cache.root or config.get("shm_root"))
     return [os.path.join(base, f"node{i}") for i in range(nodes)]
@@ -78,7 +78,7 @@ def run_partition(world: Any, spec: Spec | None, timeout: float) -> dict[str, An
     default for a remote hit. Collective over ``world`` when it partitions (every rank reads the
     same spec and knobs). Raises ConfigError for a bad ``cache_nodes`` and CollectiveTimeout when a
     rank never arrives."""
-    if spec is None or not _has_cache(spec) or not (spec.cache.partitioned or config.get("cache_partitioned")):
+    if spec is None or not _has_cache(spec) or not spec.cache_partitioned():
         return None
     from ..cache.nodes import discover
 

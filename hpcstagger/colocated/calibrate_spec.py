@@ -236,7 +236,7 @@ def _fresh_cache(twin: Spec) -> Any:
         ShmCache(c.name, None, root=c.root or None).destroy(force=True)
     except CacheError:
         pass
-    return ShmCache(c.name, c.capacity, policy=c.policy, root=c.root or None, max_entries=twin.cache_entries())
+    return twin.make_cache(local=True)
 
 
 def _run_command(argv: list[str], env: dict[str, str], cwd: str, limit: float, log: Path) -> int:
@@ -306,7 +306,7 @@ def scenario_cache(meas: Mapping[str, Any], spec: Spec, capacity: float | str | 
 def _partitioned(spec: Spec, cache: Cache, notes: dict[str, str]) -> Cache:
     """``cache`` partitioned when the spec's cache is (``[cache] partitioned`` or the knob), with the
     default remote-hit bandwidth: calibration runs on one node and cannot measure a remote hit."""
-    if not (spec.cache.partitioned or config.get("cache_partitioned")) or cache.capacity <= 0:
+    if not spec.cache_partitioned() or cache.capacity <= 0:
         return cache
     remote = float(config.get("cache_remote_bandwidth"))
     notes["cache.capacity"] = notes.get("cache.capacity", "the spec's [cache]") + "; per node (partitioned)"

@@ -414,16 +414,21 @@ class Spec:
                                    latency=ds.latency)
         return base
 
-    def make_cache(self, comm: Any = None) -> Any:
-        """The ``[cache]`` as the node's ShmCache, or None (capacity 0 or policy none). With
-        ``partitioned`` (or the ``cache_partitioned`` knob) a PartitionedCache across the nodes of
+    def cache_partitioned(self) -> bool:
+        """True when the ``[cache]`` is partitioned across nodes: ``partitioned``, or the
+        ``cache_partitioned`` knob."""
+        return bool(self.cache.partitioned or config.get("cache_partitioned"))
+
+    def make_cache(self, comm: Any = None, *, local: bool = False) -> Any:
+        """The ``[cache]`` as the node's ShmCache, or None (capacity 0 or policy none). When
+        :meth:`cache_partitioned` (and not ``local``) a PartitionedCache across the nodes of
         ``comm``, collective over it (``capacity`` is then per node)."""
         c = self.cache
         if c.capacity <= 0 or c.policy == "none":
             return None
         from ..cache import PartitionedCache, ShmCache
 
-        if c.partitioned or config.get("cache_partitioned"):
+        if self.cache_partitioned() and not local:
             return PartitionedCache(c.name, c.capacity, comm, policy=c.policy, root=c.root or None,
                                     max_entries=self.cache_entries())
         return ShmCache(c.name, c.capacity, policy=c.policy, root=c.root or None, max_entries=self.cache_entries())
