@@ -16,7 +16,7 @@ import contextlib
 import os
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from .errors import ConfigError
 
@@ -177,12 +177,13 @@ def _knob(name: str) -> Knob:
         raise ConfigError(f"unknown knob {name!r}; valid knobs: {valid}") from None
 
 
-def get(name: str) -> Any:
-    """Current value of knob ``name``: a test override, else the environment, else the default."""
+def get(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """Current value of knob ``name``: a test override, else the environment (``environ``, default
+    this process's), else the default."""
     knob = _knob(name)
     if name in _overrides:
         return _overrides[name]
-    text = os.environ.get(knob.env)
+    text = (os.environ if environ is None else environ).get(knob.env)
     if text is not None and text != "":
         return knob.parse(text)
     return knob.default_value()

@@ -33,7 +33,7 @@ import struct
 import time
 import weakref
 from typing import Any
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from .. import config
 from ..errors import CacheError, ConfigError
@@ -55,9 +55,16 @@ SWEEP = 0.25        # check other readers' liveness this often
 MAX_CREDIT = 0.010  # most oversleep carried into the next read
 
 
-def throttle_dir() -> str:
-    """Where throttle state lives: the ``throttle_dir`` knob, else ``<shm_root>/.throttle``."""
-    return os.path.abspath(config.get("throttle_dir") or os.path.join(config.get("shm_root"), ".throttle"))
+def throttle_dir(environ: Mapping[str, str] | None = None) -> str:
+    """Where throttle state lives: the ``throttle_dir`` knob, else ``<shm_root>/.throttle``, as
+    this process sees the knobs, or a process with the environment ``environ``."""
+    return os.path.abspath(config.get("throttle_dir", environ)
+                           or os.path.join(config.get("shm_root", environ), ".throttle"))
+
+
+def _anyone_alive(pids: Sequence[int], starts: Sequence[int]) -> bool:
+    """Whether any slot of the reader table (its pids and start times) belongs to a live process."""
+    return any(p and _fs.alive(p, t) for p, t in zip(pids, starts, strict=True))
 
 
 def remove_if_idle(shared_name: str, state_dir: str | os.PathLike[str] | None = None) -> bool:
@@ -83,7 +90,7 @@ def remove_if_idle(shared_name: str, state_dir: str | os.PathLike[str] | None = 
             words = os.pread(fd, _BUSY - _PIDS, _PIDS)
             pids = struct.unpack_from(f"<{_NSLOTS}q", words)
             starts = struct.unpack_from(f"<{_NSLOTS}q", words, 8 * _NSLOTS)
-            if any(p and _fs.alive(p, t) for p, t in zip(pids, starts, strict=True)):
+            if _anyone_alive(pids, starts):
                 return False
             os.unlink(name, dir_fd=dir_fd)
             return True
@@ -188,7 +195,7 @@ def _release(fd: int, dir_fd: int, pid: int, slot: int, name: str, mp: mmap.mmap
             if slot >= 0:
                 busy[slot] = 0.0
                 pids[slot] = 0
-            last = not any(pids[s] and _fs.alive(pids[s], starts[s]) for s in range(_NSLOTS))
+            last = not _anyone_alive(pids, starts)
             for view in (pids, starts, busy):
                 view.release()
             if remove_if_last and last and os.fstat(fd).st_nlink:

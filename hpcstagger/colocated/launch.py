@@ -333,14 +333,10 @@ def _release_throttle(spec: Spec, env: Mapping[str, str]) -> None:
     is the jobs' environment, which may move the table (the throttle_dir and shm_root knobs)."""
     if not spec.dataset.throttle:
         return
-    from .. import config
-    from ..cache.throttle import remove_if_idle
+    from ..cache.throttle import remove_if_idle, throttle_dir
 
-    knobs = config.KNOBS
-    state_dir = env.get(knobs["throttle_dir"].env) or os.path.join(
-        env.get(knobs["shm_root"].env) or config.get("shm_root"), ".throttle")
     try:
-        remove_if_idle(f"{spec.run.name}-source", state_dir)
+        remove_if_idle(f"{spec.run.name}-source", throttle_dir(env))
     except CacheError as exc:
         log.warning("could not remove the throttle state of run %s: %s", spec.run.name, exc)
 
