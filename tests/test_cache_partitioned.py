@@ -333,6 +333,42 @@ def test_two_slurm_nodes_found_by_mpi_share_one_partitioned_cache(slurm_two_node
     _check_epochs(_reports(out))
 
 
+
+@pytest.mark.slurm
+@pytest.mark.timeout(300)
+def test_a_rank_killed_under_slurm_leaves_the_other_node_reading_every_epoch(slurm_two_nodes, batch_job_on,
+                                                                            tmp_path):
+    """A death under a real launcher: srun on the two-slurmd cluster (one slurmstepd per node, as on
+    real nodes; MPICH over OFI's tcp provider, so no CMA). Rank 3 SIGKILLs itself half way through
+    epoch 2. srun leaves the other tasks running (no --kill-on-bad-exit), so node 0's ranks must read
+    every epoch with no wrong byte, rank 1 finding node 1 dead through its peer, rank 3."""
+    from support.local_slurm import MULTI_NODE_MPI_ENV
+
+    out = tmp_path / "out"
+    out.mkdir()
+    out.chmod(0o777)
+    root = Path("/dev/shm") / f"hpcs-part-slurmkill-{os.getpid()}"
+    body = f"""\
+        #SBATCH --nodes=2
+        #SBATCH --ntasks=4
+        #SBATCH --ntasks-per-node=2
+        {MULTI_NODE_MPI_ENV}
+        export HPCSTAGGER_CACHE_REMOTE_TIMEOUT=1 HPCSTAGGER_COLLECTIVE_TIMEOUT=5 MPIR_CVAR_NO_COLLECTIVE_FINALIZE=1
+        srun --mpi=pmi2 --kill-on-bad-exit=0 {sys.executable} {JOB} {out} {root} --epochs 3 --kill 3:1
+    """
+    try:
+        _, record, text = batch_job_on(slurm_two_nodes, body, name="partitioned-kill", timeout=240)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    assert record["JobState"] != "COMPLETED", text  # the victim's signal fails the step
+    reports = _reports(out)
+    assert {0, 1} <= set(reports) and 3 not in reports, text
+    for r in reports.values():
+        assert r["nodes"] == 2 and all(e["wrong"] == 0 for e in r["epochs"]), r
+    for rank in (0, 1):
+        assert len(reports[rank]["epochs"]) == 3 and reports[rank]["node"] == 0, reports[rank]
+    assert 1 in reports[1]["dead_nodes"], reports[1]
+
 def test_a_process_without_mpi_serves_only_its_nodes_samples(shm_root):
     """What a spawned DataLoader worker gets when it unpickles the cache of node 0 of 2."""
     import pickle

@@ -149,6 +149,12 @@ class PartitionedCache(LoadThrough):
             try:
                 self.progress()
                 if barrier is None and not self._pending:
+                    # A barrier with a dead rank never completes, and posting it can block: MPICH over
+                    # OFI's tcp provider blocks in the post on a send to a dead peer.
+                    if self._dead or self._peer_gone():
+                        log.warning("partitioned cache %s: nodes %s are dead, so close() does not wait for "
+                                    "the others; the MPI windows stay allocated", self.name, sorted(self._dead))
+                        return
                     barrier = self._icomm.Ibarrier()
                 if barrier is not None and barrier.Test():
                     break

@@ -17,6 +17,7 @@ no wrong byte came back).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import random
@@ -142,7 +143,12 @@ def main() -> None:
                 for r, pid in enumerate(pids)):
             time.sleep(0.05)
     t = time.monotonic()
+    # Where close() ever hangs, the stacks say where (a test's failure message shows the file).
+    stacks = open(Path(args.out, f"{comm.rank}.stack"), "w")
+    faulthandler.dump_traceback_later(30, file=stacks)
     cache.close()
+    faulthandler.cancel_dump_traceback_later()
+    stacks.close()
     Path(args.out, f"{comm.rank}.closed").write_text(f"{time.monotonic() - t:.3f}")
 
 
