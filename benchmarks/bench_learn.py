@@ -13,6 +13,15 @@ learning from them).
 
     python benchmarks/bench_learn.py [--only NAME,...] [--runs 3] [--sequences 2]
         [--staggers 0,1,2,3,4,6] [--repeat N] [--keep]
+    python benchmarks/bench_learn.py --rounds R [--only NAME,...] [--runs 3] [--staggers ...]
+
+With ``--rounds R`` the comparison is interleaved instead: each round is one learning sequence
+from an empty history and one round of fixed staggers (``hpcstagger sweep`` without the plan),
+the sequence first in odd rounds and the staggers first in even ones. The learned runs and every
+fixed stagger thus see the VM in the same states equally often, and the target is judged on
+medians over the rounds: run k's median makespan against the best fixed stagger's median. (The
+default mode compares single learned runs with a sweep made minutes later, and the best of many
+single runs is the minimum of noisy draws, biased low.)
 
 Writes benchmarks/out/bench_learn.json and prints one row per configuration and sequence.
 """
@@ -91,6 +100,77 @@ def run_config(name: str, cfg: dict[str, Any], data: Path, work: Path, runs: int
     return out
 
 
+def run_rounds(name: str, cfg: dict[str, Any], data: Path, work: Path, runs: int, rounds: int,
+               staggers: str) -> dict[str, Any]:
+    """Interleaved rounds (module docs): per round a learning sequence and one fixed-stagger sweep."""
+    work.mkdir(parents=True)
+    log = work / "log.txt"
+    spec = work / "spec.toml"
+    U.write_spec(spec, name, cfg, data, data.stat().st_size)
+    spec.write_text(spec.read_text().replace('scenario = "scenario.toml"\n', ""))
+    hs = [sys.executable, "-m", "hpcstagger"]
+    out: dict[str, Any] = {"name": name, "config": cfg, "log": str(log), "mode": "rounds", "sequences": [],
+                           "fixed_runs": {}}
+
+    def sequence(r: int) -> None:
+        U._run(hs + ["history", str(spec), "--clear"], log)
+        rows = []
+        for k in range(runs):
+            row = _launch(spec, work, log, f"learn-{r}-{k + 1}")
+            rows.append(row)
+            print(f"[bench_learn] {name} round {r + 1} run {k + 1}: {row.get('makespan', row.get('error'))} s, "
+                  f"released {row.get('released')}", file=sys.stderr, flush=True)
+        out["sequences"].append(rows)
+
+    def fixed(r: int) -> None:
+        # the sweep's own launches are not observed: without --history it plans nothing and learns nothing
+        path = work / f"sweep-{r}.json"
+        rc = U._run(hs + ["sweep", str(spec), "--staggers", staggers, "--json", str(path)], log)
+        if rc != 0 or not path.exists():
+            print(f"[bench_learn] {name} round {r + 1}: sweep exited {rc}; see {log}", file=sys.stderr, flush=True)
+            return
+        for x in json.loads(path.read_text())["runs"]:
+            if x.get("ok") and x.get("measured") is not None:
+                out["fixed_runs"].setdefault(x["label"], []).append(x["measured"])
+        print(f"[bench_learn] {name} round {r + 1}: fixed staggers done", file=sys.stderr, flush=True)
+
+    for r in range(rounds):
+        for step in ((sequence, fixed) if r % 2 == 0 else (fixed, sequence)):
+            step(r)
+    U._run(hs + ["history", str(spec), "--clear"], log)
+    medians = {k: statistics.median(v) for k, v in out["fixed_runs"].items() if v}
+    if medians:
+        label = min(medians, key=lambda k: medians[k])
+        out["best"] = {"label": label, "measured": medians[label], "runs": out["fixed_runs"][label]}
+    out["fixed"] = medians
+    out["run_medians"] = []
+    for k in range(runs):
+        spans = [rows[k]["makespan"] for rows in out["sequences"] if len(rows) > k and rows[k].get("makespan")]
+        med = statistics.median(spans) if spans else None
+        best = (out.get("best") or {}).get("measured")
+        out["run_medians"].append({"run": k + 1, "makespans": spans, "median": med,
+                                   "gap": med / best - 1 if med and best else None})
+    return out
+
+
+def _print_rounds(results: list[dict[str, Any]], runs: int) -> None:
+    heads = " | ".join(f"run {k + 1}, median (runs)" for k in range(runs))
+    print(f"\n| configuration | {heads} | best fixed, median (runs) | run {runs}'s releases |\n"
+          f"|---|{'---|' * runs}---|---|")
+    for r in results:
+        best = r.get("best") or {}
+        cells = " | ".join(f"{_pc(m['gap'])} ({m['median'] or 0:.2f} s; "
+                           + ", ".join(f"{x:.2f}" for x in m["makespans"]) + ")" for m in r["run_medians"])
+        rel = "; ".join(", ".join(f"{n} {v or 0:.1f}" for n, v in (rows[-1].get("released") or {}).items())
+                        for rows in r["sequences"])
+        print(f"| {r['name']} | {cells} | {best.get('label')} {best.get('measured') or 0:.2f} s ("
+              + ", ".join(f"{x:.2f}" for x in best.get("runs", [])) + f") | {rel} |")
+    print("\nFixed staggers, medians over the rounds:\n")
+    for r in results:
+        print(f"- {r['name']}: " + ", ".join(f"{k} {v:.2f} s" for k, v in sorted((r.get('fixed') or {}).items(),
+                                                                                  key=lambda kv: kv[1])))
+
+
 def _pc(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:+.1f}%"
 
@@ -103,6 +183,9 @@ def main() -> int:
     p.add_argument("--staggers", default="0,1,2,3,4,6", help="fixed staggers, seconds, run in both orders")
     p.add_argument("--samples", type=int, default=3072, help="dataset samples of 3 KiB (default 3072, ~9.4 MB)")
     p.add_argument("--repeat", type=int, default=1, help="sweep runs per fixed stagger (medians)")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="interleaved rounds of a learning sequence and the fixed staggers (module docs); "
+                        "replaces --sequences and --repeat")
     p.add_argument("--out", default=str(HERE / "out" / "bench_learn.json"))
     p.add_argument("--keep", action="store_true", help="keep the work directory (specs, runs, logs)")
     args = p.parse_args()
@@ -110,17 +193,24 @@ def main() -> int:
     for n in names:
         if n not in U.CONFIGS or U.CONFIGS[n].get("real_fs"):
             p.error(f"unknown or unsupported configuration {n!r} (the emulated-source ones of bench_userjobs)")
-    if args.runs < 1 or args.sequences < 1:
-        p.error("--runs and --sequences must be >= 1")
+    if args.runs < 1 or args.sequences < 1 or args.rounds < 0:
+        p.error("--runs and --sequences must be >= 1, --rounds >= 0")
     results = []
     with U.workspace("bench-learn", args.samples, args.keep) as (root, data):
         for name in names:
-            results.append(run_config(name, U.CONFIGS[name], data, root / name, args.runs, args.sequences,
-                                      args.staggers, args.repeat))
+            if args.rounds:
+                results.append(run_rounds(name, U.CONFIGS[name], data, root / name, args.runs, args.rounds,
+                                          args.staggers))
+            else:
+                results.append(run_config(name, U.CONFIGS[name], data, root / name, args.runs, args.sequences,
+                                          args.staggers, args.repeat))
             os.makedirs(os.path.dirname(args.out), exist_ok=True)
             with open(args.out, "w") as f:
                 json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args), "results": results}, f,
                           indent=1)
+    if args.rounds:
+        _print_rounds(results, args.runs)
+        return 0
     heads = " | ".join(f"run {k + 1} vs best" for k in range(args.runs))
     print(f"\n| configuration | sequence | {heads} | run {args.runs}: delays | best fixed |\n"
           f"|---|---|{'---|' * args.runs}---|---|")
