@@ -12,7 +12,9 @@
 (b) Remote-hit throughput per process for samples of 100 KB and 1 MB: ``get`` + ``bytes()`` of
     samples owned by another node against the same for local hits.
 (c) Transport: one-sided ``MPI_Rget`` against two-sided request/reply to a server thread, with the
-    target process idle and with it busy in Python (it holds the GIL), 100 KB per transfer.
+    target process idle and with it busy in Python (it holds the GIL), 100 KB per transfer, for 1 s
+    each. The target's main thread makes no MPI call in that second (a training step does none), so
+    a transport that needs the target's progress for one-sided reads shows it.
 (d) Faults: 2 nodes x 2 ranks; rank 3 (node 1) is stopped (SIGSTOP: a hung node) or killed
     (SIGKILL) half way through epoch 2. Per case: which ranks wrote a report of every epoch, wrong
     samples, dead nodes. Every rank writes its report as soon as its epochs are done, then lingers
@@ -160,7 +162,7 @@ def _transport_worker(a: argparse.Namespace) -> None:
     from hpcstagger.comm import mpi_module
 
     mpi_module()
-    comm, n, iters = MPI.COMM_WORLD, 100_000, a.reps * 100
+    comm, n, window = MPI.COMM_WORLD, 100_000, 1.0  # the measured seconds; the target stays out of MPI longer
     buf = mmap.mmap(-1, n)
     buf[:] = os.urandom(n)
     out: dict = {}
@@ -170,14 +172,15 @@ def _transport_worker(a: argparse.Namespace) -> None:
         win.Lock_all(MPI.MODE_NOCHECK)
         comm.Barrier()
         if comm.rank == 1:
-            _spin(busy, comm)
+            _spin(busy, comm, window * 1.5)
         else:
-            got, t = bytearray(n), time.perf_counter()
-            for _ in range(iters):
+            got, t, k = bytearray(n), time.perf_counter(), 0
+            while time.perf_counter() - t < window:
                 r = win.Rget(got, 1, (0, n, MPI.BYTE))
                 while not r.Test():
                     pass
-            out[f"rma_busy={busy}"] = iters * n / (time.perf_counter() - t) / 1e6
+                k += 1
+            out[f"rma_busy={busy}"] = k * n / (time.perf_counter() - t) / 1e6
             comm.send("done", dest=1, tag=9)
         win.Unlock_all()
         win.Free()
@@ -195,15 +198,15 @@ def _transport_worker(a: argparse.Namespace) -> None:
             th = threading.Thread(target=serve)
             th.start()
             comm.Barrier()
-            _spin(busy, comm)
+            _spin(busy, comm, window * 1.5)
             th.join()
         else:
             comm.Barrier()
-            got, t = bytearray(n), time.perf_counter()
-            k = iters if not busy else max(5, iters // 50)
-            for _ in range(k):
+            got, t, k = bytearray(n), time.perf_counter(), 0
+            while time.perf_counter() - t < window:
                 sc.Send(struct.pack("<Q", n), dest=1, tag=1)
                 sc.Recv(got, source=1, tag=2)
+                k += 1
             out[f"p2p_busy={busy}"] = k * n / (time.perf_counter() - t) / 1e6
             sc.Send(struct.pack("<Q", 0), dest=1, tag=1)
             comm.send("done", dest=1, tag=9)
@@ -212,10 +215,11 @@ def _transport_worker(a: argparse.Namespace) -> None:
         Path(a.result).write_text(json.dumps(out))
 
 
-def _spin(busy: bool, comm) -> None:
-    """Rank 1 while rank 0 measures: pure Python work (holding the GIL), or asleep."""
-    x = 0
-    while not comm.Iprobe(source=0, tag=9):
+def _spin(busy: bool, comm, seconds: float) -> None:
+    """Rank 1 while rank 0 measures: ``seconds`` outside MPI, in pure Python work (holding the GIL)
+    or asleep; then it waits for rank 0's word."""
+    x, end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
         if busy:
             for i in range(20000):
                 x += i
