@@ -146,6 +146,30 @@ def test_an_in_place_change_is_not_seen_by_another_consumer(linger):
     _ended(b, linger)
 
 
+
+def test_shuffle_false_gives_dataset_order_in_a_pipeline_of_its_own(linger):
+    """As DataLoader(shuffle=False): every epoch in dataset order; the same name shuffled (the
+    default) is another pipeline, with another producer."""
+    plain = SharedLoader(Numbered(24), 4, name="p", root=linger, shuffle=False)
+    mixed = SharedLoader(Numbered(24), 4, name="p", root=linger)
+    try:
+        for _ in range(2):
+            ids = [i for x, s in plain for i in s.tolist()]
+            assert ids == list(range(24))
+        ids = [i for x, s in mixed for i in s.tolist()]
+        assert sorted(ids) == list(range(24)) and ids != list(range(24))
+        assert plain.key != mixed.key and plain.producer_pid != mixed.producer_pid
+    finally:
+        mixed.close()
+    _ended(plain, linger)
+    from hpcstagger.colocated.shared import data_loader
+
+    for share in (False, True):  # session.data_loader passes it on, to a plain DataLoader or a shared one
+        loader = data_loader(FakeSession(), Numbered(12), 4, share=share, shuffle=False, root=linger)
+        assert [i for x, s in loader for i in s.tolist()] == list(range(12))
+        if share:
+            loader.close()
+
 def _with_a_set(samples):
     return {"x": torch.stack([s[0] for s in samples]), "ids": {s[1] for s in samples}}
 

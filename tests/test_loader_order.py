@@ -48,6 +48,14 @@ def test_any_epoch_from_a_segment_boundary_holds_every_sample_once(order, rnd, w
     _check_window(order, g0)
 
 
+
+@given(order=_orders(), rnd=st.integers(0, 3), which=st.integers(0, 1000))
+def test_without_shuffle_every_round_is_in_dataset_order(order, rnd, which):
+    plain = StreamOrder(order.n, order.batch_size, order.seed, order.segments, order.drop_last, shuffle=False)
+    assert sum(_window(plain, rnd * plain.batches), []) == list(range(plain.used))
+    k = plain.segment_batches
+    _check_window(plain, rnd * plain.batches + list(range(0, plain.batches, k))[which % -(-plain.batches // k)])
+
 def test_the_examples_cross_round_boundaries():
     order = StreamOrder(100, 7, segments=4)  # B = 15, k = 4: boundaries 0, 4, 8, 12
     assert (order.batches, order.segment_batches) == (15, 4)

@@ -3,8 +3,9 @@
 With ``[loader] share = true`` (or a job's ``loader = "name"``) the jobs of a loader group get a
 :class:`~hpcstagger.loader.SharedLoader` named ``<run>.<group>``: one producer on the node prepares
 each batch once for all of them, and each rank of a data-parallel job takes its share. Otherwise
-the job gets a plain ``torch.utils.data.DataLoader`` with the same arguments (shuffled, and with a
-DistributedSampler for a job of several ranks), so the training script is the same either way.
+the job gets a plain ``torch.utils.data.DataLoader`` with the same arguments (shuffled unless
+``shuffle=False``, and with a DistributedSampler for a job of several ranks), so the training script
+is the same either way.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ _SHARED_ONLY = ("pace", "hold", "window", "segments", "slot_bytes", "timeout", "
 
 
 def data_loader(session: Session, dataset: Any, batch_size: int = 1, *, share: bool | None = None,
-                seed: int = 0, **kwargs: Any) -> Any:
+                shuffle: bool = True, seed: int = 0, **kwargs: Any) -> Any:
     """The job's loader over ``dataset``: shared when the spec (or ``share=True``) says so.
 
     ``kwargs`` are DataLoader arguments (``num_workers``, ``collate_fn``, ``worker_init_fn``,
@@ -36,12 +37,12 @@ def data_loader(session: Session, dataset: Any, batch_size: int = 1, *, share: b
         plain = {k: v for k, v in kwargs.items() if k not in _SHARED_ONLY}
         device = plain.pop("device", None)
         if device is None:
-            return _plain(dataset, batch_size, seed, rank, world, plain)
+            return _plain(dataset, batch_size, shuffle, seed, rank, world, plain)
         import torch
 
         if torch.device(device).type == "cuda":
             plain.setdefault("pin_memory", True)
-        return _OnDevice(_plain(dataset, batch_size, seed, rank, world, plain), device)
+        return _OnDevice(_plain(dataset, batch_size, shuffle, seed, rank, world, plain), device)
     from ..loader import SharedLoader
 
     run = spec.run.name if spec is not None else "hpcstagger"
@@ -54,24 +55,25 @@ def data_loader(session: Session, dataset: Any, batch_size: int = 1, *, share: b
             opts["segments"] = spec.loader.segments
     opts.update(kwargs)
     name = f"{run}.{group or session.job}"
-    loader = SharedLoader(dataset, batch_size, name=name, seed=seed, rank=rank, world=world,
+    loader = SharedLoader(dataset, batch_size, name=name, shuffle=shuffle, seed=seed, rank=rank, world=world,
                           group=f"{run}.{session.job}", **opts)
     session.say(f"shared loader {name!r}: this job takes {'rank shares of ' if world > 1 else ''}"
                 f"its batches from one producer per node")
     return loader
 
 
-def _plain(dataset: Any, batch_size: int, seed: int, rank: int, world: int, kwargs: dict[str, Any]) -> Any:
+def _plain(dataset: Any, batch_size: int, shuffle: bool, seed: int, rank: int, world: int,
+           kwargs: dict[str, Any]) -> Any:
     import torch
     from torch.utils.data import DataLoader, DistributedSampler
 
     if world > 1:
-        sampler: Any = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed,
+        sampler: Any = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=bool(shuffle), seed=seed,
                                      drop_last=bool(kwargs.pop("drop_last", False)))
         return DataLoader(dataset, batch_size, sampler=sampler, **kwargs)
     gen = torch.Generator()
     gen.manual_seed(seed)
-    return DataLoader(dataset, batch_size, shuffle=True, generator=gen, **kwargs)
+    return DataLoader(dataset, batch_size, shuffle=bool(shuffle), generator=gen, **kwargs)
 
 
 class _OnDevice:

@@ -33,13 +33,15 @@ __all__ = ["StreamOrder"]
 
 @dataclass(frozen=True)
 class StreamOrder:
-    """The batches of one pipeline's stream: dataset length, batch size, seed, segments, drop_last."""
+    """The batches of one pipeline's stream: dataset length, batch size, seed, segments, drop_last,
+    and shuffle (False: every round in dataset order, as ``DataLoader(shuffle=False)``)."""
 
     n: int
     batch_size: int
     seed: int = 0
     segments: int = 8
     drop_last: bool = False
+    shuffle: bool = True
 
     def __post_init__(self) -> None:
         for name, low in (("n", 1), ("batch_size", 1), ("segments", 1)):
@@ -88,6 +90,8 @@ class StreamOrder:
 
 @lru_cache(maxsize=4)
 def _round_order(order: StreamOrder, rnd: int) -> np.ndarray:
+    if not order.shuffle:  # the same order every round: any B batches from a boundary hold each sample once
+        return np.arange(order.used, dtype=np.int64)
     base = np.random.default_rng([order.seed, 0x5EC]).permutation(order.n)
     width = order.segment_batches * order.batch_size
     out = np.empty(order.used, dtype=np.int64)

@@ -66,7 +66,8 @@ class SharedLoader:
 
     ``dataset`` (map-style, with ``len``), ``batch_size``, ``num_workers``, ``collate_fn``,
     ``worker_init_fn``, ``prefetch_factor`` and ``drop_last`` mean what they mean for a DataLoader;
-    the producer's DataLoader uses them (shuffled, from ``seed``). ``name`` names the pipeline:
+    the producer's DataLoader uses them; so does ``shuffle`` (default True: a new order every epoch,
+    from ``seed``; False: dataset order). ``name`` names the pipeline:
     consumers with the same name and batching parameters share one producer. ``rank``/``world``/
     ``group`` make this one rank of a data-parallel job (``group`` names the job). ``pace``,
     ``hold``, ``window`` and ``segments`` are explained in the module docs. ``device`` ("cuda",
@@ -77,7 +78,8 @@ class SharedLoader:
     """
 
     def __init__(self, dataset: Any, batch_size: int = 1, *, name: str, num_workers: int = 0,
-                 collate_fn: Callable[[list[Any]], Any] | None = None, seed: int = 0, drop_last: bool = False,
+                 collate_fn: Callable[[list[Any]], Any] | None = None, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False,
                  worker_init_fn: Callable[[int], None] | None = None, prefetch_factor: int | None = None,
                  pace: str = "wait", hold: int = 1, rank: int = 0, world: int = 1, group: str | None = None,
                  window: int | None = None, segments: int | None = None, slot_bytes: int = 0,
@@ -100,7 +102,7 @@ class SharedLoader:
             raise ConfigError(f"SharedLoader: need 0 <= rank < world, got rank={rank!r} world={world!r}")
         if num_workers < 0:
             raise ConfigError(f"SharedLoader: num_workers must be >= 0, got {num_workers}")
-        self.order = StreamOrder(n, batch_size, seed, segments, drop_last)
+        self.order = StreamOrder(n, batch_size, seed, segments, drop_last, bool(shuffle))
         if self.order.batches < world:
             raise ConfigError(f"SharedLoader: {self.order.batches} batches per epoch cannot be shared by {world} ranks")
         self.name, self.dataset, self.pace, self.hold = name, dataset, pace, hold
@@ -117,7 +119,7 @@ class SharedLoader:
             raise ConfigError("SharedLoader: private=False needs device=...; batches in host memory are always private")
         self._uuid = uuid
         self._head_word = R.H_GHEAD if uuid else R.H_HEAD
-        ident = (n, batch_size, seed, segments, bool(drop_last), window, uuid)
+        ident = (n, batch_size, seed, segments, bool(drop_last), window, uuid) + (() if shuffle else ("in order",))
         digest = hashlib.sha256(repr(ident).encode()).hexdigest()
         self.key = f"{name}.{digest[:12]}"
         self._collate = collate_fn
@@ -246,7 +248,7 @@ class SharedLoader:
         """The header words that make a pipeline this one (written at creation, checked on attach)."""
         o = self.order
         return {R.H_VERSION: R.VERSION, R.H_WINDOW: self.window, R.H_N: o.n, R.H_BATCH: o.batch_size,
-                R.H_SEED: o.seed, R.H_SEGMENTS: o.segments, R.H_DROP: int(o.drop_last),
+                R.H_SEED: o.seed, R.H_SEGMENTS: o.segments, R.H_DROP: int(o.drop_last) | (0 if o.shuffle else 2),
                 R.H_DEVICE: _group_id(self._uuid) if self._uuid else 0}
 
     def _check_same(self, ctl: R.Ctl) -> None:
