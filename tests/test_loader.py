@@ -165,10 +165,19 @@ def test_shuffle_false_gives_dataset_order_in_a_pipeline_of_its_own(linger):
     from hpcstagger.colocated.shared import data_loader
 
     for share in (False, True):  # session.data_loader passes it on, to a plain DataLoader or a shared one
-        loader = data_loader(FakeSession(), Numbered(12), 4, share=share, shuffle=False, root=linger)
+        loader = data_loader(FakeSession(), Numbered(12), 4, share=share, shuffle=False, root=linger,
+                             persistent_workers=False)
         assert [i for x, s in loader for i in s.tolist()] == list(range(12))
         if share:
             loader.close()
+
+
+def test_a_data_loaders_pin_memory_is_taken_with_a_warning_naming_device(linger, caplog):
+    with caplog.at_level("WARNING", logger="hpcstagger.loader.consumer"):
+        loader = SharedLoader(Numbered(8), 4, name="p", root=linger, pin_memory=True, persistent_workers=True)
+    assert "pin_memory=True has no effect" in caplog.text and "device=" in caplog.text
+    assert sorted(i for x, s in loader for i in s.tolist()) == list(range(8))
+    _ended(loader, linger)
 
 def _with_a_set(samples):
     return {"x": torch.stack([s[0] for s in samples]), "ids": {s[1] for s in samples}}

@@ -73,7 +73,10 @@ class SharedLoader:
     ``hold``, ``window`` and ``segments`` are explained in the module docs. ``device`` ("cuda",
     "cuda:N") puts batches on that GPU: copied there once per batch for all the consumers on it, and
     (``private``, the default) copied on the device for each consumer; ``private=False`` hands out the
-    shared device memory itself, which must then not be changed in place. Raises ConfigError for bad
+    shared device memory itself, which must then not be changed in place. ``pin_memory`` and
+    ``persistent_workers`` are accepted so that a DataLoader's arguments carry over: the producer's
+    workers always persist, and host batches are never pinned (a warning says to use ``device``
+    instead). Raises ConfigError for bad
     arguments and LoaderError when the producer fails or dies, or shared memory is unsafe.
     """
 
@@ -84,7 +87,7 @@ class SharedLoader:
                  pace: str = "wait", hold: int = 1, rank: int = 0, world: int = 1, group: str | None = None,
                  window: int | None = None, segments: int | None = None, slot_bytes: int = 0,
                  timeout: float | None = None, root: str | None = None, device: Any = None,
-                 private: bool = True):
+                 private: bool = True, pin_memory: bool = False, persistent_workers: bool | None = None):
         try:
             _fs.validate_name(name, "shared pipeline name")
         except CacheError as exc:
@@ -117,6 +120,9 @@ class SharedLoader:
             self._dev = _cuda.DeviceConsumer(index, bool(private))
         elif not private:
             raise ConfigError("SharedLoader: private=False needs device=...; batches in host memory are always private")
+        elif pin_memory:
+            log.warning("SharedLoader %r: pin_memory=True has no effect: batches are in shared memory, not pinned; "
+                        "pass device='cuda:N' to receive them on the GPU, copied there once for every consumer", name)
         self._uuid = uuid
         self._head_word = R.H_GHEAD if uuid else R.H_HEAD
         ident = (n, batch_size, seed, segments, bool(drop_last), window, uuid) + (() if shuffle else ("in order",))
