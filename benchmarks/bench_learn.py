@@ -42,12 +42,12 @@ sys.path.insert(0, str(HERE))
 import bench_userjobs as U  # noqa: E402  (the configurations, spec writer and runner)
 
 DEFAULT_CONFIGS = ("pair-w2-b64", "rising-source", "three-jobs")
+HS = [sys.executable, "-m", "hpcstagger"]
 
 
 def _launch(spec: Path, work: Path, log: Path, tag: str) -> dict[str, Any]:
     """One learning launch: its makespan, delays and releases, and how it was planned."""
-    hs = [sys.executable, "-m", "hpcstagger"]
-    rc = U._run(hs + ["launch", str(spec), "--cold-cache"], log)
+    rc = U._run(HS + ["launch", str(spec), "--cold-cache"], log)
     runs = sorted((work / "work" / "runs").glob("*-plan"), key=lambda p: p.stat().st_mtime)
     if rc != 0 or not runs:
         return {"error": f"launch exited {rc}; see {log}"}
@@ -59,30 +59,42 @@ def _launch(spec: Path, work: Path, log: Path, tag: str) -> dict[str, Any]:
             "learned_from": (result.get("learn") or {}).get("why"), "run_dir": str(run_dir)}
 
 
-def run_config(name: str, cfg: dict[str, Any], data: Path, work: Path, runs: int, sequences: int,
-               staggers: str, repeat: int) -> dict[str, Any]:
+def _setup(name: str, cfg: dict[str, Any], data: Path, work: Path) -> tuple[Path, Path]:
+    """The configuration's work directory with its spec, never calibrated (no ``[plan] scenario``);
+    returns (log, spec)."""
     work.mkdir(parents=True)
     log = work / "log.txt"
     spec = work / "spec.toml"
     U.write_spec(spec, name, cfg, data, data.stat().st_size)
     spec.write_text(spec.read_text().replace('scenario = "scenario.toml"\n', ""))
-    hs = [sys.executable, "-m", "hpcstagger"]
+    return log, spec
+
+
+def _sequence(name: str, spec: Path, work: Path, log: Path, runs: int, which: str, seq: int) -> list[dict[str, Any]]:
+    """One learning sequence from an empty history: ``runs`` launches in a row (``which`` names it
+    in the progress lines: "sequence" or "round")."""
+    U._run(HS + ["history", str(spec), "--clear"], log)
+    rows = []
+    for k in range(runs):
+        row = _launch(spec, work, log, f"learn-{seq}-{k + 1}")
+        rows.append(row)
+        print(f"[bench_learn] {name} {which} {seq + 1} run {k + 1}: {row.get('makespan', row.get('error'))} s, "
+              f"released {row.get('released')}", file=sys.stderr, flush=True)
+    return rows
+
+
+def run_config(name: str, cfg: dict[str, Any], data: Path, work: Path, runs: int, sequences: int,
+               staggers: str, repeat: int) -> dict[str, Any]:
+    log, spec = _setup(name, cfg, data, work)
     out: dict[str, Any] = {"name": name, "config": cfg, "log": str(log), "sequences": []}
     for seq in range(sequences):
-        U._run(hs + ["history", str(spec), "--clear"], log)
-        rows = []
-        for k in range(runs):
-            row = _launch(spec, work, log, f"learn-{seq}-{k + 1}")
-            rows.append(row)
-            print(f"[bench_learn] {name} sequence {seq + 1} run {k + 1}: "
-                  f"{row.get('makespan', row.get('error'))} s, delays {row.get('delays')}", file=sys.stderr, flush=True)
-        out["sequences"].append(rows)
+        out["sequences"].append(_sequence(name, spec, work, log, runs, "sequence", seq))
     t0 = time.monotonic()
     # --history: the sweep also runs the plan learned from the last sequence (steered and open),
     # interleaved with the fixed staggers, so that the learned plan and the best stagger compare in one run
-    rc = U._run(hs + ["sweep", str(spec), "--history", "--staggers", staggers, "--repeat", str(repeat), "--json",
+    rc = U._run(HS + ["sweep", str(spec), "--history", "--staggers", staggers, "--repeat", str(repeat), "--json",
                       str(work / "sweep.json")], log)
-    U._run(hs + ["history", str(spec), "--clear"], log)
+    U._run(HS + ["history", str(spec), "--clear"], log)
     out["sweep_s"] = time.monotonic() - t0
     if rc != 0 or not (work / "sweep.json").exists():
         out["error"] = f"sweep exited {rc}; see {log}"
@@ -103,29 +115,17 @@ def run_config(name: str, cfg: dict[str, Any], data: Path, work: Path, runs: int
 def run_rounds(name: str, cfg: dict[str, Any], data: Path, work: Path, runs: int, rounds: int,
                staggers: str) -> dict[str, Any]:
     """Interleaved rounds (module docs): per round a learning sequence and one fixed-stagger sweep."""
-    work.mkdir(parents=True)
-    log = work / "log.txt"
-    spec = work / "spec.toml"
-    U.write_spec(spec, name, cfg, data, data.stat().st_size)
-    spec.write_text(spec.read_text().replace('scenario = "scenario.toml"\n', ""))
-    hs = [sys.executable, "-m", "hpcstagger"]
+    log, spec = _setup(name, cfg, data, work)
     out: dict[str, Any] = {"name": name, "config": cfg, "log": str(log), "mode": "rounds", "sequences": [],
                            "fixed_runs": {}}
 
     def sequence(r: int) -> None:
-        U._run(hs + ["history", str(spec), "--clear"], log)
-        rows = []
-        for k in range(runs):
-            row = _launch(spec, work, log, f"learn-{r}-{k + 1}")
-            rows.append(row)
-            print(f"[bench_learn] {name} round {r + 1} run {k + 1}: {row.get('makespan', row.get('error'))} s, "
-                  f"released {row.get('released')}", file=sys.stderr, flush=True)
-        out["sequences"].append(rows)
+        out["sequences"].append(_sequence(name, spec, work, log, runs, "round", r))
 
     def fixed(r: int) -> None:
         # the sweep's own launches are not observed: without --history it plans nothing and learns nothing
         path = work / f"sweep-{r}.json"
-        rc = U._run(hs + ["sweep", str(spec), "--staggers", staggers, "--json", str(path)], log)
+        rc = U._run(HS + ["sweep", str(spec), "--staggers", staggers, "--json", str(path)], log)
         if rc != 0 or not path.exists():
             print(f"[bench_learn] {name} round {r + 1}: sweep exited {rc}; see {log}", file=sys.stderr, flush=True)
             return
@@ -137,7 +137,7 @@ def run_rounds(name: str, cfg: dict[str, Any], data: Path, work: Path, runs: int
     for r in range(rounds):
         for step in ((sequence, fixed) if r % 2 == 0 else (fixed, sequence)):
             step(r)
-    U._run(hs + ["history", str(spec), "--clear"], log)
+    U._run(HS + ["history", str(spec), "--clear"], log)
     medians = {k: statistics.median(v) for k, v in out["fixed_runs"].items() if v}
     if medians:
         label = min(medians, key=lambda k: medians[k])
