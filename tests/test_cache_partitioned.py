@@ -247,13 +247,18 @@ def test_a_killed_node_leaves_the_other_node_reading_every_epoch(tmp_path):
     proc, out, root = _run_job(tmp_path, "--epochs", "3", "--kill", "3:1", env=env, fault=True,
                                launch=("-launcher", "fork", "-hosts", "localhost:2,127.0.0.1:2"))
     text = _finish(proc, root, timeout=150)
-    reports = _reports(out)
+    _check_node0_read_every_epoch(_reports(out), text)
+
+
+def _check_node0_read_every_epoch(reports, text):
+    """After rank 3 (node 1) was killed in epoch 2 of 3: node 0's ranks read every epoch, nobody
+    returned a wrong byte, and rank 1 found node 1 dead (it reads node 1 through rank 3)."""
     assert {0, 1} <= set(reports) and 3 not in reports, text
     for r in reports.values():
         assert r["nodes"] == 2 and all(e["wrong"] == 0 for e in r["epochs"]), r
     for rank in (0, 1):
         assert len(reports[rank]["epochs"]) == 3 and reports[rank]["node"] == 0, reports[rank]
-    assert 1 in reports[1]["dead_nodes"]  # rank 1 reads node 1 through the killed rank 3
+    assert 1 in reports[1]["dead_nodes"], reports[1]
 
 
 @pytest.mark.timeout(200)
@@ -307,31 +312,38 @@ def test_the_spec_turns_the_partitioned_mode_on(tmp_path, shm_root):
         spec('partitioned = "yes"')
 
 
-@pytest.mark.slurm
-@pytest.mark.timeout(300)
-def test_two_slurm_nodes_found_by_mpi_share_one_partitioned_cache(slurm_two_nodes, batch_job_on, tmp_path):
-    """The real discovery (MPI_Comm_split_type) on the two-slurmd cluster: Slurm's two nodes are
-    two nodes to MPI, and on one host each gets its own shm root."""
+def _slurm_job(cluster, batch_job_on, tmp_path, name, *args, setup=""):
+    """The job on the two-slurmd cluster, 2 nodes x 2 tasks (srun --mpi=pmi2, MPICH over OFI tcp),
+    ``setup`` lines before it; returns (the job's record, its output, the report directory)."""
     from support.local_slurm import MULTI_NODE_MPI_ENV
 
     out = tmp_path / "out"
     out.mkdir()
     out.chmod(0o777)
-    root = Path("/dev/shm") / f"hpcs-part-slurm-{os.getpid()}"
+    root = Path("/dev/shm") / f"hpcs-{name}-{os.getpid()}"
     body = f"""\
         #SBATCH --nodes=2
         #SBATCH --ntasks=4
         #SBATCH --ntasks-per-node=2
         {MULTI_NODE_MPI_ENV}
-        srun --mpi=pmi2 {sys.executable} {JOB} {out} {root} --epochs 3
+        {setup}
+        srun --mpi=pmi2 --kill-on-bad-exit=0 {sys.executable} {JOB} {out} {root} {' '.join(args)}
     """
     try:
-        _, record, text = batch_job_on(slurm_two_nodes, body, name="partitioned", timeout=240)
+        _, record, text = batch_job_on(cluster, body, name=name, timeout=240)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    return record, text, out
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(300)
+def test_two_slurm_nodes_found_by_mpi_share_one_partitioned_cache(slurm_two_nodes, batch_job_on, tmp_path):
+    """The real discovery (MPI_Comm_split_type) on the two-slurmd cluster: Slurm's two nodes are
+    two nodes to MPI, and on one host each gets its own shm root."""
+    record, text, out = _slurm_job(slurm_two_nodes, batch_job_on, tmp_path, "partitioned", "--epochs", "3")
     assert record["JobState"] == "COMPLETED", text
     _check_epochs(_reports(out))
-
 
 
 @pytest.mark.slurm
@@ -340,34 +352,15 @@ def test_a_rank_killed_under_slurm_leaves_the_other_node_reading_every_epoch(slu
                                                                             tmp_path):
     """A death under a real launcher: srun on the two-slurmd cluster (one slurmstepd per node, as on
     real nodes; MPICH over OFI's tcp provider, so no CMA). Rank 3 SIGKILLs itself half way through
-    epoch 2. srun leaves the other tasks running (no --kill-on-bad-exit), so node 0's ranks must read
+    epoch 2. srun leaves the other tasks running (--kill-on-bad-exit=0), so node 0's ranks must read
     every epoch with no wrong byte, rank 1 finding node 1 dead through its peer, rank 3."""
-    from support.local_slurm import MULTI_NODE_MPI_ENV
-
-    out = tmp_path / "out"
-    out.mkdir()
-    out.chmod(0o777)
-    root = Path("/dev/shm") / f"hpcs-part-slurmkill-{os.getpid()}"
-    body = f"""\
-        #SBATCH --nodes=2
-        #SBATCH --ntasks=4
-        #SBATCH --ntasks-per-node=2
-        {MULTI_NODE_MPI_ENV}
-        export HPCSTAGGER_CACHE_REMOTE_TIMEOUT=1 HPCSTAGGER_COLLECTIVE_TIMEOUT=5 MPIR_CVAR_NO_COLLECTIVE_FINALIZE=1
-        srun --mpi=pmi2 --kill-on-bad-exit=0 {sys.executable} {JOB} {out} {root} --epochs 3 --kill 3:1
-    """
-    try:
-        _, record, text = batch_job_on(slurm_two_nodes, body, name="partitioned-kill", timeout=240)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    setup = ("export HPCSTAGGER_CACHE_REMOTE_TIMEOUT=1 HPCSTAGGER_COLLECTIVE_TIMEOUT=5 "
+             "MPIR_CVAR_NO_COLLECTIVE_FINALIZE=1")
+    record, text, out = _slurm_job(slurm_two_nodes, batch_job_on, tmp_path, "partitioned-kill", "--epochs", "3",
+                                   "--kill", "3:1", setup=setup)
     assert record["JobState"] != "COMPLETED", text  # the victim's signal fails the step
-    reports = _reports(out)
-    assert {0, 1} <= set(reports) and 3 not in reports, text
-    for r in reports.values():
-        assert r["nodes"] == 2 and all(e["wrong"] == 0 for e in r["epochs"]), r
-    for rank in (0, 1):
-        assert len(reports[rank]["epochs"]) == 3 and reports[rank]["node"] == 0, reports[rank]
-    assert 1 in reports[1]["dead_nodes"], reports[1]
+    _check_node0_read_every_epoch(_reports(out), text)
+
 
 def test_a_process_without_mpi_serves_only_its_nodes_samples(shm_root):
     """What a spawned DataLoader worker gets when it unpickles the cache of node 0 of 2."""
