@@ -125,8 +125,8 @@ class SharedLoader:
                         "pass device='cuda:N' to receive them on the GPU, copied there once for every consumer", name)
         self._uuid = uuid
         self._head_word = R.H_GHEAD if uuid else R.H_HEAD
-        ident = (n, batch_size, seed, segments, bool(drop_last), window, uuid) + (() if shuffle else ("in order",))
-        digest = hashlib.sha256(repr(ident).encode()).hexdigest()
+        # the words that make a pipeline this one name its files too: one list of what must agree
+        digest = hashlib.sha256(repr(sorted(self._identity().items())).encode()).hexdigest()
         self.key = f"{name}.{digest[:12]}"
         self._collate = collate_fn
         self._pipe = Pipeline(self.key, name, dataset, self.order, num_workers, collate_fn, worker_init_fn,
@@ -251,7 +251,8 @@ class SharedLoader:
         return ctl
 
     def _identity(self) -> dict[int, int]:
-        """The header words that make a pipeline this one (written at creation, checked on attach)."""
+        """The header words that make a pipeline this one (hashed into its key, written at creation, checked
+        on attach)."""
         o = self.order
         return {R.H_VERSION: R.VERSION, R.H_WINDOW: self.window, R.H_N: o.n, R.H_BATCH: o.batch_size,
                 R.H_SEED: o.seed, R.H_SEGMENTS: o.segments, R.H_DROP: int(o.drop_last) | (0 if o.shuffle else 2),
