@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,23 @@ def cli_env(**extra: str) -> dict[str, str]:
 
 def run_cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None,
             cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
-    """Run ``python -m hpcstagger ARGS`` in a subprocess and capture its output."""
-    return subprocess.run([sys.executable, "-m", "hpcstagger", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env or cli_env(), cwd=cwd)
+    """Run ``python -m hpcstagger ARGS`` in a subprocess and capture its output.
+
+    Past ``timeout`` the command is interrupted (SIGINT, as Ctrl-C: ``hpcstagger launch`` then stops
+    its run's process group, which a SIGKILL of the launcher would leave running) and the test
+    fails with the command's whole output."""
+    argv = [sys.executable, "-m", "hpcstagger", *args]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or cli_env(),
+                          cwd=cwd) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)
+            try:
+                out, err = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            raise AssertionError(f"'hpcstagger {' '.join(args)}' ran past {timeout:g} s and was interrupted; "
+                                 f"its output:\n{out}\n{err}") from None
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
