@@ -94,8 +94,10 @@ def _timeout_value(timeout: Any) -> float | None:
 class Backoff:
     """The pauses of one polled wait: short at first, then growing geometrically to a cap.
 
-    The first ``spins`` pauses are 0 s (``time.sleep(0)`` only yields the CPU and the GIL; for
-    waits whose latency matters, which usually end within microseconds). Then the pauses are
+    The first ``spins`` pauses are 0 s: a pause of 0 is ``os.sched_yield()``, which gives up the CPU
+    and the GIL and returns within a microsecond when nothing else wants them (for waits whose
+    latency matters, which usually end within microseconds). It is not ``time.sleep(0)``: that
+    sleeps for the kernel's timer slack, about 80 us on Linux, longer than the wait it serves. Then the pauses are
     ``first`` seconds, multiplied by ``factor`` after each, up to ``cap``: the defaults give
     0.2, 0.4, ... 6.4 ms, then 10 ms for good, so a short wait ends promptly and a long one wakes
     at most 100 times a second. ``factor=1`` and ``cap=first`` give a constant pause.
@@ -133,7 +135,10 @@ class Backoff:
         pause = self.next_pause()
         if limit is not None:
             pause = max(min(pause, limit), 0.0)
-        time.sleep(pause)
+        if pause > 0:
+            time.sleep(pause)
+        else:
+            os.sched_yield()
         return pause
 
 

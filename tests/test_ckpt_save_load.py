@@ -347,11 +347,13 @@ class _FakeMpiComm:
 def test_snapshot_agreement_spins_then_sleeps(monkeypatch):
     clock = FakeClock()
     monkeypatch.setattr(comm_module, "time", clock)  # the pauses of the polled wait
+    yields = []
+    monkeypatch.setattr(comm_module.os, "sched_yield", lambda: yields.append(1))
     sig = layout_signature([leaf.spec for leaf in flatten({"x": torch.ones(3)})[1]])
     raw = _FakeMpiComm(ready_after=205)
     assert agree(Comm(raw), None, sig) == [(None, sig), (None, sig)]
     assert raw.request.tests == 205
-    assert clock.slept == [0.0] * 199 + [0.0002] * 5  # bare yields first: latency matters here
+    assert len(yields) == 199 and clock.slept == [0.0002] * 5  # bare yields first: latency matters here
 
 
 def test_snapshot_agreement_timeout_breaks_the_communicator():

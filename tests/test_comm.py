@@ -150,8 +150,18 @@ def clock(monkeypatch):
 def test_backoff_sleep_is_limited(clock):
     b = Backoff(0.004, 0.01)
     assert b.sleep() == 0.004 and b.sleep(limit=0.001) == 0.001 and b.sleep(limit=-1) == 0.0
-    assert clock.slept == [0.004, 0.001, 0.0]
+    assert clock.slept == [0.004, 0.001]  # a pause of 0 yields instead of sleeping
     assert b.next_pause() == 0.01  # a limited sleep still advanced the schedule
+
+
+def test_backoff_spins_yield_without_sleeping(clock, monkeypatch):
+    yields = []
+    monkeypatch.setattr(comm_module.os, "sched_yield", lambda: yields.append(1))
+    b = Backoff(0.0002, 0.0002, spins=3)
+    for _ in range(5):
+        b.sleep()
+    # time.sleep(0) would sleep for the kernel's timer slack (~80 us), longer than a spin's wait
+    assert len(yields) == 3 and clock.slept == [0.0002, 0.0002]
 
 
 def test_poll_until_returns_true_as_soon_as_ready(clock):
@@ -184,10 +194,12 @@ def test_poll_until_gives_up_at_the_deadline(clock):
     assert clock.slept == [0.5, 0.5]
 
 
-def test_poll_until_spins_then_sleeps_and_waits_for_ever_without_deadline(clock):
+def test_poll_until_spins_then_sleeps_and_waits_for_ever_without_deadline(clock, monkeypatch):
+    yields = []
+    monkeypatch.setattr(comm_module.os, "sched_yield", lambda: yields.append(1))
     calls = iter(range(205))
     assert poll_until(None, lambda: next(calls) == 204, first=0.0002, cap=0.0002, spins=199) is True
-    assert clock.slept == [0.0] * 199 + [0.0002] * 5
+    assert len(yields) == 199 and clock.slept == [0.0002] * 5
 
 
 def test_poll_until_really_sleeps():
