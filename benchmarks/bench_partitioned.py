@@ -10,7 +10,12 @@
     MPICH's cliques (``MPIR_CVAR_NUM_CLIQUES``), so the traffic between them goes through MPICH's
     network module as between real nodes.
 (b) Remote-hit throughput per process for samples of 100 KB and 1 MB: ``get`` + ``bytes()`` of
-    samples owned by another node against the same for local hits.
+    samples owned by another node against the same for local hits. Beside it, the floor that the
+    transport sets, from raw parts timed in the same run with the other rank idle in a barrier: one
+    ``MPI_Rget`` of the sample's bytes from the other node's window, one memory copy and one xxh3
+    checksum of them. A local hit needs a checksum and a copy, a remote hit the read as well, so
+    ``(checksum + copy) / (read + checksum + copy)`` is the ratio a remote hit would reach with this
+    transport if nothing else cost anything: the transport's floor.
 (c) Transport: one-sided ``MPI_Rget`` against two-sided request/reply to a server thread, with the
     target process idle and with it busy in Python (it holds the GIL), 100 KB per transfer, for 1 s
     each. The target's main thread makes no MPI call in that second (a training step does none), so
@@ -146,9 +151,59 @@ def _remote_worker(a: argparse.Namespace) -> None:
         res[size] = rates
         comm.barrier()
         cache.close()
+        res[size]["floor_us"] = _raw_parts(comm, size, a.root)
     all_res = comm.gather(res)
     if comm.rank == 0:
         Path(a.result).write_text(json.dumps(all_res))
+
+
+def _raw_parts(comm, size: int, root: str, reps: int = 2000) -> dict | None:
+    """Microseconds per ``size`` bytes for a raw one-sided read from the next rank's window, a copy
+    and an xxh3 checksum. Rank 0 measures while the others wait in a barrier; None on other ranks."""
+    import mmap
+
+    from mpi4py import MPI
+
+    from hpcstagger.cache._wire import _checksum
+
+    span = 64 << 20
+    path = os.path.join(root, f"raw-{comm.rank}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, span)
+        mm = mmap.mmap(fd, span)
+    finally:
+        os.close(fd)
+    mm[:] = os.urandom(1 << 20) * (span >> 20)
+    mv = memoryview(mm)
+    win = MPI.Win.Create(mv, 1, comm=comm.mpi)
+    win.Lock_all()
+    comm.mpi.Barrier()
+    out = None
+    if comm.rank == 0:
+        offs = [(i * 131_072) % (span - size) for i in range(reps)]
+        out = {}
+        t = time.perf_counter()
+        for off in offs:
+            bytes(mv[off:off + size])
+        out["copy"] = (time.perf_counter() - t) / reps * 1e6
+        t = time.perf_counter()
+        for off in offs:
+            _checksum(mv[off:off + size])
+        out["checksum"] = (time.perf_counter() - t) / reps * 1e6
+        t = time.perf_counter()
+        for off in offs:
+            req = win.Rget(bytearray(size), 1, (off, size, MPI.BYTE))
+            while not req.Test():
+                pass
+        out["read"] = (time.perf_counter() - t) / reps * 1e6
+    comm.mpi.Barrier()
+    win.Unlock_all()
+    win.Free()
+    mv.release()
+    mm.close()
+    os.unlink(path)
+    return out
 
 
 def _transport_worker(a: argparse.Namespace) -> None:
@@ -294,6 +349,12 @@ def part_remote(a: argparse.Namespace) -> dict:
     for size, rates in res[0].items():
         print(f"  {int(size) // 1000:>5} KB: local {rates['local']:8.0f}  remote {rates['remote']:8.0f}  "
               f"ratio {rates['remote'] / rates['local']:.2f}")
+        f = rates.get("floor_us")
+        if f:
+            ceiling = (f["checksum"] + f["copy"]) / (f["read"] + f["checksum"] + f["copy"])
+            rates["ceiling"] = ceiling
+            print(f"         raw parts (us): read {f['read']:.1f}  copy {f['copy']:.1f}  checksum {f['checksum']:.1f}"
+                  f"  -> with nothing else costing anything: {ceiling:.2f}x")
     return {"per_rank": res}
 
 
