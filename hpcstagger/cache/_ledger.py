@@ -38,12 +38,12 @@ import weakref
 from typing import Any
 
 from ..errors import CacheError
-from . import _files, _fs
-from ._layout import (ALIGN, COUNTERS, ENTRY_HDR, HEADER_BYTES, H_ARENA_BYTES, H_CAPACITY, H_DIRTY,
+from . import _files, _flight, _fs
+from ._layout import (ALIGN, COUNTERS, ENTRY_HDR, HEADER_BYTES, H_ARENA_BYTES, H_CAPACITY, H_DIRTY, H_FLIGHT_N,
                       H_ENTRIES, H_GEN, H_HOLES, H_INDEX_SLOTS, H_INDEX_USED, H_MAGIC, H_MAX_ENTRIES,
                       H_NHOLES, H_NSLOTS, H_POLICY, H_RESERVED, H_RESERVED_ENTRIES, H_TOP, H_USED,
                       H_VERSION, H_WASTED, LEDGER_BYTES, LEN_MASK, LIVE, MAGIC, MAX_HOLES, NSLOTS,
-                      SLOT, SLOT_WORDS, S_PID, S_RES_GEN, S_RES_OFF, S_RES_PAYLOAD, S_RES_SIZE,
+                      SLOT, SLOT_WORDS, S_PID, S_FLIGHT, S_RES_GEN, S_RES_OFF, S_RES_PAYLOAD, S_RES_SIZE,
                       S_START, VERSION)
 
 _open_ledgers: weakref.WeakSet[Ledger] = weakref.WeakSet()
@@ -77,6 +77,7 @@ class Ledger:
         self.clock = threading.Lock()
         self.put_lock = threading.Lock()
         self.base = -1
+        self.flight_swept = 0  # when this process last swept the reads in flight (_flight)
         if capacity is None and not os.path.lexists(root):
             raise CacheError(f"no cache named {name!r}: the cache root {root} does not exist, so no "
                              "cache has been created there yet (set HPCSTAGGER_SHM_ROOT or --root if "
@@ -243,6 +244,7 @@ class Ledger:
                 raise CacheError(f"cache {self.name!r} has {NSLOTS} live processes attached; "
                                  "no slot is left for this one (close unused ShmCache objects)")
             self.drop_reservation(b, reuse=True)
+            w[b + S_FLIGHT] = 0
             w[b + S_START] = start
             w[b + S_PID] = pid
             self.base = b
@@ -257,6 +259,7 @@ class Ledger:
     def release_slot_locked(self) -> None:
         if self.base >= 0:
             self.drop_reservation(self.base, reuse=True)
+            self.w[self.base + S_FLIGHT] = 0
             self.w[self.base + S_PID] = 0
             self.w[self.base + S_START] = 0
             self.base = -1
@@ -363,6 +366,7 @@ class Ledger:
         holes = sum(int(w[H_HOLES + 2 * h + 1]) for h in range(int(w[H_NHOLES])))
         w[H_USED], w[H_ENTRIES], w[H_INDEX_USED] = used, entries, index_used
         w[H_RESERVED], w[H_RESERVED_ENTRIES] = reserved, reserved_entries
+        w[H_FLIGHT_N] = _flight.sweep(self)
         w[H_WASTED] = max(0, int(w[H_TOP]) - live_arena - holes - reserved_arena)
 
     def clear(self) -> None:

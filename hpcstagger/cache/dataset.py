@@ -5,6 +5,7 @@ This module imports torch; :mod:`hpcstagger.cache` loads it only when ``CachedDa
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Protocol
 from collections.abc import Callable
@@ -88,15 +89,18 @@ class CachedDataset(torch.utils.data.Dataset):
         self.cache.count_read(n, seconds)
 
     def _read(self, i: int) -> Any:
-        """Sample ``i`` from the source (a miss), inside the read hook if there is one."""
-        hook = self.source_read_hook
-        if hook is None:
-            return self.source[i]
-        hook.enter()
-        try:
-            return self.source[i]
-        finally:
-            hook.exit()
+        """Sample ``i`` from the source (a miss), inside the read hook if there is one, and counted
+        in flight by the cache when it counts (:meth:`ShmCache.reading`)."""
+        reading = getattr(self.cache, "reading", None)
+        with reading() if reading is not None else contextlib.nullcontext():
+            hook = self.source_read_hook
+            if hook is None:
+                return self.source[i]
+            hook.enter()
+            try:
+                return self.source[i]
+            finally:
+                hook.exit()
 
     def _finish(self, data: Any) -> Any:
         if self.transform is not None:

@@ -358,6 +358,14 @@ class PartitionedCache(LoadThrough):
         """This node's source-read bytes and seconds (see :meth:`ShmCache.read_counters`)."""
         return self.local.read_counters()
 
+    def reading(self) -> Any:
+        """Context manager around one source read, counted in this node's cache (see :meth:`ShmCache.reading`)."""
+        return self.local.reading()
+
+    def flight_seconds(self) -> list[float]:
+        """This node's seconds at each number of source reads in flight (see :meth:`ShmCache.flight_seconds`)."""
+        return self.local.flight_seconds()
+
     # ---- writing -------------------------------------------------------------------------------
 
     def put(self, key: str | int, data: Any) -> bool:

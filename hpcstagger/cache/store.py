@@ -21,7 +21,7 @@ import xxhash
 from .. import config
 from .._io import CHECKSUM_ALGORITHM
 from ..errors import CacheError
-from . import _fs
+from . import _flight, _fs
 from ._layout import (ENTRY, ENTRY_HDR, ENTRY_MAGIC, H_ENTRIES, H_GEN, H_INDEX_USED, H_MAX_ENTRIES, H_POLICY,
                       H_RESERVED, H_RESERVED_ENTRIES, H_TOP, H_USED, H_WASTED, LEN_MASK, LIVE, SLOT, S_CORRUPT,
                       S_DUPLICATES, S_HITS, S_INSERTS, S_INSERT_BYTES, S_READ_BYTES, S_READ_NS, S_MISSES,
@@ -198,6 +198,16 @@ class ShmCache(LoadThrough):
         """:meth:`stats`' ``read_bytes`` and ``read_seconds`` alone, cheap enough to poll often."""
         nbytes, ns = self._led.read_totals()
         return nbytes, ns / 1e9
+
+    def reading(self) -> _flight.Reading:
+        """Context manager around one read from the source behind the cache, so that the node's
+        reads in flight are counted exactly (:meth:`flight_seconds`). :class:`CachedDataset` uses it."""
+        return _flight.Reading(self._led)
+
+    def flight_seconds(self) -> list[float]:
+        """Seconds spent so far with 1, 2, ... (the last: that many or more) source reads in flight
+        on the node, from the reads bracketed with :meth:`reading`. Cheap enough to poll often."""
+        return _flight.seconds(self._led)
 
     def regions(self) -> tuple[memoryview, memoryview, int]:
         """(index, arena, generation): this process's read-only mappings of the current index and
