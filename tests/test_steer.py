@@ -220,6 +220,28 @@ def test_the_source_fit_ignores_the_time_after_the_reads_stop():
     assert st.source_seen["window"] <= 1.0
 
 
+def test_the_source_fit_uses_the_counted_reads_in_flight_when_it_has_them():
+    # the source at 0.7 of its calibration; per second, 0.6 s with one read in flight and 0.4 s
+    # with three (a job that reads often beside one that seldom does: a mix the mean cannot tell)
+    st, _, _, late = _steering(1.0, lo=100.0)
+    st.released.update({n: 0.0 for n in st.order})
+    st._fetch = {n: 2 for n in st.order}  # two jobs of two fetchers each
+    bw = list(st.bandwidth) + [st.bandwidth[-1]]
+    per_s = 0.7 * (0.6 * bw[0] + 0.4 * bw[2])
+    looks = [Look(t=0.25 * k, read_bytes=per_s * 0.25 * k, read_seconds=(0.6 + 3 * 0.4) * 0.25 * k,
+                  flight=[0.6 * 0.25 * k, 0.0, 0.4 * 0.25 * k] + [0.0] * 29) for k in range(1, 13)]
+    st.looks = looks
+    assert st._fit_source(0.0)
+    assert st.beta == pytest.approx(0.7, rel=1e-6) and st.source_seen["estimator"] == "reads in flight counted"
+    # the same counters without the count: the mean-in-flight law, which this mix fools
+    st.looks = [replace(lk, flight=None) for lk in looks]
+    assert st._fit_source(0.0)
+    assert st.source_seen["estimator"] == "mean in flight" and abs(st.beta / 0.7 - 1) > 0.03
+    # counts that cover too little of the read time (reads not bracketed) are not trusted
+    st.looks = [replace(lk, flight=[0.1 * x for x in lk.flight]) for lk in looks]
+    assert st._fit_source(0.0) and st.source_seen["estimator"] == "mean in flight"
+
+
 def test_observing_only_keeps_the_planned_delay():
     st, look, planned, late = _steering(0.7, observe_only=True)
     (d,) = _run(st, look)

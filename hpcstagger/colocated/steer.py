@@ -55,12 +55,14 @@ class Look:
     """One look at the run, ``t`` seconds after its time zero.
 
     ``read_bytes``/``read_seconds``: the cache's source-read counters (None without a cache);
+    ``flight``: the cache's seconds with 1, 2, ... source reads in flight (None without one);
     ``progress``: each started job's latest progress record (:mod:`.progress`); ``state``: each
     started job leader's status (``started``, ``done``, ...)."""
 
     t: float
     read_bytes: float | None = None
     read_seconds: float | None = None
+    flight: list[float] | None = None
     progress: dict[str, dict[str, Any]] = field(default_factory=dict)
     state: dict[str, str] = field(default_factory=dict)
 
@@ -167,13 +169,31 @@ class Steering:
         size = self._sample_bytes
         if size > 0 and nbytes / size < MIN_READS:
             return False
-        scale = source_factor(self.bandwidth, self._fetchers(), nbytes, secs, last.t - first.t)
+        scale, how = self._counted_factor(first, last, nbytes), "reads in flight counted"
+        if scale is None:
+            scale = source_factor(self.bandwidth, self._fetchers(), nbytes, secs, last.t - first.t)
+            how = "mean in flight"
         if scale is None:
             return False
         self.source_seen = {"readers": secs / (last.t - first.t), "bytes_per_s": nbytes / (last.t - first.t),
-                            "per_read": nbytes / secs if secs > 0 else None, "window": last.t - first.t}
+                            "per_read": nbytes / secs if secs > 0 else None, "window": last.t - first.t,
+                            "estimator": how}
         self.beta = min(4.0, max(0.25, scale))
         return True
+
+    def _counted_factor(self, first: Look, last: Look, nbytes: float) -> float | None:
+        """The source factor from the cache's exact count of reads in flight: the bytes read over
+        what the curve delivers in the time spent at each count, or None when the reads were not
+        counted (a cache or a loader that does not bracket its reads) over most of the window."""
+        if not first.flight or not last.flight or not self.bandwidth:
+            return None
+        spent = [max(0.0, b - a) for a, b in zip(first.flight, last.flight, strict=True)]
+        secs = (last.read_seconds or 0.0) - (first.read_seconds or 0.0)
+        if sum(k * t for k, t in enumerate(spent, 1)) < 0.5 * secs:
+            return None
+        bw = self.bandwidth
+        expected = sum(t * float(bw[min(k, len(bw)) - 1]) for k, t in enumerate(spent, 1))
+        return nbytes / expected if expected > 0 else None
 
     def _loop_starts(self, look: Look, t0_wall: float) -> dict[str, float]:
         out = {}
