@@ -21,13 +21,17 @@ them, so the format version stays 1.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
+from ..errors import CacheError
 from . import _fs
 from ._layout import H_FLIGHT_N, H_FLIGHT_NS, H_FLIGHT_T, HEADER_BYTES, S_FLIGHT, S_PID, S_START, SLOT_WORDS
 
 __all__ = ["LEVELS", "Reading", "seconds", "sweep"]
+
+log = logging.getLogger(__name__)
 
 LEVELS = 32
 SWEEP_NS = 500_000_000
@@ -52,7 +56,16 @@ class Reading:
 
 def change(led: Any, delta: int) -> bool:
     """One read of this process begins (+1) or ends (-1). False when nothing was counted (a
-    closed ledger, or an end without its beginning)."""
+    closed ledger, no process slot left, or an end without its beginning): counting never makes a
+    read fail."""
+    try:
+        return _change(led, delta)
+    except (CacheError, OSError, ValueError) as exc:
+        log.debug("a source read was not counted in flight: %s", exc)
+        return False
+
+
+def _change(led: Any, delta: int) -> bool:
     if led.lmap is None:
         return False
     b = led.base if led.base >= 0 else led.claim_slot()
