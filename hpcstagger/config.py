@@ -132,6 +132,8 @@ _KNOB_LIST: list[Knob] = [
          "seconds without progress after which a writer takes its queued flush back from the process copying it"),
     Knob("ckpt_flush_nice", int, 19,
          "nice increment of the thread with which an idle process copies queued checkpoint flushes"),
+    Knob("ckpt_flush_sched_idle", bool, True,
+         "run that thread under Linux's SCHED_IDLE policy: it gets only CPU time no other thread wants"),
     Knob("rendezvous_addr", str, "",
          "address rank 0 advertises for the torch.distributed store (empty: 127.0.0.1 when every rank "
          "is on one host, else rank 0's host name)"),

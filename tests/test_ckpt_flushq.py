@@ -45,7 +45,8 @@ CHILD = textwrap.dedent("""
 
     class Paced(IdleFlusher):
         def after_chunk(self, task, copied):
-            open(stop + ".copying", "a").close()
+            with open(stop + ".copying", "a") as f:
+                print(os.sched_getscheduler(0), file=f)  # the copying thread's policy
             time.sleep(pause)
 
     f = Paced(root, chunk_bytes=chunk, nice=0)
@@ -59,17 +60,22 @@ CHILD = textwrap.dedent("""
 class Flusher:
     """A flusher in a second process, on the flush queue of ``root``."""
 
-    def __init__(self, tmp: Path, root: Path, *, pause: float = 0.0, chunk: int = 1 << 20):
+    def __init__(self, tmp: Path, root: Path, *, pause: float = 0.0, chunk: int = 1 << 20, env: dict | None = None):
         script = tmp / "flusher.py"
         script.write_text(CHILD)
         self.stop = tmp / "stop"
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+                   **(env or {}))
         self.proc = subprocess.Popen([sys.executable, str(script), str(root), str(self.stop), str(pause), str(chunk)],
                                      env=env, stdout=subprocess.PIPE, text=True)
 
     @property
     def copying(self) -> bool:
         return Path(str(self.stop) + ".copying").exists()
+
+    def policies(self) -> set[int]:
+        """The scheduling policies its copying thread had after each chunk."""
+        return {int(x) for x in Path(str(self.stop) + ".copying").read_text().split()}
 
     def finish(self) -> dict:
         self.stop.touch()
@@ -153,6 +159,20 @@ def test_a_second_process_flushes_and_the_checkpoint_verifies(tmp_path, dirs, fl
     assert _same(load(ckpt), _state(1))
     assert f.finish() == {"flushed": 2, "failed": 0}
     _clean(stage, ckpt)
+
+
+@pytest.mark.parametrize("idle", [True, False])
+def test_the_flusher_copies_under_sched_idle_unless_told_not_to(tmp_path, dirs, flushers, idle):
+    # SCHED_IDLE: the copy takes only CPU time nobody else wants (benchmarks/RESULTS.md, bench_flush)
+    stage, ckpt = dirs
+    flushers.append(f := Flusher(tmp_path, stage, env={"HPCSTAGGER_CKPT_FLUSH_SCHED_IDLE": str(idle).lower()}))
+    with AsyncCheckpointer(ckpt, staging_dir=stage, flush_by="queue") as ck:
+        _registered(stage)
+        h = ck.save(1, _state(1))
+        _finish(h)
+        assert h.stats["flush"]["by"] == "queue", h.stats
+    assert f.finish() == {"flushed": 1, "failed": 0}
+    assert f.policies() == {os.SCHED_IDLE if idle else os.SCHED_OTHER}
 
 
 def test_without_a_flusher_the_owner_flushes_at_once(dirs):

@@ -14,7 +14,9 @@ writers, with ``flush_by="queue"``, post their shards' flushes in the node's flu
         flush.close()                             # gives back a task it holds, at once
 
 Calling it claims the oldest open task of this host, copies it in a background thread of this
-process at a lower CPU priority (``ckpt_flush_nice``), and waits for that thread at most
+process at a lower CPU priority (``ckpt_flush_nice``, and under Linux's ``SCHED_IDLE`` policy
+unless ``ckpt_flush_sched_idle`` is off: it then takes only CPU time that no other thread wants,
+so a running job on the same cores is not preempted by it), and waits for that thread at most
 ``min(budget, 0.2)`` seconds. Each chunk is read from the staged shard, hashed (xxh3-64, as the
 manifest) and written to a hidden temporary file beside the destination; the file is fsynced,
 checked against the task's size and checksum, renamed into place only if the claim is still this
@@ -42,7 +44,7 @@ from .. import config
 from ..errors import CheckpointError, describe_exception
 from .flushq import (FlushTask, check_secure_dir, has_file, holder_gone, identity, live_flushers, open_queue,
                      read_record, register_flusher, remove_task, task_ids, try_claim, unregister_flusher, write_record)
-from .protocol import renice_thread
+from .protocol import idle_policy, renice_thread
 from .writer import check_copy, copy_hashed
 
 __all__ = ["IdleFlusher", "idle_flusher"]
@@ -71,6 +73,7 @@ class IdleFlusher:
         self.root = os.path.realpath(os.fspath(root))
         self.linger = linger
         self.nice = int(config.get("ckpt_flush_nice") if nice is None else nice)
+        self.sched_idle = bool(config.get("ckpt_flush_sched_idle"))
         self.chunk_bytes = int(chunk_bytes or config.get("ckpt_chunk_bytes"))
         self.flushed = 0
         self.failed = 0
@@ -203,6 +206,8 @@ class IdleFlusher:
     # ------------------------------------------------------------------ copying (the flusher's thread)
     def _run(self, task: FlushTask, claim: dict[str, Any]) -> None:
         renice_thread(self.nice, "the idle checkpoint flusher")
+        if self.sched_idle:
+            idle_policy("the idle checkpoint flusher")
         qfd = None
         try:
             qfd = open_queue(self.root, create=False)

@@ -132,6 +132,23 @@ def renice_thread(increment: int, what: str) -> None:
         log.debug("could not renice %s: %s", what, exc)
 
 
+def idle_policy(what: str) -> bool:
+    """Put the calling thread under Linux's ``SCHED_IDLE`` policy: it runs only when a CPU has nothing
+    else to run, and never preempts another thread. A thread cannot leave that policy unprivileged, so
+    only a thread that ends with its work may call this. Returns whether it took; a failure (not
+    Linux) is logged at debug level, naming ``what``."""
+    policy = getattr(os, "SCHED_IDLE", None)
+    if policy is None:
+        log.debug("no SCHED_IDLE here for %s", what)
+        return False
+    try:
+        os.sched_setscheduler(0, policy, os.sched_param(0))
+    except OSError as exc:
+        log.debug("could not put %s under SCHED_IDLE: %s", what, exc)
+        return False
+    return True
+
+
 class Worker:
     """The one background writer thread of a checkpointer."""
 
