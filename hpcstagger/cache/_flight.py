@@ -79,7 +79,7 @@ def _change(led: Any, delta: int) -> bool:
         if n > 0:
             w[H_FLIGHT_NS + min(n, LEVELS) - 1] += max(0, now - int(w[H_FLIGHT_T]))
         w[b + S_FLIGHT] = own
-        if now - getattr(led, "flight_swept", 0) >= SWEEP_NS:
+        if now - led.flight_swept >= SWEEP_NS:
             led.flight_swept = now
             n = sweep(led)
         else:

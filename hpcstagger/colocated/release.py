@@ -109,8 +109,7 @@ class Watcher:
         if cache is not None:
             nbytes, seconds = cache.read_counters()
             look.read_bytes, look.read_seconds = float(nbytes), seconds
-            flight = getattr(cache, "flight_seconds", None)
-            look.flight = flight() if flight is not None else None
+            look.flight = cache.flight_seconds()
         for name in started:
             rec = read_progress(self.run_dir, name)
             if rec:

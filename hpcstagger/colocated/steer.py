@@ -169,7 +169,7 @@ class Steering:
         size = self._sample_bytes
         if size > 0 and nbytes / size < MIN_READS:
             return False
-        scale, how = self._counted_factor(first, last, nbytes), "reads in flight counted"
+        scale, how = self._counted_factor(first, last, nbytes, secs), "reads in flight counted"
         if scale is None:
             scale = source_factor(self.bandwidth, self._fetchers(), nbytes, secs, last.t - first.t)
             how = "mean in flight"
@@ -181,14 +181,14 @@ class Steering:
         self.beta = min(4.0, max(0.25, scale))
         return True
 
-    def _counted_factor(self, first: Look, last: Look, nbytes: float) -> float | None:
-        """The source factor from the cache's exact count of reads in flight: the bytes read over
+    def _counted_factor(self, first: Look, last: Look, nbytes: float, secs: float) -> float | None:
+        """The source factor from the cache's exact count of reads in flight: the ``nbytes`` read over
         what the curve delivers in the time spent at each count, or None when the reads were not
-        counted (a cache or a loader that does not bracket its reads) over most of the window."""
+        counted (a cache or a loader that does not bracket its reads) over most of the window's
+        ``secs`` read-seconds."""
         if not first.flight or not last.flight or not self.bandwidth:
             return None
         spent = [max(0.0, b - a) for a, b in zip(first.flight, last.flight, strict=True)]
-        secs = (last.read_seconds or 0.0) - (first.read_seconds or 0.0)
         if sum(k * t for k, t in enumerate(spent, 1)) < 0.5 * secs:
             return None
         bw = self.bandwidth
