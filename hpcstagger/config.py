@@ -146,6 +146,9 @@ _KNOB_LIST: list[Knob] = [
          "start-up; optimal_plan minimises the mean predicted makespan over that spread (0: exact starts)"),
     Knob("steer_interval", float, 1.0,
          "seconds between the closed-loop watcher's re-fits of the model while jobs wait for release"),
+    Knob("steer_min_gain", float, 0.01,
+         "least predicted gain (fraction of the makespan) for which the closed loop moves a release off "
+         "the plan's delay; nearer the plan, the fitted model's curve is within its own noise (0: always move)"),
     Knob("steer_nice", int, 5,
          "nice value of the closed-loop watcher's thread (0: unchanged): its model work yields to training"),
     Knob("progress_interval", float, 0.25,

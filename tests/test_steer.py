@@ -98,6 +98,30 @@ def test_best_release_matches_the_plan_and_moves_with_the_source():
         best_release(sc, [0.0], {k: 0.0}, 0.0, 1.0)
 
 
+def test_best_release_keeps_the_prior_unless_moving_gains_enough():
+    sc = pair()
+    plan = optimal_plan(sc, jitter=0.0)
+    late = max(sc.job_names, key=lambda n: plan.delays[n])
+    k, planned = sc.job_index(late), plan.delays[late]
+    free = best_release(with_source(sc, 0.85), [0.0, 0.0], {k: 0.0}, 0.0, 3 * planned)
+    assert free.optimum == (free.start, free.makespan) and free.start > planned  # a little slower: later
+    at_plan = predict(with_source(sc, 0.85), [planned if j == k else 0.0 for j in range(2)]).makespan
+    gain = at_plan / free.makespan - 1.0
+    assert 0.0 < gain < 0.05
+    # a tolerance above the predicted gain: the plan's start is kept, the optimum still reported
+    kept = best_release(with_source(sc, 0.85), [0.0, 0.0], {k: 0.0}, 0.0, 3 * planned,
+                        prior=planned, min_gain=2 * gain + 0.001)
+    assert kept.start == pytest.approx(planned) and kept.makespan >= kept.optimum[1]
+    assert kept.optimum[0] == pytest.approx(free.start, abs=1e-9)
+    # below it: the move stands (as near the prior as the tolerance allows, never past the optimum)
+    moved = best_release(with_source(sc, 0.85), [0.0, 0.0], {k: 0.0}, 0.0, 3 * planned,
+                         prior=planned, min_gain=gain / 4)
+    assert planned < moved.start <= free.start and moved.makespan <= free.makespan * (1 + gain / 4)
+    # a prior already passed: the earliest start is the nearest
+    past = best_release(sc, [0.0, 0.0], {k: 0.0}, 1.5 * planned, 3 * planned, prior=planned, min_gain=0.5)
+    assert past.start == 1.5 * planned
+
+
 def test_source_factor_is_one_for_the_calibrated_curve_and_scales():
     curve = [4.7e6, 2.9e6, 3.0e6, 3.0e6]
     # one reader always reading: the 1-reader bandwidth
@@ -177,6 +201,21 @@ def test_a_source_off_by_30_percent_moves_the_release(factor, direction):
     # the release is close to the best start for the truth
     truth_best = optimal_plan(with_source(pair(), factor), jitter=0.0).delays[late]
     assert d.at == pytest.approx(truth_best, abs=0.4)
+
+
+def test_a_small_misfit_keeps_the_plan_under_steer_min_gain():
+    # the source 15% slower than calibrated: the fitted model's best start is a little later, for a
+    # small predicted gain; under a min_gain above it the plan's delay is kept, and the reason says so
+    st, look, planned, late = _steering(0.85)
+    (free,) = _run(st, look)
+    assert free.at > planned + 0.1 and "nearest the plan" not in free.reason
+    gains = [f["best"] / f["optimum"] - 1.0 for f in st.fits]
+    assert all(abs(g) < 1e-9 for g in gains)  # min_gain 0: the start is the optimum
+    st, look, planned, late = _steering(0.85, min_gain=0.2)
+    (kept,) = _run(st, look)
+    assert kept.at == pytest.approx(planned, abs=0.3) and kept.at < free.at
+    assert "nearest the plan's delay" in kept.reason and "steer_min_gain 0.2" in kept.reason
+    assert st.fits[-1]["optimum_start"] > st.fits[-1]["best_start"]
 
 
 def test_a_compute_bound_job_off_by_30_percent_is_fitted():

@@ -457,7 +457,8 @@ def _exchange_plan(world: Comm, comm: Comm, spec: Spec | None, name: str, order:
         leaders = {h["job"]: h["calibration"] for h in hellos if h["leader"]}
         # plan from the cache as it is now: a warm cache (an earlier run's) changes the plan
         decided = plan_delays(spec, order, leaders, mode, fixed=fixed, cache_state=observe_cache(spec),
-                              steer_interval=float(config.get("steer_interval")), history=plan_history(spec, mode),
+                              steer_interval=float(config.get("steer_interval")),
+                              steer_min_gain=float(config.get("steer_min_gain")), history=plan_history(spec, mode),
                               learned=learn.resolve(spec, mode), partition=partition)
         return {r: decided for r in range(len(hellos))}
 

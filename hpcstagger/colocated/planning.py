@@ -34,7 +34,7 @@ def cached_fraction(entries: float, samples: float) -> float:
 def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[str, Mapping[str, float]],
                 mode: str, *, fixed: Mapping[str, float] | None = None,
                 cache_state: Mapping[str, Any] | None = None, steer_interval: float = 1.0,
-                history: Mapping[str, Any] | None = None,
+                steer_min_gain: float = 0.0, history: Mapping[str, Any] | None = None,
                 learned: Mapping[str, Any] | None = None,
                 partition: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The delays for ``mode`` (world rank 0 calls this), and what the model predicts when it can.
@@ -51,7 +51,8 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
     (``predicted``), and the scenario it used, with each job's own calibration in it
     (``scenario``). Modes ``"plan"`` and ``"open"`` take the plan's delays; ``"plan"`` also adds
     ``steer`` when some job waits (:func:`~.release.steer_record`, with the watcher's period
-    ``steer_interval``): the run then releases waiting jobs on evidence. ``history`` (from
+    ``steer_interval`` and the least predicted gain ``steer_min_gain`` that moves a release off
+    the plan): the run then releases waiting jobs on evidence. ``history`` (from
     :func:`~.history.corrections`) gives factors on the scenario's source and jobs that earlier runs
     measured; the plan starts from them, and returns them as ``history``. Jobs that share a loader
     are planned as one (:func:`loader_representatives`; their groups are returned as ``loader_groups``).
@@ -104,7 +105,7 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
     out["delays"] = {n: out["delays"][rep[n]] for n in full_order} if mode in PLANNED_MODES else given
     order = full_order
     if mode == "plan":
-        out.update(_steer(spec, out["delays"], order, float(p.sequential), steer_interval))
+        out.update(_steer(spec, out["delays"], order, float(p.sequential), steer_interval, steer_min_gain))
     out["scenario"] = scenario.to_dict()
     out["curve"] = p.to_dict()["curve"]
     out["jitter"] = float(p.jitter)  # the start-time spread the plan was made for (seconds)
@@ -112,12 +113,13 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
 
 
 def _steer(spec: Spec, delays: Mapping[str, float], order: Sequence[str], sequential: float,
-           interval: float) -> dict[str, Any]:
+           interval: float, min_gain: float) -> dict[str, Any]:
     """Mode "plan"'s ``steer`` record (:func:`~.release.steer_record`) when some job waits, else {}."""
     from .release import steer_record
 
     steer = steer_record(delays, order, lo=spec.plan.min_delay, hi=spec.plan.max_delay,
-                         horizon=max(sequential, 1.0), interval=interval, observe_only=not spec.plan.steer)
+                         horizon=max(sequential, 1.0), interval=interval, observe_only=not spec.plan.steer,
+                         min_gain=min_gain)
     return {"steer": steer} if steer else {}
 
 

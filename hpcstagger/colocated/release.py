@@ -53,14 +53,16 @@ def release_groups(delays: Mapping[str, float], order: Sequence[str]) -> list[li
 
 
 def steer_record(delays: Mapping[str, float], order: Sequence[str], *, lo: float, hi: float | None, horizon: float,
-                 interval: float, observe_only: bool = False) -> dict[str, Any] | None:
+                 interval: float, observe_only: bool = False, min_gain: float = 0.0) -> dict[str, Any] | None:
     """The plan's ``steer`` entry, or None when no job waits (pure).
 
     It holds the release ``groups``, the ``host`` (world rank of the leader of the last group's
     first job; None until every rank knows the ranks: :func:`set_host`), the bounds, and ``latest``:
     each waiting job's latest possible release (seconds after time zero), which the watcher keeps
     to: ``min(max_delay, planned + horizon)``, and at least ``min_delay``. With ``observe_only``
-    the watcher fits and records but releases at the planned delays (``[plan] steer = false``)."""
+    the watcher fits and records but releases at the planned delays (``[plan] steer = false``).
+    ``min_gain`` is the least predicted gain (fraction of the makespan) that moves a release off
+    the plan's delay (the ``steer_min_gain`` knob)."""
     groups = release_groups(delays, order)
     if len(groups) < 2:
         return None
@@ -70,7 +72,8 @@ def steer_record(delays: Mapping[str, float], order: Sequence[str], *, lo: float
         last = planned + horizon if hi is None else min(hi, planned + horizon)
         latest.update({n: max(last, lo) for n in g})
     return {"groups": groups, "host": None, "min_delay": lo, "max_delay": hi, "horizon": horizon,
-            "interval": interval, "latest": latest, "observe_only": bool(observe_only)}
+            "interval": interval, "latest": latest, "observe_only": bool(observe_only),
+            "min_gain": float(min_gain)}
 
 
 def set_host(steer: dict[str, Any], jobs: Mapping[str, Sequence[int]]) -> None:
@@ -158,7 +161,7 @@ def _steering(session: Any) -> Steering:
     return Steering(build, bandwidth, order, plan["delays"], {n: spec.job(n).epochs for n in order},
                     lo=float(steer.get("min_delay") or 0.0), hi=math.inf if hi is None else float(hi),
                     interval=float(steer["interval"]), horizon=float(steer["horizon"]),
-                    observe_only=bool(steer.get("observe_only")))
+                    observe_only=bool(steer.get("observe_only")), min_gain=float(steer.get("min_gain", 0.0)))
 
 
 def _send(session: Any, jobs: Sequence[str], message: dict[str, Any]) -> None:

@@ -96,7 +96,7 @@ class Steering:
     def __init__(self, build: Callable[[float, Mapping[str, float]], Scenario], bandwidth: Sequence[float],
                  order: Sequence[str], delays: Mapping[str, float], epochs: Mapping[str, int], *,
                  lo: float = 0.0, hi: float = math.inf, interval: float = 1.0, horizon: float | None = None,
-                 look: float = LOOK, observe_only: bool = False):
+                 look: float = LOOK, observe_only: bool = False, min_gain: float = 0.0):
         self.build = build
         self.bandwidth = list(bandwidth)
         self.order = list(order)
@@ -104,6 +104,7 @@ class Steering:
         self.epochs = dict(epochs)
         self.lo, self.hi, self.interval = float(lo), float(hi), float(interval)
         self.observe_only = observe_only  # fit and record, but release at the planned delays
+        self.min_gain = max(0.0, float(min_gain))  # least predicted gain that moves a release off the plan
         self.look = min(float(look), self.interval)  # seconds between looks (a look is cheap, a re-fit is not)
         self.groups = release_groups(self.planned, self.order)
         self.released: dict[str, float] = {}
@@ -118,6 +119,8 @@ class Steering:
         self._curve_at: tuple[float, dict[str, float]] | None = None
         self.target: float | None = None
         self._best = math.nan  # the predicted makespan at the target
+        self._held = False  # the target is the plan's: the best start found gains less than min_gain
+        self._optimum = (math.nan, math.nan)
         prior = build(1.0, {})
         self._sample_bytes = float(prior.dataset.sample_bytes)
         self._fetch = {j.name: j.fetchers() for j in prior.jobs}
@@ -308,8 +311,7 @@ class Steering:
         if not moved and self._curve_at is not None and self.target is not None:
             self._curve_at = (now, self._curve_at[1])  # the fit stands: no new curve
             if now >= self.target - self.look / 2 and not self.observe_only:
-                return self.release(group, now, f"the fitted model's best start has come (predicted makespan "
-                                                f"{self._best:.1f} s; source x{self.beta:.2f})", self._best)
+                return self.release(group, now, self._why_target(), self._best)
             return None
         sc, starts = self.scenario(loop_starts)
         if extra > 0:  # what the waiting job prefetched is in the cache too (as if from the start: approximate)
@@ -317,14 +319,27 @@ class Steering:
         waiting = [n for g in self.waiting for n in g]
         moving = {sc.job_index(n): self.planned[n] - planned for n in waiting}
         latest = min(self.hi, max(now, planned + self.horizon))
-        r = best_release(sc, starts, moving, max(now, self.lo), latest)
+        r = best_release(sc, starts, moving, max(now, self.lo), latest, prior=planned, min_gain=self.min_gain)
         self._curve_at = (now, fitted)
         self.target, self._best = r.start, r.makespan
+        self._held = abs(r.start - r.optimum[0]) > 1e-9
+        self._optimum = r.optimum
         done = {n: fraction_done(look.progress.get(n), self.epochs.get(n, 1)) for n in loop_starts}
         self.fits.append({"t": now, "loops": dict(loop_starts), "done": done, "seen": dict(self.source_seen),
-                          "source": self.beta,
-                          "jobs": dict(self.alpha), "best_start": r.start, "best": r.makespan, "if_now": r.if_now})
+                          "source": self.beta, "jobs": dict(self.alpha), "best_start": r.start, "best": r.makespan,
+                          "if_now": r.if_now, "optimum_start": r.optimum[0], "optimum": r.optimum[1]})
         if r.start <= now + self.look / 2 and not self.observe_only:
-            return self.release(group, now, f"the fitted model: starting now is best (predicted makespan "
-                                            f"{r.if_now:.1f} s; source x{self.beta:.2f})", r.if_now)
+            return self.release(group, now, self._why_target(now=True), r.if_now)
         return None
+
+    def _why_target(self, *, now: bool = False) -> str:
+        """Why the group is released at the current target."""
+        if self._held:
+            s, m = self._optimum
+            return (f"nearest the plan's delay: the fitted model's best start (+{s:.1f} s, predicted makespan "
+                    f"{m:.1f} s) gains less than steer_min_gain {self.min_gain:g} (source x{self.beta:.2f})")
+        if now:
+            return (f"the fitted model: starting now is best (predicted makespan {self._best:.1f} s; "
+                    f"source x{self.beta:.2f})")
+        return (f"the fitted model's best start has come (predicted makespan {self._best:.1f} s; "
+                f"source x{self.beta:.2f})")

@@ -150,22 +150,30 @@ def source_factor(bandwidth: Sequence[float], fetchers: int, read_bytes: float, 
 class Release:
     """When the next group of waiting jobs should start: ``start`` (seconds since time zero), the
     predicted ``makespan`` then, the predicted makespan ``if_now`` when the group starts at the
-    earliest allowed time, and the ``curve`` of (start, makespan) points evaluated."""
+    earliest allowed time, and the ``curve`` of (start, makespan) points evaluated. ``optimum`` is
+    the best (start, makespan) found; ``start`` differs from it only when a prior was given and a
+    start nearer the prior is predicted within ``min_gain`` of it."""
 
     start: float
     makespan: float
     if_now: float
     curve: tuple[tuple[float, float], ...]
+    optimum: tuple[float, float] = (math.nan, math.nan)
 
 
 def best_release(sc: Scenario, starts: Sequence[float], moving: Mapping[int, float], earliest: float,
-                 latest: float, *, points: int = 6, refine: int = 5) -> Release:
+                 latest: float, *, points: int = 6, refine: int = 5, prior: float | None = None,
+                 min_gain: float = 0.0) -> Release:
     """The best start ``s`` in [earliest, latest] of the jobs in ``moving``.
 
     Job j in ``moving`` starts at ``s + moving[j]`` (0 for the group released next, the planned gap
     for jobs planned to follow it); every other job at ``starts[j]``. The search is a grid denser
     near ``earliest``, then a bounded refinement around the best point, every run resuming from a
     shared prefix of the model's run.
+
+    With a ``prior`` start (the plan's), the start returned is the one nearest the prior (clamped to
+    the range) among those predicted within ``min_gain`` (a fraction) of the best: a move away from
+    the prior must be predicted to gain more than that.
     """
     J = len(sc.jobs)
     if len(starts) != J or not moving or any(not 0 <= j < J for j in moving):
@@ -181,7 +189,7 @@ def best_release(sc: Scenario, starts: Sequence[float], moving: Mapping[int, flo
 
     if_now = f(earliest)
     if latest - earliest <= 1e-9:
-        return Release(earliest, if_now, if_now, ((earliest, if_now),))
+        return Release(earliest, if_now, if_now, ((earliest, if_now),), (earliest, if_now))
     ev.cutoff = CUTOFF  # runs that pass the best so far by 5% stop there: they cannot win
     xs = [earliest] + [earliest + g for g in grid(latest - earliest, points)]
     vals = [if_now] + [f(x) for x in xs[1:]]
@@ -207,4 +215,13 @@ def best_release(sc: Scenario, starts: Sequence[float], moving: Mapping[int, flo
             best_s, best = x, v
     if best >= if_now:  # ties go to starting now
         best_s, best = earliest, if_now
-    return Release(float(best_s), float(best), float(if_now), tuple(sorted(set(curve) | {(best_s, best)})))
+    points_seen = set(curve) | {(best_s, best)}
+    start, value = best_s, best
+    if prior is not None and min_gain >= 0:
+        p = min(max(float(prior), earliest), latest)
+        if all(abs(x - p) > 1e-9 for x, _ in points_seen):
+            points_seen.add((p, f(p)))  # (a run cut off past best * (1 + CUTOFF) is far out of reach)
+        near = [(x, v) for x, v in points_seen if v <= best * (1.0 + min_gain)]
+        start, value = min(near, key=lambda xv: (abs(xv[0] - p), xv[1]))
+    return Release(float(start), float(value), float(if_now), tuple(sorted(points_seen)),
+                   (float(best_s), float(best)))
