@@ -134,6 +134,9 @@ _KNOB_LIST: list[Knob] = [
          "nice increment of the thread with which an idle process copies queued checkpoint flushes"),
     Knob("ckpt_flush_sched_idle", bool, True,
          "run that thread under Linux's SCHED_IDLE policy: it gets only CPU time no other thread wants"),
+    Knob("ckpt_flush_chunk_bytes", int, 1 << 20,
+         "bytes that thread copies per system call: small, so that on a kernel without preemption the "
+         "training's threads get their core back within a fraction of a millisecond"),
     Knob("rendezvous_addr", str, "",
          "address rank 0 advertises for the torch.distributed store (empty: 127.0.0.1 when every rank "
          "is on one host, else rank 0's host name)"),

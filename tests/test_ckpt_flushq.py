@@ -35,8 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 SHARD = "shard-00000-of-00001.h5"
 
 # The flusher process: calls the idle flusher until the stop file exists, then prints its counts.
-# Each chunk it writes marks <stop>.copying and then sleeps ``pause`` seconds, so a test can catch
-# it mid-copy.
+# Each chunk it writes marks <stop>.copying (with the copying thread's policy and the bytes copied
+# so far) and then sleeps ``pause`` seconds, so a test can catch it mid-copy. A chunk of 0: the knob's.
 CHILD = textwrap.dedent("""
     import json, os, sys, time
     from hpcstagger.checkpoint.flusher import IdleFlusher
@@ -46,10 +46,10 @@ CHILD = textwrap.dedent("""
     class Paced(IdleFlusher):
         def after_chunk(self, task, copied):
             with open(stop + ".copying", "a") as f:
-                print(os.sched_getscheduler(0), file=f)  # the copying thread's policy
+                print(os.sched_getscheduler(0), copied, file=f)  # the copying thread's policy
             time.sleep(pause)
 
-    f = Paced(root, chunk_bytes=chunk, nice=0)
+    f = Paced(root, chunk_bytes=chunk or None, nice=0)
     while not os.path.exists(stop):
         f(0.2)
     f.close()
@@ -75,7 +75,11 @@ class Flusher:
 
     def policies(self) -> set[int]:
         """The scheduling policies its copying thread had after each chunk."""
-        return {int(x) for x in Path(str(self.stop) + ".copying").read_text().split()}
+        return {int(line.split()[0]) for line in Path(str(self.stop) + ".copying").read_text().splitlines()}
+
+    def copied(self) -> list[int]:
+        """The bytes it had copied after each chunk, in order (every task's)."""
+        return [int(line.split()[1]) for line in Path(str(self.stop) + ".copying").read_text().splitlines()]
 
     def finish(self) -> dict:
         self.stop.touch()
@@ -173,6 +177,24 @@ def test_the_flusher_copies_under_sched_idle_unless_told_not_to(tmp_path, dirs, 
         assert h.stats["flush"]["by"] == "queue", h.stats
     assert f.finish() == {"flushed": 1, "failed": 0}
     assert f.policies() == {os.SCHED_IDLE if idle else os.SCHED_OTHER}
+
+
+def test_the_flusher_copies_in_its_own_small_chunks(tmp_path, dirs, flushers):
+    # ckpt_flush_chunk_bytes, not the writer's ckpt_chunk_bytes: on a kernel without preemption a
+    # syscall copying 8 MB holds the core against the training's wakeups (RESULTS, bench_flush)
+    stage, ckpt = dirs
+    env = {"HPCSTAGGER_CKPT_FLUSH_CHUNK_BYTES": str(256 << 10), "HPCSTAGGER_CKPT_CHUNK_BYTES": str(4 << 20)}
+    flushers.append(f := Flusher(tmp_path, stage, chunk=0, env=env))
+    with AsyncCheckpointer(ckpt, staging_dir=stage, flush_by="queue") as ck:
+        _registered(stage)
+        h = ck.save(1, _state(1))
+        path = _finish(h)
+        assert h.stats["flush"]["by"] == "queue", h.stats
+    assert f.finish() == {"flushed": 1, "failed": 0}
+    copied = f.copied()
+    steps = [b - a for a, b in zip([0] + copied[:-1], copied, strict=True)]
+    assert len(steps) > 8 and set(steps[:-1]) == {256 << 10} and 0 < steps[-1] <= 256 << 10
+    assert copied[-1] == os.path.getsize(os.path.join(path, SHARD)) and verify_checkpoint(path) == []
 
 
 def test_without_a_flusher_the_owner_flushes_at_once(dirs):

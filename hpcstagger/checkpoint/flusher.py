@@ -74,7 +74,7 @@ class IdleFlusher:
         self.linger = linger
         self.nice = int(config.get("ckpt_flush_nice") if nice is None else nice)
         self.sched_idle = bool(config.get("ckpt_flush_sched_idle"))
-        self.chunk_bytes = int(chunk_bytes or config.get("ckpt_chunk_bytes"))
+        self.chunk_bytes = int(chunk_bytes or config.get("ckpt_flush_chunk_bytes"))
         self.flushed = 0
         self.failed = 0
         self._host = socket.gethostname()
