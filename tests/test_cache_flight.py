@@ -10,6 +10,7 @@ import time
 import pytest
 
 from hpcstagger.cache import CachedDataset, ShmCache
+from hpcstagger.errors import CacheError
 
 FORK = mp.get_context("fork")
 
@@ -38,6 +39,7 @@ def _grown(before: list[float], after: list[float]) -> list[float]:
 @pytest.mark.timeout(60)
 def test_reads_of_two_processes_are_integrated_at_each_count(shm_root):
     cache = ShmCache("fl", 1 << 20)
+    cache.watch(60)
     start, stop, held = FORK.Event(), FORK.Event(), FORK.Queue()
     before = cache.flight_seconds()
     with cache.reading():
@@ -62,6 +64,7 @@ def test_reads_of_two_processes_are_integrated_at_each_count(shm_root):
 @pytest.mark.timeout(60)
 def test_a_process_killed_mid_read_stops_counting(shm_root):
     cache = ShmCache("fk", 1 << 20)
+    cache.watch(60)
     with cache.reading():  # this process sweeps now, so its next sweep is half a second away
         pass
     started = FORK.Event()
@@ -99,6 +102,7 @@ def test_a_dataloader_s_workers_reads_are_counted_in_flight(shm_root):
     import torch
 
     cache = ShmCache("dlf", 1 << 20)
+    cache.watch(60)
     loader = torch.utils.data.DataLoader(CachedDataset(_Slow(), cache, lambda b: len(b)), batch_size=4,
                                          num_workers=2, multiprocessing_context="fork")
     assert sum(int(b.sum()) for b in loader) == 24 * 1000
@@ -107,3 +111,31 @@ def test_a_dataloader_s_workers_reads_are_counted_in_flight(shm_root):
     # every read was in flight (read-seconds match), never more than the two workers' at once
     assert sum(k * t for k, t in enumerate(spent, 1)) == pytest.approx(read_s, rel=0.2)
     assert spent[0] > 0 and spent[1] > 0 and sum(spent[2:]) == 0
+
+
+@pytest.mark.timeout(60)
+def test_reads_are_counted_only_while_watched(shm_root):
+    cache = ShmCache("fw", 1 << 20)
+    before = cache.flight_seconds()
+    with cache.reading():  # nobody watches: not counted, and no lock taken
+        time.sleep(0.1)
+    assert cache.flight_seconds() == before
+    cache.watch(0.3)
+    other = ShmCache("fw", None)
+    other.watch(0.05)  # a shorter request never cuts another watcher's short
+    with other.reading():  # counted: watched, from another handle (any process of the cache)
+        time.sleep(0.1)
+        with cache.reading():  # two in flight, and still counted to its end after the watch lapses
+            time.sleep(0.3)
+    spent = _grown(before, cache.flight_seconds())
+    assert spent[0] == pytest.approx(0.1, abs=0.05) and spent[1] == pytest.approx(0.3, abs=0.05)
+    assert sum(spent[2:]) == 0
+    time.sleep(0.05)
+    after = cache.flight_seconds()
+    with cache.reading():  # the watch has lapsed: not counted again
+        time.sleep(0.05)
+    assert cache.flight_seconds() == after
+    other.close()
+    cache.close()
+    with pytest.raises(CacheError, match="closed"):
+        cache.watch(1.0)

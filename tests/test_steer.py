@@ -218,6 +218,21 @@ def test_a_small_misfit_keeps_the_plan_under_steer_min_gain():
     assert st.fits[-1]["optimum_start"] > st.fits[-1]["best_start"]
 
 
+def test_the_next_look_comes_when_a_release_may_come_due():
+    planned_hi = 50.0
+    st, look, planned, late = _steering(1.0, hi=planned_hi)
+    for n in st.groups[0]:
+        st.released[n] = 0.0
+    assert st.until_next_look(0.0) == st.look  # nothing due within a look
+    assert st.until_next_look(planned - 0.1) == pytest.approx(0.1)  # the plan's delay, exactly
+    assert st.until_next_look(planned + 0.01) == st.look  # past it: the look period again
+    st.target = planned + 0.5
+    assert st.until_next_look(planned + 0.4) == pytest.approx(0.1)  # the best start found
+    assert st.until_next_look(planned_hi - 0.05) == pytest.approx(0.05)  # the upper bound
+    st.released[late] = planned
+    assert not st.waiting and st.until_next_look(0.0) == st.look
+
+
 def test_a_compute_bound_job_off_by_30_percent_is_fitted():
     # the first job computes 1.5 ms a sample (reads take 1 ms): its progress tells its CPU speed
     sc = scenario(1500, ((0.0015, 3), (0.0004, 3)), (B, 0.55 * B), 1.0, "minio", 20 * B)

@@ -15,8 +15,12 @@ reads in flight on the node:
   middle of a read stops counting at the next sweep (every :data:`SWEEP_NS` per process, and in a
   recount).
 
-Each change takes the ledger's lock (about 2 us here). These words were zero in ledgers made before
-them, so the format version stays 1.
+Each change takes the ledger's lock (about 2 us here), so reads are counted only while somebody
+looks: ``H_WATCHED`` holds until when (``CLOCK_MONOTONIC`` ns) a watcher asked for counting
+(:func:`watch`, which the closed loop's watcher renews at every look). Outside that, a read pays
+one clock read and one word read. Reads that began before the watching began are not counted;
+reads counted when it lapses are still counted to their end. These words were zero in ledgers
+made before them, so the format version stays 1.
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ from typing import Any
 
 from ..errors import CacheError
 from . import _fs
-from ._layout import H_FLIGHT_N, H_FLIGHT_NS, H_FLIGHT_T, HEADER_BYTES, S_FLIGHT, S_PID, S_START, SLOT_WORDS
+from ._layout import (H_FLIGHT_N, H_FLIGHT_NS, H_FLIGHT_T, H_WATCHED, HEADER_BYTES, S_FLIGHT, S_PID, S_START,
+                      SLOT_WORDS)
 
-__all__ = ["LEVELS", "Reading", "seconds", "sweep"]
+__all__ = ["LEVELS", "Reading", "seconds", "sweep", "watch", "watched"]
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +52,29 @@ class Reading:
         self.counted = False
 
     def __enter__(self) -> None:
-        self.counted = change(self.led, 1)
+        self.counted = watched(self.led) and change(self.led, 1)
 
     def __exit__(self, *exc: Any) -> None:
         if self.counted:
             change(self.led, -1)
+
+
+def watched(led: Any) -> bool:
+    """Whether a watcher wants reads counted now (read without the lock: one word)."""
+    try:
+        return led.lmap is not None and time.monotonic_ns() <= int(led.w[H_WATCHED])
+    except (ValueError, TypeError):
+        return False  # a ledger closed under us
+
+
+def watch(led: Any, seconds: float) -> None:
+    """Count the reads in flight for the next ``seconds`` at least (never shortens another watcher's)."""
+    if led.lmap is None:
+        raise CacheError("the cache is closed")
+    until = time.monotonic_ns() + max(0, int(seconds * 1e9))
+    with led.lock():
+        if until > int(led.w[H_WATCHED]):
+            led.w[H_WATCHED] = until
 
 
 def change(led: Any, delta: int) -> bool:

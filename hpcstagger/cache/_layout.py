@@ -12,7 +12,7 @@ import struct
 
 __all__ = ["ALIGN", "COUNTERS", "ENTRY", "ENTRY_HDR", "ENTRY_MAGIC", "HEADER_BYTES", "H_ARENA_BYTES",
            "H_CAPACITY", "H_CREATED", "H_DIRTY", "H_ENTRIES", "H_GEN", "H_HOLES", "H_FLIGHT_N",
-           "H_FLIGHT_NS", "H_FLIGHT_T", "H_INDEX_SLOTS", "H_INDEX_USED", "H_MAGIC", "H_MAX_ENTRIES",
+           "H_FLIGHT_NS", "H_FLIGHT_T", "H_WATCHED", "H_INDEX_SLOTS", "H_INDEX_USED", "H_MAGIC", "H_MAX_ENTRIES",
            "H_NHOLES", "H_NSLOTS", "H_POLICY", "H_RESERVED", "H_RESERVED_ENTRIES", "H_TOP", "H_USED",
            "H_VERSION", "H_WASTED", "LEDGER_BYTES", "LEN_MASK", "LIVE", "MAGIC", "MAX_HOLES", "NSLOTS",
            "SLOT", "SLOT_WORDS", "S_CORRUPT", "S_DUPLICATES", "S_FLIGHT", "S_HITS", "S_INSERTS",
@@ -40,6 +40,8 @@ H_HOLES = 32  # MAX_HOLES (offset, size) pairs
 # reads in flight from the source (see _flight): the number now, when it last changed, and from
 # word H_FLIGHT_NS on the nanoseconds spent at each number (words that were spare in version 1)
 H_FLIGHT_N, H_FLIGHT_T, H_FLIGHT_NS = 19, 20, H_HOLES + 2 * MAX_HOLES
+# until when (CLOCK_MONOTONIC ns) a watcher wants the reads in flight counted (spare in version 1 too)
+H_WATCHED = 21
 # process slot words
 (S_PID, S_START, S_HITS, S_MISSES, S_INSERTS, S_REFUSED, S_DUPLICATES, S_CORRUPT,
  S_RES_OFF, S_RES_SIZE, S_RES_PAYLOAD, S_RES_GEN, S_INSERT_BYTES, S_READ_BYTES, S_READ_NS, S_FLIGHT) = range(16)

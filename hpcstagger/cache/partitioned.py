@@ -362,6 +362,10 @@ class PartitionedCache(LoadThrough):
         """Context manager around one source read, counted in this node's cache (see :meth:`ShmCache.reading`)."""
         return self.local.reading()
 
+    def watch(self, seconds: float) -> None:
+        """Count this node's source reads in flight for the next ``seconds`` (see :meth:`ShmCache.watch`)."""
+        self.local.watch(seconds)
+
     def flight_seconds(self) -> list[float]:
         """This node's seconds at each number of source reads in flight (see :meth:`ShmCache.flight_seconds`)."""
         return self.local.flight_seconds()

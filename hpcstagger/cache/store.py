@@ -201,12 +201,20 @@ class ShmCache(LoadThrough):
 
     def reading(self) -> _flight.Reading:
         """Context manager around one read from the source behind the cache, so that the node's
-        reads in flight are counted exactly (:meth:`flight_seconds`). :class:`CachedDataset` uses it."""
+        reads in flight are counted exactly (:meth:`flight_seconds`) while somebody watches
+        (:meth:`watch`). :class:`CachedDataset` uses it."""
         return _flight.Reading(self._led)
+
+    def watch(self, seconds: float) -> None:
+        """Count the node's source reads in flight for at least the next ``seconds`` (every process
+        of the cache). Counting costs each read two takes of the ledger's lock, so it is off until
+        asked for; renew it while you poll :meth:`flight_seconds`."""
+        _flight.watch(self._led, seconds)
 
     def flight_seconds(self) -> list[float]:
         """Seconds spent so far with 1, 2, ... (the last: that many or more) source reads in flight
-        on the node, from the reads bracketed with :meth:`reading`. Cheap enough to poll often."""
+        on the node, from the reads bracketed with :meth:`reading` while watched. Cheap enough to
+        poll often."""
         return _flight.seconds(self._led)
 
     def regions(self) -> tuple[memoryview, memoryview, int]:

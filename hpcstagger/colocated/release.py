@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Mapping, Sequence
 
 from .. import _io, config
+from ..errors import CacheError
 from .progress import read_progress
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 
 TAG = 27181  # release messages on the world communicator
 POLL = 0.05  # seconds between a waiting rank's looks for its message
+WATCH_S = 2.0  # each look asks the cache to count reads in flight for this long
 
 
 def release_groups(delays: Mapping[str, float], order: Sequence[str]) -> list[list[str]]:
@@ -93,7 +95,6 @@ class Watcher:
         if self.cache is None and self.spec is not None and self.spec.cache.capacity > 0:
             from ..cache.admin import list_caches
             from ..cache.store import ShmCache
-            from ..errors import CacheError
 
             root = os.path.abspath(self.spec.cache.root or config.get("shm_root"))
             try:
@@ -110,6 +111,10 @@ class Watcher:
         look = Look(t=t)
         cache = self._attach()
         if cache is not None:
+            try:
+                cache.watch(WATCH_S)  # the jobs' reads are counted in flight while somebody looks
+            except CacheError as exc:
+                log.debug("the watcher cannot ask the cache to count reads in flight: %s", exc)
             nbytes, seconds = cache.read_counters()
             look.read_bytes, look.read_seconds = float(nbytes), seconds
             look.flight = cache.flight_seconds()
@@ -197,8 +202,8 @@ class _Watch(threading.Thread):
                 now = session.elapsed()
                 for d in st.decide(self.watcher.look(now, list(st.released)), session.t0):
                     self.out.put(d)
-                pause = st.look if st.target is None else min(st.look, st.target - session.elapsed())
-                self.stop.wait(max(POLL, pause))
+                # the next look: in a look's time, or when a release may come due, if sooner
+                self.stop.wait(max(0.005, st.until_next_look(session.elapsed())))
         except Exception as exc:  # the model failed: the host falls back to the plan, and says so
             self.failed = f"{type(exc).__name__}: {exc}"
             log.warning("closed-loop steering failed, releasing at the planned delays: %s", self.failed)

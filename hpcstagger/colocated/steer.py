@@ -133,6 +133,16 @@ class Steering:
         """The groups not yet released, in release order."""
         return [g for g in self.groups if not all(n in self.released for n in g)]
 
+    def until_next_look(self, now: float) -> float:
+        """Seconds from ``now`` to the next look: the look period, or less when a release may come
+        due before it (the best start found, the next group's planned delay or a bound), so that a
+        release at the plan's delay is not a look late."""
+        if not self.waiting:
+            return self.look
+        planned = min(self.planned[n] for n in self.waiting[0])
+        due = [t for t in (max(planned, self.lo), self.hi, self.target) if t is not None and t > now]
+        return min([self.look] + [t - now for t in due])
+
     def release(self, jobs: list[str], now: float, reason: str, predicted: float | None = None) -> Decision:
         """Record the release of ``jobs`` at ``now``."""
         planned = min(self.planned[n] for n in jobs)
