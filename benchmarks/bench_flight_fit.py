@@ -15,6 +15,10 @@ see more readers than are in flight. Each setting runs with the emulator's grace
     python benchmarks/bench_flight_fit.py [--procs 2,4] [--think 0,0.0005,0.002] [--reads 1500]
 
 Prints one row per setting and writes ``benchmarks/out/bench_flight_fit.json``.
+
+``--cost N`` instead times what the count costs a miss: N misses of an in-memory source (no
+throttle) through ``CachedDataset``, with nobody watching and with the reads counted
+(``cache.watch``), alternating in 10 blocks; per-miss medians.
 """
 
 from __future__ import annotations
@@ -96,15 +100,52 @@ def one(procs: int, think: float, reads: int, grace: float, root: str, tag: str)
             "busy_share": busy / wall}
 
 
+def cost(n: int, root: str) -> dict:
+    """Per-miss time of ``CachedDataset`` on a fast source, unwatched and watched (medians of 10 blocks)."""
+    cache = ShmCache("ff-cost", 20 * n * (SAMPLE + 256), root=root)
+    ds = CachedDataset(Memory(20 * n), cache)
+    per: dict[str, list[float]] = {"unwatched": [], "watched": []}
+    base = 0
+    try:
+        for block in range(10):
+            for mode in (("unwatched", "watched") if block % 2 == 0 else ("watched", "unwatched")):
+                if mode == "watched":
+                    cache.watch(3600)
+                t = time.perf_counter()
+                for i in range(base, base + n):
+                    ds[i]
+                per[mode].append((time.perf_counter() - t) / n)
+                base += n
+                if mode == "watched":
+                    cache.destroy(force=True)  # the watch word lives in the ledger: start over unwatched
+                    cache = ShmCache("ff-cost", 20 * n * (SAMPLE + 256), root=root)
+                    ds = CachedDataset(Memory(20 * n), cache)
+    finally:
+        cache.destroy(force=True)
+    med = {k: sorted(v)[len(v) // 2] for k, v in per.items()}
+    return {"misses_per_block": n, "per_miss_s": med, "blocks": per}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--procs", default="2,4", help="comma-separated reader process counts")
     ap.add_argument("--think", default="0,0.0005,0.002", help="comma-separated mean think times between reads, s")
     ap.add_argument("--reads", type=int, default=1500, help="reads per process per setting")
     ap.add_argument("--repeat", type=int, default=2, help="runs of each setting (alternating the grace)")
+    ap.add_argument("--cost", type=int, metavar="N", help="time N misses per block unwatched and watched instead")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out",
                                                    "bench_flight_fit.json"))
     a = ap.parse_args(argv)
+    if a.cost:
+        root = tempfile.mkdtemp(prefix="hpcstagger-ff-", dir="/dev/shm")
+        try:
+            got = cost(a.cost, root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        m = got["per_miss_s"]
+        print(f"per miss: unwatched {m['unwatched'] * 1e6:.2f} us, watched (counted) {m['watched'] * 1e6:.2f} us, "
+              f"difference {(m['watched'] - m['unwatched']) * 1e6:.2f} us")
+        return 0
     procs = [int(x) for x in a.procs.split(",")]
     thinks = [float(x) for x in a.think.split(",")]
     root = tempfile.mkdtemp(prefix="hpcstagger-ff-", dir="/dev/shm")
