@@ -73,13 +73,18 @@ class Flusher:
     def copying(self) -> bool:
         return Path(str(self.stop) + ".copying").exists()
 
+    def _marks(self) -> list[tuple[int, int]]:
+        """(the copying thread's policy, bytes copied so far) after each chunk, in order (every task's)."""
+        return [(int(p), int(c)) for p, c in (line.split() for line in
+                                               Path(str(self.stop) + ".copying").read_text().splitlines())]
+
     def policies(self) -> set[int]:
         """The scheduling policies its copying thread had after each chunk."""
-        return {int(line.split()[0]) for line in Path(str(self.stop) + ".copying").read_text().splitlines()}
+        return {p for p, _ in self._marks()}
 
     def copied(self) -> list[int]:
         """The bytes it had copied after each chunk, in order (every task's)."""
-        return [int(line.split()[1]) for line in Path(str(self.stop) + ".copying").read_text().splitlines()]
+        return [c for _, c in self._marks()]
 
     def finish(self) -> dict:
         self.stop.touch()

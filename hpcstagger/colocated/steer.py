@@ -119,8 +119,7 @@ class Steering:
         self._curve_at: tuple[float, dict[str, float]] | None = None
         self.target: float | None = None
         self._best = math.nan  # the predicted makespan at the target
-        self._held = False  # the target is the plan's: the best start found gains less than min_gain
-        self._optimum = (math.nan, math.nan)
+        self._optimum = (math.nan, math.nan)  # the best (start, makespan) found; the target may be nearer the plan
         prior = build(1.0, {})
         self._sample_bytes = float(prior.dataset.sample_bytes)
         self._fetch = {j.name: j.fetchers() for j in prior.jobs}
@@ -332,7 +331,6 @@ class Steering:
         r = best_release(sc, starts, moving, max(now, self.lo), latest, prior=planned, min_gain=self.min_gain)
         self._curve_at = (now, fitted)
         self.target, self._best = r.start, r.makespan
-        self._held = abs(r.start - r.optimum[0]) > 1e-9
         self._optimum = r.optimum
         done = {n: fraction_done(look.progress.get(n), self.epochs.get(n, 1)) for n in loop_starts}
         self.fits.append({"t": now, "loops": dict(loop_starts), "done": done, "seen": dict(self.source_seen),
@@ -344,8 +342,8 @@ class Steering:
 
     def _why_target(self, *, now: bool = False) -> str:
         """Why the group is released at the current target."""
-        if self._held:
-            s, m = self._optimum
+        s, m = self._optimum
+        if self.target is not None and abs(self.target - s) > 1e-9:  # held nearer the plan than the optimum
             return (f"nearest the plan's delay: the fitted model's best start (+{s:.1f} s, predicted makespan "
                     f"{m:.1f} s) gains less than steer_min_gain {self.min_gain:g} (source x{self.beta:.2f})")
         if now:
