@@ -233,6 +233,27 @@ def test_the_next_look_comes_when_a_release_may_come_due():
     assert not st.waiting and st.until_next_look(0.0) == st.look
 
 
+def test_after_releases_that_came_before_any_evidence_the_run_is_still_fitted():
+    # a plan's delay shorter than the jobs' start-up: every group is out before the loops say
+    # anything; the watcher fits afterwards so that the history still learns from the run
+    st, look, planned, late = _steering(0.7)
+    for n in st.order:
+        st.released[n] = 0.0
+    assert not st.waiting and not st.fits
+
+    def counted(t):  # the reads counted in flight: one at a time, 0.9 of the time
+        return replace(look(t), flight=[0.9 * t] + [0.0] * 31)
+
+    assert not st.observe(counted(0.25), 1000.0)  # the loop is not warm yet: no evidence
+    t, done = 0.25, False
+    while not done and t < 10.0:
+        t += 0.25
+        done = st.observe(counted(t), 1000.0)
+    assert done and 3.5 <= t < 4.0  # a full window after the warm-up
+    assert st.source_seen and st.beta == pytest.approx(0.7, rel=0.1)
+    assert st.fits[-1]["after_release"] and st.fits[-1]["source"] == st.beta and st.cpu_seconds > 0
+
+
 def test_a_compute_bound_job_off_by_30_percent_is_fitted():
     # the first job computes 1.5 ms a sample (reads take 1 ms): its progress tells its CPU speed
     sc = scenario(1500, ((0.0015, 3), (0.0004, 3)), (B, 0.55 * B), 1.0, "minio", 20 * B)

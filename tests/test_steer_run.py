@@ -44,3 +44,25 @@ def test_a_steered_launch_fits_releases_and_records(tmp_path, shm_root):
     assert "from the history of 1 run(s)" in again.stderr
     quiet = run_cli("launch", spec, "--cold-cache", "--no-history", cwd=tmp_path, env=env, timeout=200)
     assert quiet.returncode == 0 and "from the history" not in quiet.stderr
+
+
+def test_releases_that_come_before_any_evidence_are_still_learned_from(tmp_path, shm_root):
+    # max_delay releases the waiting job long before either loop has begun: the watcher looks on
+    # after the release, fits the run, and records it, so that the next plan can learn from it
+    (tmp_path / "s.toml").write_text(SCENARIO)
+    spec = write_run(tmp_path, shm_root, name="early", plan='mode = "plan"\nscenario = "s.toml"\nmax_delay = 0.3')
+    env = cli_env(HPCSTAGGER_SHM_ROOT=shm_root)
+    out = run_cli("launch", spec, "--cold-cache", "--json", cwd=tmp_path, env=env, timeout=200)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    late = [n for n, d in result["delays"].items() if d > 0]
+    assert len(late) == 1, result["delays"]
+    release = result["jobs"][late[0]]["release"]
+    assert release["at"] < 1.0 and "max_delay" in release["reason"], release
+    steer = result["steer"]
+    assert steer["failed"] is None and steer["fits"], steer
+    fit = steer["fits"][-1]
+    assert fit["after_release"] and fit["seen"]["readers"] > 0 and 0.25 <= fit["source"] <= 4.0
+    hist = json.loads(run_cli("history", spec, "--json", cwd=tmp_path, env=env).stdout)
+    assert len(hist["records"]) == 1
+    assert hist["records"][0]["source"] == pytest.approx(steer["fit"]["source"])

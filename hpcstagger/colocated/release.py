@@ -190,12 +190,7 @@ class _Watch(threading.Thread):
         self.failed = ""
 
     def run(self) -> None:
-        nice = int(config.get("steer_nice"))
-        if nice > 0:
-            try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-            except (OSError, AttributeError) as exc:
-                log.debug("cannot lower the watcher thread's priority: %s", exc)
+        _lower_priority()
         st, session = self.steering, self.session
         try:
             while st.waiting and not self.stop.is_set():
@@ -207,6 +202,49 @@ class _Watch(threading.Thread):
         except Exception as exc:  # the model failed: the host falls back to the plan, and says so
             self.failed = f"{type(exc).__name__}: {exc}"
             log.warning("closed-loop steering failed, releasing at the planned delays: %s", self.failed)
+
+
+def _lower_priority() -> None:
+    """Lower the calling (watcher) thread's CPU priority by ``steer_nice``: its model work yields to training."""
+    nice = int(config.get("steer_nice"))
+    if nice > 0:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except (OSError, AttributeError) as exc:
+            log.debug("cannot lower the watcher thread's priority: %s", exc)
+
+
+class _Afterwards(threading.Thread):
+    """After the last release, when nothing was fitted before it: keep looking until the run gives
+    evidence (:meth:`Steering.observe`) or every job has ended; then write the log and record the
+    run in the history. The host's own job trains meanwhile (the thread dies with its process)."""
+
+    def __init__(self, session: Any, steering: Steering, watcher: Watcher, log_path: str, failed: str):
+        super().__init__(name="hpcstagger-watch-after", daemon=True)
+        self.session, self.steering, self.watcher = session, steering, watcher
+        self.log_path, self.failed = log_path, failed
+
+    def run(self) -> None:
+        _lower_priority()
+        st, session = self.steering, self.session
+        try:
+            while True:
+                look = self.watcher.look(session.elapsed(), list(st.released))
+                if st.observe(look, session.t0) or all(look.state.get(n) in ("done", "exited") for n in st.released):
+                    break
+                time.sleep(st.look)
+        except Exception as exc:  # nothing depends on it but the history: say so, record what there is
+            log.warning("fitting the run after the last release failed: %s: %s", type(exc).__name__, exc)
+        finally:
+            self.watcher.close()
+        _finish(self.session, self.steering, self.log_path, self.failed)
+
+
+def _finish(session: Any, steering: Steering, log_path: str, failed: str) -> None:
+    """The host's last word on the run: the log of the watcher's fits and decisions, and the history."""
+    if log_path:
+        _write_log(log_path, session, steering, failed)
+    _record_history(session, steering)
 
 
 def _host(session: Any, idle: list[Callable[[float], bool]]) -> dict[str, Any]:
@@ -221,6 +259,7 @@ def _host(session: Any, idle: list[Callable[[float], bool]]) -> dict[str, Any]:
     watch = _Watch(session, steering, watcher)
     watch.start()
     mine: dict[str, Any] | None = None
+    done = False
     try:
         while mine is None:
             decisions = []
@@ -243,14 +282,26 @@ def _host(session: Any, idle: list[Callable[[float], bool]]) -> dict[str, Any]:
                 _write_log(log_path, session, steering, watch.failed)
             if mine is None:
                 _idle(idle, POLL)
+        done = True
     finally:
         watch.stop.set()
         watch.join(timeout=30)
-        watcher.close()
-    if log_path:
-        _write_log(log_path, session, steering, watch.failed)
-    _record_history(session, steering)
+        after = done and not watch.failed and _wants_evidence(session, steering)
+        if not after:
+            watcher.close()
+    if after:  # nothing fitted before the releases: look on while the jobs train (a daemon thread)
+        if log_path:
+            _write_log(log_path, session, steering, watch.failed)
+        _Afterwards(session, steering, watcher, log_path, watch.failed).start()
+    else:
+        _finish(session, steering, log_path, watch.failed)
     return mine
+
+
+def _wants_evidence(session: Any, steering: Steering) -> bool:
+    """Whether the run is to be recorded in a history (``[plan] history``) and nothing was fitted yet."""
+    spec = session.spec
+    return spec is not None and bool(spec.plan.history) and not (steering.source_seen or steering.alpha)
 
 
 def _record_history(session: Any, steering: Steering) -> None:

@@ -276,9 +276,38 @@ class Steering:
         finally:
             self.cpu_seconds += time.thread_time() - cpu
 
-    def _decide(self, look: Look, t0_wall: float) -> list[Decision]:
+    def _keep(self, look: Look) -> None:
         self.looks.append(look)
         self.looks = [lk for lk in self.looks if lk.t >= look.t - 4 * WINDOW] or [look]
+
+    def observe(self, look: Look, t0_wall: float) -> bool:
+        """After the last release, fit without deciding: the source, then each running job, once
+        the loops give evidence: one fit, over a full window (``WINDOW`` seconds) after the last loop
+        has warmed up, or over what there was once the source reads have stopped. A run whose
+        releases all came before any evidence (a plan's delay shorter than the jobs' start-up) thus
+        still measures what the history needs. True once done: the source fitted, or, when the run
+        has no read counters, the jobs."""
+        cpu = time.thread_time()
+        try:
+            self._keep(look)
+            loop_starts = self._loop_starts(look, t0_wall)
+            if not loop_starts or look.t < max(loop_starts.values()) + WARMUP:
+                return False
+            counted = [lk.read_bytes for lk in self.looks[-3:]]
+            stopped = len(counted) == 3 and counted[0] is not None and counted[0] == counted[1] == counted[2]
+            if look.t < max(loop_starts.values()) + WARMUP + WINDOW and not stopped:
+                return False
+            if not self._fit_source(max(loop_starts.values()) + WARMUP) and look.read_bytes is not None:
+                return False
+            self._fit_jobs(look, loop_starts)
+            self.fits.append({"t": look.t, "loops": dict(loop_starts), "seen": dict(self.source_seen),
+                              "source": self.beta, "jobs": dict(self.alpha), "after_release": True})
+            return True
+        finally:
+            self.cpu_seconds += time.thread_time() - cpu
+
+    def _decide(self, look: Look, t0_wall: float) -> list[Decision]:
+        self._keep(look)
         out: list[Decision] = []
         for group in self.waiting:
             d = self._decide_group(group, look, t0_wall)
