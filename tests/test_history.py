@@ -28,7 +28,8 @@ def test_corrections_weigh_recent_runs_and_filter_what_does_not_apply():
     assert H.corrections([], digest="abc", kind=KIND, since=0) is None
     # one run: its factors
     one = H.corrections([rec(10, 0.8, {"a": 1.2})], digest="abc", kind=KIND, since=0)
-    assert one == {"runs": 1, "source": pytest.approx(0.8), "jobs": {"a": pytest.approx(1.2)}, "latest": 10.0}
+    assert one == {"runs": 1, "source": pytest.approx(0.8), "jobs": {"a": pytest.approx(1.2)}, "startup": {},
+                   "latest": 10.0}
     # two runs: the newer weighs twice the older, geometrically
     two = H.corrections([rec(10, 0.5), rec(20, 1.0)], digest="abc", kind=KIND, since=0)
     assert two["runs"] == 2 and two["source"] == pytest.approx(math.exp((2 * 0 + 1 * math.log(0.5)) / 3))
@@ -40,6 +41,11 @@ def test_corrections_weigh_recent_runs_and_filter_what_does_not_apply():
     # a run that fitted only the jobs leaves the source at 1; a digest of '' (no scenario) never matches
     assert H.corrections([rec(10, None, {"a": 0.7})], digest="abc", kind=KIND, since=0)["source"] == 1.0
     assert H.corrections([rec(10, 0.5, digest="")], digest="", kind=KIND, since=0) is None
+    # start-ups: the newer weighs twice the older, arithmetically; a run without one leaves the others' alone
+    runs = [{**rec(10), "startup": {"a": 1.0, "b": 2.0}}, {**rec(20), "startup": {"a": 1.6}}, rec(30)]
+    got = H.corrections(runs, digest="abc", kind=KIND, since=0)
+    assert got["startup"] == {"a": pytest.approx((2 * 1.6 + 1 * 1.0) / 3), "b": pytest.approx(2.0)}
+    assert "start-up a 1.40 s, b 2.00 s" in H.describe(got)
 
 
 def test_records_are_written_read_and_cleared(tmp_path):
@@ -90,10 +96,15 @@ def test_history_cli_shows_and_clears(tmp_path, shm_root):
     assert out.returncode == 0, out.stderr
     assert "x0.75" in out.stdout and "x1.25" in out.stdout and "current" in out.stdout
     assert "starts from 1 run(s): source x0.75, a x1.25" in out.stdout
+    H.write_record(spec.run.workdir, {"time": time.time() + 2, "date": "2026-11-24 07:01:00", "source": 0.75,
+                                      "jobs": {}, "startup": {"a": 1.234}, "node": H.node_identity(),
+                                      "scenario": {"sha256": H.scenario_digest(spec.plan.scenario)}})
+    out = run_cli("history", path)
+    assert "A START-UP" in out.stdout and "1.23 s" in out.stdout and "start-up a 1.23 s" in out.stdout
     data = json.loads(run_cli("history", path, "--json").stdout)
-    assert len(data["records"]) == 1 and data["next_plan"]["runs"] == 1
+    assert len(data["records"]) == 2 and data["next_plan"]["runs"] == 2
     out = run_cli("history", path, "--clear")
-    assert out.returncode == 0 and "removed 1 record(s)" in out.stdout
+    assert out.returncode == 0 and "removed 2 record(s)" in out.stdout
     assert H.read_history(spec.run.workdir) == []
 
 
@@ -121,3 +132,55 @@ def test_the_watcher_fits_on_top_of_the_history_not_twice(tmp_path, shm_root):
     _record_history(session, st)
     (rec,) = H.read_history(spec.run.workdir)
     assert rec["source"] == pytest.approx(1.5) and rec["jobs"] == {"a": pytest.approx(0.8)}
+
+
+def _run_files(run_dir, job, *, t0, released, loop_start):
+    """A job leader's status and progress files as a run leaves them."""
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, f"{job}.0.json"), "w") as f:
+        json.dump({"job": job, "t0": t0, "timings": {"started_at": released}}, f)
+    if loop_start is not None:
+        with open(os.path.join(run_dir, f"{job}.progress.json"), "w") as f:
+            json.dump({"job": job, "loop_start": loop_start, "history": []}, f)
+
+
+def test_start_ups_are_read_from_the_run_and_the_plan_starts_from_them(tmp_path, shm_root):
+    """Each job's start-up (release to its loop's first batch) comes from the run's files, also for a
+    job whose loop began after the record was written; the next plan and the watcher use it."""
+    from types import SimpleNamespace
+
+    from hpcstagger.colocated.progress import startups
+    from hpcstagger.colocated.release import _record_history, _steering
+
+    spec = Spec.from_toml(write_spec(tmp_path, shm_root))
+    a, b = spec.job_names
+    run_dir = str(tmp_path / "run")
+    _run_files(run_dir, a, t0=1000.0, released=0.0, loop_start=1000.8)
+    _run_files(run_dir, b, t0=1000.0, released=2.0, loop_start=None)  # still setting up
+    assert startups(run_dir, [a, b, "nobody"]) == {a: pytest.approx(0.8)}
+    plan = plan_delays(spec, [a, b], {}, "plan")
+    plan["steer"] = plan.get("steer") or {"interval": 1.0, "horizon": 10.0, "max_delay": None, "min_delay": 0.0}
+    session = SimpleNamespace(spec=spec, plan=plan, jobs={a: [0], b: [1]}, run_dir=run_dir)
+    st = _steering(session)
+    st.beta, st.alpha, st.source_seen = 1.0, {a: 1.0}, {"readers": 1.0}
+    _record_history(session, st)
+    _run_files(run_dir, b, t0=1000.0, released=2.0, loop_start=1003.5)  # b's loop began afterwards
+    (got,) = H.read_history(spec.run.workdir)
+    assert got["startup"] == {a: pytest.approx(0.8), b: pytest.approx(1.5)} and got["run_jobs"] == [a, b]
+    corr = H.plan_history(spec, "plan", environ={})
+    assert corr["startup"] == {a: pytest.approx(0.8), b: pytest.approx(1.5)}
+    # the plan's scenario and the watcher's take the learned start-ups; without a history, the file's
+    learned = plan_delays(spec, [a, b], {}, "plan", history=corr)
+    assert [j["startup"] for j in learned["scenario"]["job"]] == [pytest.approx(0.8), pytest.approx(1.5)]
+    assert [j.get("startup", 0.0) for j in plan["scenario"]["job"]] != [pytest.approx(0.8), pytest.approx(1.5)]
+    st2 = _steering(SimpleNamespace(spec=spec, plan=learned, jobs={a: [0], b: [1]}, run_dir=run_dir))
+    assert [j.startup for j in st2.build(1.0, {}).jobs] == [pytest.approx(0.8), pytest.approx(1.5)]
+    # the run directory gone: the record keeps what it had
+    import shutil
+
+    shutil.rmtree(run_dir)
+    with open(got["path"]) as f:
+        on_disk = json.load(f)
+    assert on_disk["startup"] == {a: pytest.approx(0.8)}
+    (again,) = H.read_history(spec.run.workdir)
+    assert again["startup"] == {a: pytest.approx(0.8)}

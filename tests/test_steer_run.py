@@ -5,6 +5,7 @@ and records the run; the next launch plans from that record."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -39,6 +40,13 @@ def test_a_steered_launch_fits_releases_and_records(tmp_path, shm_root):
     data = json.loads(hist.stdout)
     assert len(data["records"]) == 1 and data["next_plan"]["runs"] == 1
     assert data["records"][0]["source"] == pytest.approx(steer["fit"]["source"])
+    # each job's start-up, the released one's too (its loop began after the record was written)
+    starts = data["records"][0]["startup"]
+    assert set(starts) == set(result["delays"]) and all(0 < v < 30 for v in starts.values()), starts
+    progress = json.loads((Path(result["run_dir"]) / f"{late}.progress.json").read_text())
+    status = json.loads((Path(result["run_dir"]) / f"{late}.0.json").read_text())
+    assert starts[late] == pytest.approx(progress["loop_start"] - status["t0"] - release["at"], abs=0.05)
+    assert data["next_plan"]["startup"] == pytest.approx(starts)
     again = run_cli("launch", spec, "--cold-cache", cwd=tmp_path, env=env, timeout=200)
     assert again.returncode == 0, again.stderr
     assert "from the history of 1 run(s)" in again.stderr

@@ -14,9 +14,9 @@ def register(sub: Any) -> None:
     p = sub.add_parser("history", help="show (or clear) what earlier runs of a spec measured",
                        description="Show the run history of a job spec: one row per run whose closed-loop "
                                    "watcher fitted the model (the factors on the calibrated scenario's source "
-                                   "and jobs, the node, the date), and the factors the next plan starts from "
-                                   "on this node; for a spec without a scenario, the runs observed to learn "
-                                   "one and the learned scenario. Records live in <workdir>/history.")
+                                   "and jobs, each job's start-up, the node, the date), and what the next plan "
+                                   "starts from on this node; for a spec without a scenario, the runs observed "
+                                   "to learn one and the learned scenario. Records live in <workdir>/history.")
     p.add_argument("spec", help="the job spec (TOML)")
     p.add_argument("--clear", action="store_true",
                    help="remove every record of the spec's history, the observed runs and the learned scenario "
@@ -27,6 +27,10 @@ def register(sub: Any) -> None:
 
 def _f(x: Any) -> str:
     return "-" if not isinstance(x, (int, float)) else f"x{x:.2f}"
+
+
+def _s(x: Any) -> str:
+    return "-" if not isinstance(x, (int, float)) else f"{x:.2f} s"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,11 +69,14 @@ def run(args: argparse.Namespace) -> int:
         return 0
     digest = H.scenario_digest(spec.plan.scenario) if spec.plan.scenario else ""
     names = sorted({n for r in records for n in (r.get("jobs") or {})})
-    rows = [("DATE", "HOST", "SOURCE", *[n.upper() for n in names], "SCENARIO")]
+    started = sorted({n for r in records for n in (r.get("startup") or {})})
+    rows = [("DATE", "HOST", "SOURCE", *[n.upper() for n in names], *[f"{n.upper()} START-UP" for n in started],
+             "SCENARIO")]
     for r in records:
         same = "current" if r.get("scenario", {}).get("sha256") == digest and digest else "other"
         rows.append((str(r.get("date", "")), str((r.get("node") or {}).get("host", "")), _f(r.get("source")),
-                     *[_f((r.get("jobs") or {}).get(n)) for n in names], same))
+                     *[_f((r.get("jobs") or {}).get(n)) for n in names],
+                     *[_s((r.get("startup") or {}).get(n)) for n in started], same))
     print(table(rows))
     if now:
         print(f"\nthe next plan on this kind of node starts from {now['runs']} run(s): {H.describe(now)}")

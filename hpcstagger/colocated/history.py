@@ -1,19 +1,26 @@
 """What each run of a spec measured, kept for the next plan (closed loop, part 2).
 
 When the closed-loop watcher (:mod:`.release`) ends, it writes one record of what it fitted into
-``<workdir>/history/<time>-<pid>.json`` (one writer per file, written atomically, so concurrent
+``<workdir>/history/<time>-<pid>-<ns>.json`` (one writer per file, written atomically, so concurrent
 runs of a spec never share a file):
 
 - the factors on the calibrated scenario that explained the run: the source's bandwidth
   (``source``) and each running job's CPU costs (``jobs``), relative to the scenario file, which is
   named with its SHA-256 (``scenario``);
 - what the source delivered: the mean reads in flight and the bandwidth a read got (``seen``);
+- each job's start-up (``startup``): seconds from its release to its loop's first batch request,
+  from the run's status and progress files (:func:`~.progress.startups`). A job whose loop begins
+  after the record is written (the last one released) is read from the run directory when the
+  history is read, as long as that directory is there (``run_jobs`` names the run's jobs);
 - the node (host name, CPU model and count, GPU model if any) and the date.
 
 :func:`corrections` (pure) turns the records into the factors the next plan starts from: only
 records made on the same kind of node (CPU model, CPU count and GPU model), against the same
 scenario file, after it was written; the most recent record weighs most (each older one half as
-much), and factors are averaged geometrically. A new calibration (a new scenario file) starts a
+much); factors are averaged geometrically and start-ups arithmetically. A calibration measures
+a job's start-up once, alone, and it is mostly imports (``torch.optim`` alone takes about a
+second), so it can be off by a few tenths of a second; the plan's gap between the jobs' loops
+depends on exactly that. A new calibration (a new scenario file) starts a
 new history. ``hpcstagger history SPEC`` shows the records; ``--clear`` removes them;
 ``[plan] history = false`` or ``hpcstagger launch --no-history`` plans without them.
 """
@@ -32,6 +39,7 @@ from collections.abc import Mapping, Sequence
 
 from .. import _io
 from . import env as E
+from .progress import startups
 
 __all__ = ["plan_history", "describe", "node_identity", "node_kind", "scenario_digest", "history_dir", "write_record",
            "read_history", "corrections", "clear_history"]
@@ -89,7 +97,8 @@ def write_record(workdir: str, record: Mapping[str, Any]) -> str:
     """Write one run's record (see the module docstring); returns its path."""
     directory = history_dir(workdir)
     os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json")
+    # the nanoseconds keep two records of one process in one second apart
+    path = os.path.join(directory, f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{time.time_ns() % 10**9:09d}.json")
     _io.atomic_write_json(path, _io.json_safe({"version": VERSION, **record}), durable=False)
     return path
 
@@ -105,8 +114,17 @@ def read_history(workdir: str) -> list[dict[str, Any]]:
             continue
         if isinstance(rec, dict) and rec.get("version") == VERSION and isinstance(rec.get("time"), (int, float)):
             rec["path"] = path
+            _fill_startups(rec)
             out.append(rec)
     return sorted(out, key=lambda r: r["time"])
+
+
+def _fill_startups(rec: dict[str, Any]) -> None:
+    """Add the start-ups of the record's jobs that it lacks, from its run directory when that is there."""
+    have: dict[str, Any] = rec["startup"] if isinstance(rec.get("startup"), dict) else {}
+    missing = [n for n in rec.get("run_jobs") or () if isinstance(n, str) and n not in have]
+    if missing and isinstance(rec.get("run_dir"), str) and os.path.isdir(rec["run_dir"]):
+        rec["startup"] = {**have, **startups(rec["run_dir"], missing)}
 
 
 def clear_history(workdir: str) -> int:
@@ -126,7 +144,7 @@ def _geo(values: Sequence[tuple[float, float]]) -> float | None:
 
 def corrections(records: Sequence[Mapping[str, Any]], *, digest: str, kind: tuple[str, int, str],
                 since: float) -> dict[str, Any] | None:
-    """The factors the next plan starts from (pure): ``{"runs", "source", "jobs", "latest"}``,
+    """The factors the next plan starts from (pure): ``{"runs", "source", "jobs", "startup", "latest"}``,
     or None when no record applies (see the module docstring): records on a node of ``kind``,
     against the scenario with SHA-256 ``digest``, made after ``since`` (the file's time)."""
     usable = [r for r in records if r.get("scenario", {}).get("sha256") == digest and digest
@@ -144,7 +162,14 @@ def corrections(records: Sequence[Mapping[str, Any]], *, digest: str, kind: tupl
                       if isinstance((r.get("jobs") or {}).get(n), (int, float)) and r["jobs"][n] > 0])
         if value is not None:
             jobs[n] = value
-    return {"runs": len(usable), "source": source or 1.0, "jobs": jobs, "latest": float(usable[0]["time"])}
+    starts: dict[str, float] = {}
+    for n in sorted({n for r in usable for n in (r.get("startup") or {})}):
+        pairs = [(float(r["startup"][n]), w) for r, w in zip(usable, weights, strict=True)
+                 if isinstance((r.get("startup") or {}).get(n), (int, float)) and r["startup"][n] >= 0]
+        if pairs:
+            starts[n] = sum(v * w for v, w in pairs) / sum(w for _, w in pairs)
+    return {"runs": len(usable), "source": source or 1.0, "jobs": jobs, "startup": starts,
+            "latest": float(usable[0]["time"])}
 
 
 def plan_history(spec: Any, mode: str, environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:
@@ -165,6 +190,7 @@ def plan_history(spec: Any, mode: str, environ: Mapping[str, str] | None = None)
 
 
 def describe(corr: Mapping[str, Any]) -> str:
-    """``source x0.80, cnn x1.10``: the factors of :func:`corrections` in one line."""
+    """``source x0.80, cnn x1.10; start-up cnn 0.98 s``: :func:`corrections` in one line."""
     jobs = "".join(f", {n} x{v:.2f}" for n, v in sorted((corr.get("jobs") or {}).items()))
-    return f"source x{float(corr.get('source') or 1.0):.2f}{jobs}"
+    starts = ", ".join(f"{n} {v:.2f} s" for n, v in sorted((corr.get("startup") or {}).items()))
+    return f"source x{float(corr.get('source') or 1.0):.2f}{jobs}" + (f"; start-up {starts}" if starts else "")

@@ -53,9 +53,10 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
     ``steer`` when some job waits (:func:`~.release.steer_record`, with the watcher's period
     ``steer_interval`` and the least predicted gain ``steer_min_gain`` that moves a release off
     the plan): the run then releases waiting jobs on evidence. ``history`` (from
-    :func:`~.history.corrections`) gives factors on the scenario's source and jobs that earlier runs
-    measured; the plan starts from them, and returns them as ``history``. Jobs that share a loader
-    are planned as one (:func:`loader_representatives`; their groups are returned as ``loader_groups``).
+    :func:`~.history.corrections`) gives factors on the scenario's source and jobs, and the jobs'
+    start-ups, that earlier runs measured; the plan starts from them, and returns them as
+    ``history``. Jobs that share a loader are planned as one (:func:`loader_representatives`;
+    their groups are returned as ``loader_groups``).
 
     ``learned`` (from :func:`~.learn.resolve`, for a spec without a scenario) is returned as
     ``learn``: with its ``scenario`` the plan is made from that learned scenario; without one
@@ -89,7 +90,7 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
         out["loader_groups"], out["delays"] = spec.loader_groups(), {n: given[n] for n in order}
     h = history or {}
     scenario = scenario_for(spec, order, calibrations, cache_state=cache_state, source_scale=float(
-        h.get("source") or 1.0), job_scales=h.get("jobs") or None, partition=partition)
+        h.get("source") or 1.0), job_scales=h.get("jobs") or None, partition=partition, startups=h.get("startup"))
     if history:
         out["history"] = dict(history)
     if cache_state is not None:
@@ -180,7 +181,8 @@ def _learning_delays(spec: Spec, order: Sequence[str], calibrations: Mapping[str
 
 def scenario_for(spec: Spec | None, order: Sequence[str], calibrations: Mapping[str, Mapping[str, float]],
                  *, cache_state: Mapping[str, Any] | None = None, source_scale: float = 1.0,
-                 job_scales: Mapping[str, float] | None = None, partition: Mapping[str, Any] | None = None) -> Any:
+                 job_scales: Mapping[str, float] | None = None, partition: Mapping[str, Any] | None = None,
+                 startups: Mapping[str, float] | None = None) -> Any:
     """The scenario to plan with: the spec's calibrated scenario file, with each job's epochs from
     the spec, its sample time from the job's own calibration when it sent one, and the cache's
     contents at the start when ``cache_state`` gives them: ``cache.initial`` is then its
@@ -195,7 +197,8 @@ def scenario_for(spec: Spec | None, order: Sequence[str], calibrations: Mapping[
 
     The closed-loop watcher (:mod:`.steer`) refits the model with ``source_scale`` (a factor on the
     source's bandwidth, before the overhead is added) and ``job_scales`` (job -> a factor on its
-    ``sample_time``, ``prep_time`` and ``handoff``).
+    ``sample_time``, ``prep_time`` and ``handoff``). ``startups`` (job -> seconds, from the run
+    history) replaces those jobs' ``startup``.
 
     A run whose cache is partitioned (the spec's ``[cache] partitioned``, or a ``partition`` given:
     the coordinator gives one for the ``cache_partitioned`` knob too) is planned with a partitioned
@@ -224,6 +227,8 @@ def scenario_for(spec: Spec | None, order: Sequence[str], calibrations: Mapping[
         for key in ("sample_time", "prep_time", "handoff"):
             if key in entry:
                 entry[key] = float(entry[key]) * scale
+        if name in (startups or {}):
+            entry["startup"] = float((startups or {})[name])
         jobs.append(entry)
     base["job"] = jobs
     if (spec.cache.partitioned or partition is not None) and base.get("cache"):

@@ -148,3 +148,22 @@ def fraction_done(record: dict[str, Any] | None, epochs: int) -> float | None:
         return 0.0
     within = min(1.0, float(record.get("batches") or 0) / float(record["per_epoch"]))
     return min(1.0, (begun - 1 + within) / epochs)
+
+
+def startups(run_dir: str, jobs: Iterable[str]) -> dict[str, float]:
+    """Each job's start-up in the run ``run_dir``: seconds from its release to its loop's first batch
+    request, from its leader's status file (time zero and when it was released) and its progress
+    record (when its loop began). Jobs whose loop never began, or whose files are unreadable, are
+    left out."""
+    out = {}
+    for job in jobs:
+        record = read_progress(run_dir, job)
+        try:
+            status = _io.read_json(os.path.join(run_dir, f"{job}.0.json"))
+            begun = float((record or {}).get("loop_start") or "nan")
+            released = float(status["t0"]) + float(status["timings"]["started_at"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if 0.0 <= begun - released < 1e5:
+            out[job] = begun - released
+    return out

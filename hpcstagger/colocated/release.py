@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from .. import _io, config
 from ..errors import CacheError
-from .progress import read_progress
+from .progress import read_progress, startups
 
 if TYPE_CHECKING:
     from .steer import Look, Steering
@@ -158,7 +158,8 @@ def _steering(session: Any) -> Steering:
         # the fitted factors are on top of the history's (the plan's starting point)
         jobs = {n: float(alpha.get(n, 1.0)) * h_jobs.get(n, 1.0) for n in set(alpha) | set(h_jobs)}
         return scenario_for(spec, order, calibrations, cache_state=cache_state, source_scale=beta * h_source,
-                            job_scales=jobs, partition=plan.get("partition"))
+                            job_scales=jobs, partition=plan.get("partition"),
+                            startups=(plan.get("history") or {}).get("startup"))
 
     # the source factor is fitted against the prior's curve: the file's, times the history's factor
     bandwidth = [b * h_source for b in Scenario.from_toml(spec.plan.scenario).storage.bandwidth]
@@ -317,7 +318,9 @@ def _record_history(session: Any, steering: Steering) -> None:
               "scenario": {"path": spec.plan.scenario, "sha256": H.scenario_digest(spec.plan.scenario)},
               "source": steering.beta * h_source if steering.source_seen else None,
               "jobs": {n: a * h_jobs.get(n, 1.0) for n, a in steering.alpha.items()},
-              "seen": steering.source_seen or None, "releases": [d.to_dict() for d in steering.decisions]}
+              "seen": steering.source_seen or None, "releases": [d.to_dict() for d in steering.decisions],
+              "run_jobs": list(steering.order),
+              "startup": startups(session.run_dir, steering.order) if session.run_dir else {}}
     try:
         H.write_record(spec.run.workdir, record)
     except OSError as exc:
