@@ -74,6 +74,14 @@ def test_fit_scale_recovers_a_known_factor_and_says_when_it_cannot():
     assert a == pytest.approx(1 / 0.7, rel=0.05)
     with pytest.raises(ModelError):
         fit_scale(lambda a: sc, measure, seen, lo=2.0)
+    # with probes: a measure that falls everywhere gives the same factor; one that rises on the way
+    # (a job that hits more when slowed down) gives None, however well one factor matches
+    family = lambda a: with_source(sc, 1.0 / a)  # noqa: E731
+    assert fit_scale(family, measure, seen, probes=3) == pytest.approx(1 / 0.7, rel=0.03)
+    bump = {0.5: 0.6, 1.0: 0.7, 2.0: 0.3}
+    nearest = lambda a: bump[min(bump, key=lambda k: abs(math.log(k / a)))]  # noqa: E731
+    assert fit_scale(lambda a: a, nearest, 0.45, lo=0.5, hi=2.0, probes=3) is None
+    assert fit_scale(lambda a: a, nearest, 0.45, lo=0.5, hi=2.0) is not None  # without probes it cannot tell
 
 
 def test_best_release_matches_the_plan_and_moves_with_the_source():

@@ -10,7 +10,9 @@ progress (:mod:`.progress`) and state. :meth:`Steering.decide` then:
    factor on the source's bandwidth;
 2. **fits each running job**: the factor on its CPU costs (``sample_time``, ``prep_time``,
    ``handoff``) under which the model, with the source fitted and the job's loop started when it
-   really did, predicts the progress the job has made (:func:`~hpcstagger.model.steer.fit_scale`);
+   really did, predicts the progress the job has made (:func:`~hpcstagger.model.steer.fit_scale`).
+   A job whose predicted progress does not fall as its costs grow (it follows another job through
+   the cache: slowed down, it hits more) keeps its factor: the window cannot tell its costs;
 3. **decides**: with the fitted model, the predicted makespan as a function of when the next group
    of waiting jobs starts (:func:`~hpcstagger.model.steer.best_release`); the group is released
    when starting now is best. Later groups keep their planned gaps behind it in that prediction.
@@ -47,6 +49,7 @@ MATCH = 0.03     # a job's progress predicted this close needs no new factor
 FIT_WINDOW = 2.0  # seconds of a job's recent progress its factor is fitted to
 LOOK = 0.25      # seconds between the watcher's looks at the run
 WARMUP = 0.5     # seconds of a job's loop before its progress and reads count as evidence
+PROBES = 3       # factors a job's fit tries first, to see that its progress falls as its costs grow
 ALPHA = (0.5, 2.0)  # the range of a job's fitted factor (a calibration off by more is not steered but redone)
 
 
@@ -263,8 +266,11 @@ class Steering:
 
             if abs(measure(sc0) - observed) <= MATCH * observed:
                 continue
-            a = fit_scale(make, measure, observed, lo=ALPHA[0], hi=ALPHA[1], iterations=6, flat=0.1)
-            if ALPHA[0] < a < ALPHA[1]:  # at a bound the model cannot explain the progress this way: keep
+            a = fit_scale(make, measure, observed, lo=ALPHA[0], hi=ALPHA[1], iterations=6, flat=0.1, probes=PROBES)
+            # None: its progress is not one-to-one with its speed here (it follows another job
+            # through the cache), so the window says nothing about its costs; at a bound the model
+            # cannot explain the progress this way. Either way: keep what there was
+            if a is not None and ALPHA[0] < a < ALPHA[1]:
                 self.alpha[name] = a
 
     # ---- deciding ------------------------------------------------------------------------------

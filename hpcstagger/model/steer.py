@@ -8,7 +8,8 @@ source reads. Two pure functions serve it:
   (a run of the fluid model stopped at ``t``);
 - :func:`fit_scale`: the factor on a job's CPU costs (or any one-parameter family of scenarios)
   under which a predicted measure (the progress over a window) matches the observed one, by
-  bisection in log space; 1 when the measure does not depend on it (an I/O-bound job);
+  bisection in log space; 1 when the measure does not depend on it (an I/O-bound job), None when
+  it does not fall as the costs grow (a job that follows another through the cache);
 - :func:`best_release`: the predicted makespan as a function of when the next group of waiting
   jobs starts (later waiting jobs keep their planned gaps behind it), from ``earliest`` to
   ``latest``, and the best start.
@@ -71,7 +72,8 @@ def progress_series(sc: Scenario, starts: Sequence[float], times: Sequence[float
 
 
 def fit_scale(make: Callable[[float], Scenario], measure: Callable[[Scenario], float], observed: float, *,
-              lo: float = 0.25, hi: float = 4.0, iterations: int = 8, flat: float = 0.02) -> float:
+              lo: float = 0.25, hi: float = 4.0, iterations: int = 8, flat: float = 0.02,
+              probes: int = 0) -> float | None:
     """The factor ``a`` in [lo, hi] under which ``measure(make(a))`` equals ``observed``, assuming
     the measure (a job's progress, over a window or since its start) falls as ``a`` grows (``a``
     scales the job's costs).
@@ -80,12 +82,23 @@ def fit_scale(make: Callable[[float], Scenario], measure: Callable[[Scenario], f
     when the measure hardly depends on ``a`` (it changes by less than ``flat`` of itself over
     [lo, hi]: the job is bound by something else), and ``lo`` or ``hi`` when the observation is
     beyond what the range can explain.
+
+    With ``probes`` the measure is first evaluated at that many more factors, spread evenly in log
+    space, and None is returned when it does not fall (by more than ``flat / 2`` of the fastest
+    value) from one to the next. That happens when the job follows another through a shared cache:
+    slowed down it falls behind and hits more, so its progress over a window can grow with its
+    costs, and several factors explain one observation.
     """
     if not (0 < lo <= 1.0 <= hi):
         raise ModelError(f"fit_scale needs 0 < lo <= 1 <= hi, got lo={lo}, hi={hi}")
     fast, slow = measure(make(lo)), measure(make(hi))
     if fast - slow <= flat * max(fast, 1e-12):
         return 1.0
+    if probes > 0:
+        ratio = hi / lo
+        seq = [fast, *(measure(make(lo * ratio ** (k / (probes + 1)))) for k in range(1, probes + 1)), slow]
+        if any(b > a + 0.5 * flat * fast for a, b in zip(seq[:-1], seq[1:], strict=True)):
+            return None
     if observed >= fast:
         return lo
     if observed <= slow:
