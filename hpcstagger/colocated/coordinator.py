@@ -43,6 +43,7 @@ from .identity import resolve_job
 from .calibration import calibration_dir, calibration_spec, no_plan, wrap_loader
 from .cachestate import describe_start, observe_cache, run_partition
 from .planning import plan_delays
+from .progress import status_path
 from .history import describe as describe_history, plan_history
 from .idle import flush_root, flusher_for
 from .prefetch import prefetcher_for
@@ -227,7 +228,7 @@ class Session:
                   "elapsed": self.elapsed(), "delay": self.delay, "mode": self.mode,
                   "timings": self.timings, "plan": self.plan if self.rank == 0 else {},
                   "release": self.release or None, **extra}
-        _io.atomic_write_json(os.path.join(self.run_dir, f"{self.job}.{self.rank}.json"), record, durable=False)
+        _io.atomic_write_json(status_path(self.run_dir, self.job, self.rank), record, durable=False)
 
     def loader(self, iterable: Any, *, profiler: Any = None) -> Any:
         """The training loop's one wrapper: ``for batch in session.loader(loader):``.

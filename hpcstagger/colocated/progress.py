@@ -13,7 +13,9 @@ writes ``<run_dir>/<job>.progress.json``:
   :data:`HISTORY` entries, thinned by half when full), for throughput over any window.
 
 :func:`read_progress` reads the records back; :func:`fraction_done` turns one into the fraction
-of the job's samples done, which is what the closed-loop watcher fits the model to. Writing costs
+of the job's samples done, which is what the closed-loop watcher fits the model to.
+:func:`read_status` reads a job leader's status record (``<run_dir>/<job>.0.json``, which the
+session writes: :func:`status_path`), and :func:`startups` each job's start-up from both. Writing costs
 one clock read per batch and one small file every ``progress_interval`` seconds.
 """
 
@@ -34,6 +36,11 @@ __all__ = ["Counted", "ProgressMeter", "progress_path", "read_progress", "fracti
 def progress_path(run_dir: str, job: str) -> str:
     """Where job ``job``'s leader publishes its progress."""
     return os.path.join(run_dir, f"{job}.progress.json")
+
+
+def status_path(run_dir: str, job: str, rank: int = 0) -> str:
+    """Where rank ``rank`` of job ``job`` records its stage and timings (rank 0: the job's leader)."""
+    return os.path.join(run_dir, f"{job}.{rank}.json")
 
 
 class ProgressMeter:
@@ -113,13 +120,22 @@ class Counted:
         return getattr(self.inner, name)
 
 
-def read_progress(run_dir: str, job: str) -> dict[str, Any] | None:
-    """Job ``job``'s latest progress record, or None (none yet, or unreadable)."""
+def _read_record(path: str) -> dict[str, Any] | None:
     try:
-        record = _io.read_json(progress_path(run_dir, job))
+        record = _io.read_json(path)
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) else None
+
+
+def read_progress(run_dir: str, job: str) -> dict[str, Any] | None:
+    """Job ``job``'s latest progress record, or None (none yet, or unreadable)."""
+    return _read_record(progress_path(run_dir, job))
+
+
+def read_status(run_dir: str, job: str) -> dict[str, Any] | None:
+    """Job ``job``'s leader's latest status record (:func:`status_path`), or None (none yet, or unreadable)."""
+    return _read_record(status_path(run_dir, job))
 
 
 def throughput(record: dict[str, Any] | None, start: float, end: float) -> float | None:
@@ -157,12 +173,13 @@ def startups(run_dir: str, jobs: Iterable[str]) -> dict[str, float]:
     left out."""
     out = {}
     for job in jobs:
-        record = read_progress(run_dir, job)
+        record, status = read_progress(run_dir, job), read_status(run_dir, job)
+        if record is None or status is None:
+            continue
         try:
-            status = _io.read_json(os.path.join(run_dir, f"{job}.0.json"))
-            begun = float((record or {}).get("loop_start") or "nan")
+            begun = float(record.get("loop_start") or "nan")
             released = float(status["t0"]) + float(status["timings"]["started_at"])
-        except (OSError, ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError):
             continue
         if 0.0 <= begun - released < 1e5:
             out[job] = begun - released

@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from .. import _io, config
 from ..errors import CacheError
-from .progress import read_progress, startups
+from .progress import read_progress, read_status, startups
 
 if TYPE_CHECKING:
     from .steer import Look, Steering
@@ -122,11 +122,9 @@ class Watcher:
             rec = read_progress(self.run_dir, name)
             if rec:
                 look.progress[name] = rec
-            try:
-                status = _io.read_json(os.path.join(self.run_dir, f"{name}.0.json"))
+            status = read_status(self.run_dir, name)
+            if status is not None:
                 look.state[name] = str(status.get("state", ""))
-            except (OSError, ValueError, AttributeError):
-                pass
         return look
 
     def close(self) -> None:
