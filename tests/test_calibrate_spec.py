@@ -108,12 +108,39 @@ def test_calibrate_spec_measures_every_job_from_its_own_command(tmp_path, shm_di
     assert all(m["fresh"] and m["dropped_files"] == 1 for m in meas["source"])   # the HDF5 file's pages
     assert 2.0e6 < sc.storage.bandwidth[0] < 4.4e6
     assert meas["page_cache"]["emulated"] and not meas["page_cache"]["holds"]
+    # the jobs' own source reads, counted in flight while each ran: what they got of the curve
+    counted = meas["jobs"]["ddp"]["source_reads"]
+    assert counted["bytes"] > 0 and sum(k * t for k, t in enumerate(counted["flight"], 1)) > 0.5 * counted["seconds"]
+    assert sc.storage.fit_baseline == meas["fit_baseline"] and 0.5 <= sc.storage.fit_baseline <= 2.0
     text = (tmp_path / "scenario.toml").read_text()
     assert text.count("measured from its command") == 2 and "page cache dropped before each level" in text
+    assert "fit_baseline = " in text and "counted in flight while each ran alone" in text
     assert "job ddp: " in res.stderr and "calibrate" in res.stderr          # progress on stderr
     reports = Path(meas["reports"])
     assert {p.name for p in reports.iterdir()} >= {"ddp", "plain", "measurements.json"}
     assert _leftovers(shm_dir) == []                                          # private cache and throttle removed
+
+
+def test_fit_baseline_pools_the_jobs_counted_reads():
+    from hpcstagger.colocated.calibrate_spec import BASELINE_RANGE, fit_baseline
+
+    curve, size = (4.0e6, 6.0e6), 4096.0
+    # one job 1 s with one read in flight, the other 1 s with two: 10 MB expected, 8.5 MB read
+    jobs = {"a": {"source_reads": {"bytes": 3.4e6, "seconds": 1.0, "flight": [1.0, 0.0]}},
+            "b": {"source_reads": {"bytes": 5.1e6, "seconds": 2.0, "flight": [0.0, 1.0]}},
+            "c": {"route": "step"}}  # timed in memory: no reads
+    factor, note = fit_baseline(jobs, curve, size)
+    assert factor == pytest.approx(0.85) and "counted in flight" in note
+    # too few reads, no counts, counts that cover too little, or a figure no read pattern explains
+    few = {"a": {"source_reads": {"bytes": 10 * size, "seconds": 0.01, "flight": [0.01, 0.0]}}}
+    assert fit_baseline(few, curve, size) == (1.0, "not measured: the jobs read 10 sample(s) from the source "
+                                                    "while calibrated")
+    assert fit_baseline({"c": {"route": "step"}}, curve, size)[0] == 1.0
+    thin = {"a": {"source_reads": {"bytes": 3.4e6, "seconds": 3.0, "flight": [1.0, 0.0]}}}
+    assert fit_baseline(thin, curve, size) == (1.0, "not measured: the jobs' source reads were not counted in flight")
+    low = {"a": {"source_reads": {"bytes": 0.4 * BASELINE_RANGE[0] * 4.0e6, "seconds": 1.0, "flight": [1.0, 0.0]}}}
+    factor, note = fit_baseline(low, curve, size)
+    assert factor == 1.0 and note.startswith("not used:") and "0.20 of the curve" in note
 
 
 # ------------------------------------------------------------------------------- the early exit

@@ -78,6 +78,8 @@ def test_defaults_no_cache_section_and_unlimited_hits():
     (lambda d: d["dataset"].__setitem__("sample_bytes", float("nan")), r"dataset\.sample_bytes must be a finite"),
     (lambda d: d["storage"].__setitem__("bandwidth", []), r"storage\.bandwidth must be a non-empty list"),
     (lambda d: d["storage"].__setitem__("bandwidth", [1e6, -1]), r"storage\.bandwidth\[1\] must be > 0"),
+    (lambda d: d["storage"].__setitem__("fit_baseline", 0), r"storage\.fit_baseline must be > 0"),
+    (lambda d: d["storage"].__setitem__("fit_baseline", math.inf), r"storage\.fit_baseline must be a finite"),
     (lambda d: d["cache"].__setitem__("policy", "fifo"), r"cache\.policy must be one of 'minio', 'lru', 'none'"),
     (lambda d: d["cache"].__setitem__("capacity", -1), r"cache\.capacity must be >= 0"),
     (lambda d: d["cache"].__setitem__("hit_bandwidth", 0), r"cache\.hit_bandwidth must be > 0"),
@@ -144,6 +146,13 @@ def test_toml_round_trip_and_comments(tmp_path):
     assert "hit_bandwidth" not in sc2.to_toml()
     path.write_text(sc2.to_toml())
     assert Scenario.from_toml(path) == sc2
+    # the watcher's fit baseline: written only when measured (not 1), and read back
+    assert "fit_baseline" not in sc2.to_toml() and sc2.storage.fit_baseline == 1.0
+    d = base()
+    d["storage"]["fit_baseline"] = 0.85
+    sc4 = Scenario.from_dict(d)
+    path.write_text(sc4.to_toml({"storage.fit_baseline": "the jobs' reads"}))
+    assert Scenario.from_toml(path).storage.fit_baseline == 0.85 and "# the jobs' reads" in path.read_text()
     # names that need escaping survive
     d = base()
     d["job"][0]["name"] = 'res"net\\50'

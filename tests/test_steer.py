@@ -14,7 +14,8 @@ from hpcstagger.colocated.release import release_groups, set_host, steer_record
 from hpcstagger.colocated.steer import Look, Steering
 from hpcstagger.errors import ModelError
 from hpcstagger.model import optimal_plan, predict
-from hpcstagger.model.steer import best_release, fit_scale, progress_at, progress_series, source_factor
+from hpcstagger.model.steer import (best_release, counted_factor, fit_scale, progress_at, progress_series,
+                                    source_factor)
 
 from support.model_scenarios import B, scenario
 
@@ -323,6 +324,43 @@ def test_the_source_fit_uses_the_counted_reads_in_flight_when_it_has_them():
     # counts that cover too little of the read time (reads not bracketed) are not trusted
     st.looks = [replace(lk, flight=[0.1 * x for x in lk.flight]) for lk in looks]
     assert st._fit_source(0.0) and st.source_seen["estimator"] == "mean in flight"
+
+
+def test_the_counted_source_fit_is_taken_relative_to_the_calibrations_baseline():
+    # the jobs' reads got 0.85 of the curve while calibrated, and get 0.85 of it now: as calibrated
+    st, _, _, _ = _steering(1.0, lo=100.0, baseline=0.85)
+    st.released.update({n: 0.0 for n in st.order})
+    bw = st.bandwidth[0]
+    st.looks = [Look(t=0.25 * k, read_bytes=0.85 * bw * 0.25 * k, read_seconds=0.25 * k,
+                     flight=[0.25 * k] + [0.0] * 31) for k in range(1, 13)]
+    assert st._fit_source(0.0)
+    assert st.beta == pytest.approx(1.0, rel=1e-6) and st.source_seen["baseline"] == 0.85
+    # a source at 0.7 of its calibration is still 0.7 against that baseline
+    st.looks = [replace(lk, read_bytes=0.7 * 0.85 * bw * lk.t) for lk in st.looks]
+    assert st._fit_source(0.0) and st.beta == pytest.approx(0.7, rel=1e-6)
+    # the mean-in-flight fallback has no baseline: the calibration measured the counted fit only
+    st.looks = [replace(lk, flight=None) for lk in st.looks]
+    plain, _, _, _ = _steering(1.0, lo=100.0)
+    plain.released, plain.looks = dict(st.released), list(st.looks)
+    assert st._fit_source(0.0) and plain._fit_source(0.0) and st.source_seen["estimator"] == "mean in flight"
+    assert st.beta == plain.beta
+    # a baseline that is not a positive number is ignored
+    for bad in (0.0, -1.0, float("nan")):
+        assert _steering(1.0, baseline=bad)[0].baseline == 1.0
+
+
+def test_counted_factor():
+    bw = [4.0e6, 6.0e6, 6.0e6]
+    # 1 s with one read in flight, 1 s with two, 0.5 s with four (the curve's last value holds)
+    spent = [1.0, 1.0, 0.0, 0.5]
+    expected = 4.0e6 + 6.0e6 + 0.5 * 6.0e6
+    read_seconds = 1.0 + 2.0 + 4 * 0.5
+    assert counted_factor(bw, spent, 0.9 * expected, read_seconds) == pytest.approx(0.9)
+    # counts covering less than half of the reads' time are not trusted, nor nothing read
+    assert counted_factor(bw, spent, expected, 2.01 * read_seconds) is None
+    assert counted_factor(bw, spent, 0.0, read_seconds) is None
+    assert counted_factor([], spent, expected, read_seconds) is None
+    assert counted_factor(bw, [0.0] * 4, expected, 0.0) is None
 
 
 def test_observing_only_keeps_the_planned_delay():

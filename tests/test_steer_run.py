@@ -15,7 +15,9 @@ from support.userjob import SCENARIO, write_run
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 def _spec(tmp_path, shm_root):
-    (tmp_path / "s.toml").write_text(SCENARIO)
+    # a calibration whose jobs' reads got 0.9 of the curve: the watcher fits relative to that
+    (tmp_path / "s.toml").write_text(SCENARIO.replace("bandwidth = [2.0e5, 1.0e5]",
+                                                      "bandwidth = [2.0e5, 1.0e5]\nfit_baseline = 0.9"))
     return write_run(tmp_path, shm_root, name="steered", plan='mode = "plan"\nscenario = "s.toml"\nmin_delay = 2.0')
 
 
@@ -35,6 +37,7 @@ def test_a_steered_launch_fits_releases_and_records(tmp_path, shm_root):
     assert steer["fits"], "the watcher never fitted the model"
     fit = steer["fits"][-1]
     assert fit["seen"]["readers"] > 0 and 0.25 <= fit["source"] <= 4.0
+    assert fit["seen"]["baseline"] == 0.9 and fit["seen"]["estimator"] == "reads in flight counted"
     # the run is in the spec's history, and the next plan starts from it
     hist = run_cli("history", spec, "--json", cwd=tmp_path, env=env)
     data = json.loads(hist.stdout)

@@ -11,8 +11,9 @@ Within the budget (knob ``calibrate_budget``, 60 s, for the whole spec), with pr
    launch`` starts it (:func:`~hpcstagger.colocated.launch.mpmd_command`), in calibration mode
    (``HPCSTAGGER_CALIBRATE``; see :mod:`hpcstagger.colocated.calibration`): the job measures its
    real loop through ``session.loader(loader)`` and stops itself, with status 0, once it has
-   enough batches or has used its share of the time. Jobs given a step factory (``--job``) are
-   timed on samples in memory instead (:func:`~hpcstagger.model.calibrate.time_steps`).
+   enough batches or has used its share of the time. The calibration cache counts the job's
+   source reads in flight meanwhile (:func:`fit_baseline`). Jobs given a step factory (``--job``)
+   are timed on samples in memory instead (:func:`~hpcstagger.model.calibrate.time_steps`).
 4. **The source with 2 .. K readers**, K being the most reads the jobs can have in flight (the sum
    over jobs of ranks x max(workers, 1)), at most :data:`~hpcstagger.model.calibrate_source.MAX_READERS`.
 5. **The scenario**: each job's loader shape and costs, the source curve (with the cost a miss adds
@@ -22,7 +23,9 @@ Within the budget (knob ``calibrate_budget``, 60 s, for the whole spec), with pr
    partitioned, with ``nodes = 1`` (a run plans with the nodes it spans) and the
    ``cache_remote_bandwidth`` knob as ``remote_bandwidth``, commented as not measured: every
    measurement here runs in this one process on one node, and a job's DataLoader workers cannot
-   read another node's cache, so no remote hit is measured. Every value is commented with how it
+   read another node's cache, so no remote hit is measured. ``[storage] fit_baseline`` is what the
+   jobs' counted reads got of the source curve; the closed-loop watcher's fits are relative to it.
+   Every value is commented with how it
    was measured, and the reports stay in ``<workdir>/calibrate/<time>/``.
 """
 
@@ -53,13 +56,14 @@ from .launch import mpmd_command, run_group
 from .planning import fold_miss_overhead
 from .spec import JobSpec, Spec
 
-__all__ = ["calibrate_spec", "scenario_cache", "scenario_job", "usable_cores"]
+__all__ = ["calibrate_spec", "fit_baseline", "scenario_cache", "scenario_job", "usable_cores"]
 
 # Shares of the budget: samples and hits, the first source level, the jobs; the rest: the other levels.
 _SHARE_SAMPLES, _SHARE_FIRST, _SHARE_JOBS = 0.05, 0.08, 0.57
 _EXIT_S = 1.0       # a job's share ends this long before its deadline: leaving takes time too
 _KILL_S = 60.0      # beyond its share and grace, a job's command is stopped
 _LEVEL_S = 4.0      # the longest window of a source level: enough, when jobs leave budget over
+BASELINE_RANGE = (0.5, 2.0)  # a fit baseline outside this is not a read pattern's: it is not used
 
 
 class _Run:
@@ -161,8 +165,10 @@ class _Run:
         directory.mkdir(parents=True, exist_ok=True)
         self.bar.set_postfix_str(f"job {job.name}: its command on {job.ranks} rank(s)")
         started = time.monotonic()
+        before = self._reads(share + GRACE_S + _KILL_S)
         rc = _run_command(self._argv(job), self._env(job, directory, time.time() + share - _EXIT_S),
                           os.path.dirname(self.spec.path) or ".", share + GRACE_S + _KILL_S, directory / "output.log")
+        after = self._reads(0.0)
         reports = read_reports(str(directory))
         if rc != 0:
             raise ModelError(f"job {job.name!r}: its command failed in calibration mode (exit status {rc}): "
@@ -175,9 +181,27 @@ class _Run:
         if fields["ranks"] != job.ranks:
             raise ModelError(f"job {job.name!r} measured {fields['ranks']} rank(s), the spec says {job.ranks}")
         fields.update(route="command", reports=str(directory), seconds=time.monotonic() - started)
+        if before is not None and after is not None:  # its source reads, counted in flight
+            fields["source_reads"] = {"bytes": after[0] - before[0], "seconds": after[1] - before[1],
+                                      "flight": [max(0.0, b - a) for a, b in zip(before[2], after[2], strict=True)]}
         self._say(f"calibrate: job {job.name}: {_describe_job(fields)}")
         self.bar.update(1)
         return fields
+
+    def _reads(self, watch: float) -> tuple[int, float, list[float]] | None:
+        """The calibration cache's source-read counters (bytes, seconds, seconds with 1, 2, ...
+        reads in flight), after asking it to count reads in flight for ``watch`` seconds more; None
+        without a cache."""
+        if self.cache is None:
+            return None
+        try:
+            if watch > 0:
+                self.cache.watch(watch)
+            nbytes, seconds = self.cache.read_counters()
+            return nbytes, seconds, self.cache.flight_seconds()
+        except CacheError as exc:
+            self._say(f"calibrate: the cache cannot count the jobs' source reads: {exc}")
+            return None
 
     def _argv(self, job: JobSpec) -> list[str]:
         exe = self.mpiexec or shutil.which("mpiexec") or shutil.which("mpiexec", path=os.path.dirname(sys.executable))
@@ -326,6 +350,34 @@ def scenario_job(name: str, m: Mapping[str, Any], epochs: int) -> Job:
                startup=m["startup"], epoch_start=m["epoch_start"], order=m.get("order", ""))
 
 
+def fit_baseline(jobs: Mapping[str, Mapping[str, Any]], curve: tuple[float, ...],
+                 sample_bytes: float) -> tuple[float, str]:
+    """What the jobs' own source reads, counted in flight while each ran alone in calibration, got of
+    ``curve`` (:func:`~hpcstagger.model.steer.counted_factor`, pooled over the jobs), and a comment.
+    1 when they read too little (fewer than :data:`~.steer.MIN_READS` samples) or were not counted;
+    1 as well, with the figure in the comment, outside :data:`BASELINE_RANGE`: the jobs' reads
+    then differ from the measured curve by more than a read pattern explains."""
+    from ..model.steer import counted_factor
+    from .steer import MIN_READS
+
+    counted = [m["source_reads"] for m in jobs.values() if m.get("source_reads")]
+    nbytes = sum(float(r["bytes"]) for r in counted)
+    seconds = sum(float(r["seconds"]) for r in counted)
+    spent = [sum(v) for v in zip(*[r["flight"] for r in counted], strict=True)] if counted else []
+    if not counted or sample_bytes <= 0 or nbytes / sample_bytes < MIN_READS:
+        return 1.0, (f"not measured: the jobs read {nbytes / max(sample_bytes, 1.0):.0f} sample(s) from the source "
+                     "while calibrated" if counted else "not measured: no cache counted the jobs' source reads")
+    factor = counted_factor(curve, spent, nbytes, seconds)
+    if factor is None:
+        return 1.0, "not measured: the jobs' source reads were not counted in flight"
+    lo, hi = BASELINE_RANGE
+    if not lo <= factor <= hi:
+        return 1.0, (f"not used: the jobs' {nbytes / sample_bytes:.0f} source reads got {factor:.2f} of the curve, "
+                     f"outside {lo}-{hi}; check the source or calibrate again")
+    return factor, (f"the jobs' {nbytes / sample_bytes:.0f} source reads, counted in flight while each ran alone, got "
+                    f"this share of the curve; the closed-loop watcher fits the source relative to it")
+
+
 def usable_cores() -> int:
     """The CPUs this process may run on (its affinity: a Slurm allocation's or a cpuset's)."""
     try:
@@ -363,8 +415,11 @@ def _scenario(meas: dict[str, Any], spec: Spec, epochs: int | Mapping[str, int] 
     cores = float(meas["cores"])
     if cores:
         comments["node.cores"] = meas["cores_how"]
+    curve = tuple(fold_miss_overhead(measured, size, overhead))
+    baseline, comments["storage.fit_baseline"] = fit_baseline(meas["jobs"], curve, size)
+    meas["fit_baseline"] = baseline
     scenario = Scenario(dataset=Dataset(samples=meas["samples"], sample_bytes=size),
-                        storage=Storage(tuple(fold_miss_overhead(measured, size, overhead))), jobs=tuple(jobs),
+                        storage=Storage(curve, fit_baseline=baseline), jobs=tuple(jobs),
                         cache=cache, loader=Loader(prefetch=2), node=Node(cores=cores))
     return scenario, comments
 

@@ -159,13 +159,16 @@ def _steering(session: Any) -> Steering:
                             job_scales=jobs, partition=plan.get("partition"),
                             startups=(plan.get("history") or {}).get("startup"))
 
-    # the source factor is fitted against the prior's curve: the file's, times the history's factor
-    bandwidth = [b * h_source for b in Scenario.from_toml(spec.plan.scenario).storage.bandwidth]
+    # the source factor is fitted against the prior's curve: the file's, times the history's factor,
+    # relative to what the same fit gave on the jobs' calibration runs
+    storage = Scenario.from_toml(spec.plan.scenario).storage
+    bandwidth = [b * h_source for b in storage.bandwidth]
     hi = steer.get("max_delay")
     return Steering(build, bandwidth, order, plan["delays"], {n: spec.job(n).epochs for n in order},
                     lo=float(steer.get("min_delay") or 0.0), hi=math.inf if hi is None else float(hi),
                     interval=float(steer["interval"]), horizon=float(steer["horizon"]),
-                    observe_only=bool(steer.get("observe_only")), min_gain=float(steer.get("min_gain", 0.0)))
+                    observe_only=bool(steer.get("observe_only")), min_gain=float(steer.get("min_gain", 0.0)),
+                    baseline=storage.fit_baseline)
 
 
 def _send(session: Any, jobs: Sequence[str], message: dict[str, Any]) -> None:

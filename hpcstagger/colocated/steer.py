@@ -5,9 +5,12 @@ often and hands :class:`Steering` a :class:`Look`: the source reads
 counted by the shared cache (bytes and seconds, :meth:`ShmCache.count_read`), each started job's
 progress (:mod:`.progress`) and state. :meth:`Steering.decide` then:
 
-1. **fits the source**: the mean bandwidth one read got over the last few seconds, against the
-   calibrated curve at the mean number of reads in flight then (read seconds per second), gives a
-   factor on the source's bandwidth;
+1. **fits the source**: the bytes read over the last few seconds, against what the calibrated
+   curve delivers in the time the cache counted with 1, 2, ... reads in flight, gives a factor on
+   the source's bandwidth, taken relative to the same fit on the jobs' calibration runs
+   (``[storage] fit_baseline``: the jobs' sparse reads need not get what the calibration's
+   back-to-back readers got). Without counts, the mean number of reads in flight (read seconds
+   per second) stands in;
 2. **fits each running job**: the factor on its CPU costs (``sample_time``, ``prep_time``,
    ``handoff``) under which the model, with the source fitted and the job's loop started when it
    really did, predicts the progress the job has made (:func:`~hpcstagger.model.steer.fit_scale`).
@@ -34,7 +37,7 @@ from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
 from ..model import Scenario
-from ..model.steer import best_release, fit_scale, progress_series, source_factor
+from ..model.steer import best_release, counted_factor, fit_scale, progress_series, source_factor
 from .progress import fraction_done, throughput
 from .release import release_groups
 
@@ -94,12 +97,15 @@ class Steering:
     cache's state and each job's calibration) with those factors applied; ``bandwidth`` is the
     calibrated source curve the source factor multiplies; ``epochs`` each job's epochs; ``delays``
     the plan; ``lo``/``hi`` bound every release; ``interval`` is the watcher's period.
+    ``baseline`` is what the counted source fit gave on the jobs' own reads while calibrated
+    (the scenario's ``[storage] fit_baseline``): a fit is taken relative to it.
     """
 
     def __init__(self, build: Callable[[float, Mapping[str, float]], Scenario], bandwidth: Sequence[float],
                  order: Sequence[str], delays: Mapping[str, float], epochs: Mapping[str, int], *,
                  lo: float = 0.0, hi: float = math.inf, interval: float = 1.0, horizon: float | None = None,
-                 look: float = LOOK, observe_only: bool = False, min_gain: float = 0.0):
+                 look: float = LOOK, observe_only: bool = False, min_gain: float = 0.0,
+                 baseline: float = 1.0):
         self.build = build
         self.bandwidth = list(bandwidth)
         self.order = list(order)
@@ -108,6 +114,8 @@ class Steering:
         self.lo, self.hi, self.interval = float(lo), float(hi), float(interval)
         self.observe_only = observe_only  # fit and record, but release at the planned delays
         self.min_gain = max(0.0, float(min_gain))  # least predicted gain that moves a release off the plan
+        # what the counted source fit gave on the jobs' own calibration runs: "as calibrated"
+        self.baseline = float(baseline) if baseline and math.isfinite(baseline) and baseline > 0 else 1.0
         self.look = min(float(look), self.interval)  # seconds between looks (a look is cheap, a re-fit is not)
         self.groups = release_groups(self.planned, self.order)
         self.released: dict[str, float] = {}
@@ -192,23 +200,20 @@ class Steering:
             return False
         self.source_seen = {"readers": secs / (last.t - first.t), "bytes_per_s": nbytes / (last.t - first.t),
                             "per_read": nbytes / secs if secs > 0 else None, "window": last.t - first.t,
-                            "estimator": how}
+                            "estimator": how, "baseline": self.baseline}
         self.beta = min(4.0, max(0.25, scale))
         return True
 
     def _counted_factor(self, first: Look, last: Look, nbytes: float, secs: float) -> float | None:
         """The source factor from the cache's exact count of reads in flight: the ``nbytes`` read over
-        what the curve delivers in the time spent at each count, or None when the reads were not
-        counted (a cache or a loader that does not bracket its reads) over most of the window's
-        ``secs`` read-seconds."""
-        if not first.flight or not last.flight or not self.bandwidth:
+        what the curve delivers in the time spent at each count, relative to the same fit on the
+        jobs' calibration runs (``baseline``), or None when the reads were not counted (a cache or a
+        loader that does not bracket its reads) over most of the window's ``secs`` read-seconds."""
+        if not first.flight or not last.flight:
             return None
         spent = [max(0.0, b - a) for a, b in zip(first.flight, last.flight, strict=True)]
-        if sum(k * t for k, t in enumerate(spent, 1)) < 0.5 * secs:
-            return None
-        bw = self.bandwidth
-        expected = sum(t * float(bw[min(k, len(bw)) - 1]) for k, t in enumerate(spent, 1))
-        return nbytes / expected if expected > 0 else None
+        scale = counted_factor(self.bandwidth, spent, nbytes, secs)
+        return None if scale is None else scale / self.baseline
 
     def _loop_starts(self, look: Look, t0_wall: float) -> dict[str, float]:
         out = {}

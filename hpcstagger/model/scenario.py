@@ -65,9 +65,13 @@ class Dataset:
 
 @dataclass(frozen=True)
 class Storage:
-    """The shared source. ``bandwidth[k-1]`` is its aggregate bytes/s with k concurrent readers."""
+    """The shared source. ``bandwidth[k-1]`` is its aggregate bytes/s with k concurrent readers.
+
+    ``fit_baseline``: what the jobs' own reads got of this curve while calibrated (1: not measured);
+    unused by the predictions, the closed-loop watcher's source fits are relative to it."""
 
     bandwidth: tuple[float, ...]
+    fit_baseline: float = 1.0
 
     def aggregate(self, readers: int) -> float:
         """Aggregate bytes/s delivered to ``readers`` (>= 1) concurrent readers."""
@@ -168,7 +172,8 @@ def _job_name(where: str, value: Any) -> str:
 _POSITIVE = S.number(minimum=0, exclusive=True)
 _DELAY = S.number(minimum=0)
 _DATASET = S.Table("dataset", [S.Field("samples", S.integer(minimum=1)), S.Field("sample_bytes", _POSITIVE)])
-_STORAGE = S.Table("storage", [S.Field("bandwidth", S.number_list(minimum=0, exclusive=True))])
+_STORAGE = S.Table("storage", [S.Field("bandwidth", S.number_list(minimum=0, exclusive=True)),
+                               S.Field("fit_baseline", S.number(minimum=0, exclusive=True), 1.0)])
 _CACHE = S.Table("cache", [
     S.Field("capacity", S.number(minimum=0), 0.0, shown="0"),
     S.Field("policy", S.choice(*POLICIES), "minio"),
@@ -327,7 +332,7 @@ class Scenario:
                 raise ConfigError(f"missing [{'[job]' if key == 'job' else key}] ({_TOP[key]})")
 
         dataset = Dataset(**_DATASET.parse("dataset", data["dataset"]))
-        storage = Storage(_STORAGE.parse("storage", data["storage"])["bandwidth"])
+        storage = Storage(**_STORAGE.parse("storage", data["storage"]))
         cache = Cache(**_CACHE.parse("cache", data.get("cache")))
         loader = Loader(**_LOADER.parse("loader", data.get("loader")))
         node = Node(**_NODE.parse("node", data.get("node")))
@@ -368,6 +373,8 @@ class Scenario:
             "cache": cache,
             "loader": {"prefetch": self.loader.prefetch},
         }
+        if self.storage.fit_baseline != 1.0:
+            out["storage"]["fit_baseline"] = self.storage.fit_baseline
         if self.node.cores:
             cores = self.node.cores
             out["node"] = {"cores": int(cores) if float(cores).is_integer() else cores}  # "2", not "2.0"

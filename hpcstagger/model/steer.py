@@ -12,7 +12,10 @@ source reads. Two pure functions serve it:
   it does not fall as the costs grow (a job that follows another through the cache);
 - :func:`best_release`: the predicted makespan as a function of when the next group of waiting
   jobs starts (later waiting jobs keep their planned gaps behind it), from ``earliest`` to
-  ``latest``, and the best start.
+  ``latest``, and the best start;
+- :func:`source_factor` and :func:`counted_factor`: the factor on the source's curve that explains
+  the bytes the jobs' reads got, from the mean number of reads in flight, or from the time spent
+  with each number in flight (the shared cache counts that exactly).
 
 Nothing here reads the environment or talks to other processes.
 """
@@ -29,7 +32,8 @@ from . import _engine
 from ._search import CUTOFF, Evaluator, grid
 from .scenario import Scenario
 
-__all__ = ["Release", "progress_at", "progress_series", "fit_scale", "best_release", "source_factor"]
+__all__ = ["Release", "progress_at", "progress_series", "fit_scale", "best_release", "source_factor",
+           "counted_factor"]
 
 
 def progress_at(sc: Scenario, starts: Sequence[float], t: float, *,
@@ -157,6 +161,21 @@ def source_factor(bandwidth: Sequence[float], fetchers: int, read_bytes: float, 
         else:
             hi = mid
     return (read_bytes / read_seconds) / law(0.5 * (lo + hi))[1]
+
+
+def counted_factor(bandwidth: Sequence[float], spent: Sequence[float], read_bytes: float,
+                   read_seconds: float) -> float | None:
+    """The factor on the source's ``bandwidth`` curve (aggregate bytes/s with 1, 2, ... reads in
+    flight) that explains ``read_bytes`` read while ``spent[k-1]`` seconds passed with k reads in
+    flight: the bytes over what the curve delivers in that time. None when the count covers less
+    than half of the ``read_seconds`` the reads took (reads not bracketed, or counted only part of
+    the time) or there is nothing to go on."""
+    if not bandwidth or read_bytes <= 0 or read_seconds <= 0:
+        return None
+    if sum(k * max(0.0, t) for k, t in enumerate(spent, 1)) < 0.5 * read_seconds:
+        return None
+    expected = sum(max(0.0, t) * float(bandwidth[min(k, len(bandwidth)) - 1]) for k, t in enumerate(spent, 1))
+    return read_bytes / expected if expected > 0 else None
 
 
 @dataclass(frozen=True)
