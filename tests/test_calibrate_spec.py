@@ -400,3 +400,21 @@ def test_a_level_read_over_too_short_a_window_is_not_trusted():
     assert trusted_bandwidth(levels[:2]) == ([3.1e6, 3.9e6], "")
     # the first level always counts: there is nothing before it to hold
     assert trusted_bandwidth([dict(levels[2], readers=1)])[0] == [2.79e8]
+
+
+def test_the_summary_line_names_the_fit_baseline_when_measured(monkeypatch, capsys):
+    import argparse
+
+    from hpcstagger.cli import calibrate as cli_calibrate
+    from hpcstagger.model.calibrate import Calibration
+
+    d = {"dataset": {"samples": 100, "sample_bytes": 4096}, "storage": {"bandwidth": [4.0e6, 6.0e6]},
+         "job": [{"name": "a", "sample_time": 0.001}]}
+    args = argparse.Namespace(history=False, spec="spec.toml", json=False, job=[])
+    for baseline, shown in ((0.85, True), (1.0, False)):
+        sc = Scenario.from_dict({**d, "storage": {**d["storage"], "fit_baseline": baseline}})
+        monkeypatch.setattr(cli_calibrate, "_with_spec", lambda a, j, sc=sc: Calibration(sc, {}, "s.toml"))
+        assert cli_calibrate.run(args) == 0
+        line = capsys.readouterr().out.splitlines()[0]
+        assert line.startswith("wrote s.toml: 100 samples of 4096 B; source 4.0, 6.0 MB/s with 1, 2, ... readers")
+        assert ("(the jobs' own reads got 0.85 of it); a 1.000 ms/sample" in line) is shown, line

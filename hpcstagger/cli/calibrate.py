@@ -179,7 +179,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         sc = cal.scenario
         print(f"wrote {cal.path}: {sc.dataset.samples} samples of {sc.dataset.sample_bytes:.0f} B; source "
-              + ", ".join(f"{b / 1e6:.1f}" for b in sc.storage.bandwidth) + " MB/s with 1, 2, ... readers; "
+              + ", ".join(f"{b / 1e6:.1f}" for b in sc.storage.bandwidth) + " MB/s with 1, 2, ... readers"
+              + (f" (the jobs' own reads got {sc.storage.fit_baseline:.2f} of it)" if sc.storage.fit_baseline != 1.0
+                 else "") + "; "
               + ", ".join(f"{j.name} {j.sample_time * 1e3:.3f} ms/sample ({j.ranks} rank(s) x {j.workers} "
                           f"worker(s), batch {j.batch})" for j in sc.jobs)
               + (f"; {sc.node.cores:g} cores shared" if sc.node.cores else ""))
