@@ -13,7 +13,7 @@ from hpcstagger.colocated.progress import ProgressMeter, fraction_done, read_pro
 from hpcstagger.colocated.release import release_groups, set_host, steer_record
 from hpcstagger.colocated.steer import Look, Steering
 from hpcstagger.errors import ModelError
-from hpcstagger.model import optimal_plan, predict
+from hpcstagger.model import Scenario, optimal_plan, predict
 from hpcstagger.model.steer import (best_release, counted_factor, fit_scale, progress_at, progress_series,
                                     source_factor)
 
@@ -105,6 +105,81 @@ def test_best_release_matches_the_plan_and_moves_with_the_source():
     assert one.start == 1.0 and one.curve == ((1.0, one.if_now),)
     with pytest.raises(ModelError):
         best_release(sc, [0.0], {k: 0.0}, 0.0, 1.0)
+
+
+# a calibrated pair (bench_steer's pair-w2-b64): a CPU-heavy job and a light one that follows it
+# through the cache in the same order; its makespan curve falls steeply to the best release, then
+# rises gently: a release a little early costs far more than one a little late
+FOLLOWER = """
+[dataset]
+samples = 3072
+sample_bytes = 3073.0
+[storage]
+bandwidth = [5.32e6, 3.08e6, 3.15e6, 3.19e6]
+[cache]
+capacity = 9777303.0
+hit_bandwidth = 2.08e9
+[node]
+cores = 2
+[[job]]
+name = "cnn"
+sample_time = 0.000323
+epochs = 2
+workers = 2
+batch = 64
+handoff = 0.00092
+prep_time = 0.000112
+startup = 0.82
+order = "DistributedSampler(seed=0)"
+[[job]]
+name = "mlp"
+sample_time = 0.0000379
+epochs = 2
+workers = 2
+batch = 64
+handoff = 0.00067
+prep_time = 0.000046
+startup = 0.98
+order = "DistributedSampler(seed=0)"
+"""
+
+
+def test_best_release_over_a_start_spread_moves_off_the_cliff_edge():
+    import tomllib
+
+    sc = Scenario.from_dict(tomllib.loads(FOLLOWER))
+    k, J = sc.job_index("mlp"), 0.25
+
+    def at(x):
+        return predict(sc, [max(0.0, x) if j == k else 0.0 for j in range(2)]).makespan
+
+    def spread(x):
+        return sum(at(x + u * J) for u in (-1.0, -0.5, 0.0, 0.5, 1.0)) / 5
+
+    exact = best_release(sc, [0.0, 0.0], {k: 0.0}, 1.8, 10.0)
+    assert at(exact.start - J) - at(exact.start) > 2 * (at(exact.start + J) - at(exact.start))  # the cliff
+    wide = best_release(sc, [0.0, 0.0], {k: 0.0}, 1.8, 10.0, jitter=J)
+    assert wide.start > exact.start + 0.05 and spread(wide.start) < spread(exact.start)
+    assert wide.makespan == pytest.approx(at(wide.start), rel=0.02)  # the makespan at the start itself
+    assert wide.optimum[0] == wide.start
+    # with the plan's start as the prior, the band of starts within min_gain is judged by the spread
+    prior = wide.start + 0.3
+    gain = spread(prior) / spread(wide.start) - 1.0
+    kept = best_release(sc, [0.0, 0.0], {k: 0.0}, 1.8, 10.0, jitter=J, prior=prior, min_gain=2 * gain + 0.005)
+    assert kept.start == pytest.approx(prior) and kept.optimum[0] == wide.start
+    # asked past the best start, starting now is still best
+    late = best_release(sc, [0.0, 0.0], {k: 0.0}, wide.start + 2.0, 10.0, jitter=J)
+    assert late.start == wide.start + 2.0
+
+
+def test_spread_means_interpolate_and_hold_flat_beyond_the_ends():
+    from hpcstagger.model.steer import _spread_means
+
+    curve = [(0.0, 10.0), (1.0, 6.0), (2.0, 7.0)]
+    m = _spread_means(curve, 0.5, [1.0, 0.0, 2.0])
+    assert m[1.0] == pytest.approx((8.0 + 7.0 + 6.0 + 6.25 + 6.5) / 5)
+    assert m[0.0] == pytest.approx((10.0 + 10.0 + 10.0 + 9.0 + 8.0) / 5)
+    assert m[2.0] == pytest.approx((6.5 + 6.75 + 7.0 + 7.0 + 7.0) / 5)
 
 
 def test_best_release_keeps_the_prior_unless_moving_gains_enough():

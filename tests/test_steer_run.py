@@ -16,8 +16,9 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 def _spec(tmp_path, shm_root):
     # a calibration whose jobs' reads got 0.9 of the curve: the watcher fits relative to that
-    (tmp_path / "s.toml").write_text(SCENARIO.replace("bandwidth = [2.0e5, 1.0e5]",
-                                                      "bandwidth = [2.0e5, 1.0e5]\nfit_baseline = 0.9"))
+    # and jobs that take 0.4 s to start: the plan's start spread is 0.25 x 0.4 s (plan_jitter)
+    text = SCENARIO.replace("bandwidth = [2.0e5, 1.0e5]", "bandwidth = [2.0e5, 1.0e5]\nfit_baseline = 0.9")
+    (tmp_path / "s.toml").write_text(text.replace("epochs = 2", "epochs = 2\nstartup = 0.4"))
     return write_run(tmp_path, shm_root, name="steered", plan='mode = "plan"\nscenario = "s.toml"\nmin_delay = 2.0')
 
 
@@ -38,6 +39,8 @@ def test_a_steered_launch_fits_releases_and_records(tmp_path, shm_root):
     fit = steer["fits"][-1]
     assert fit["seen"]["readers"] > 0 and 0.25 <= fit["source"] <= 4.0
     assert fit["seen"]["baseline"] == 0.9 and fit["seen"]["estimator"] == "reads in flight counted"
+    # release times are compared over the plan's start spread (plan_jitter x the mean start-up)
+    assert fit["jitter"] == pytest.approx(0.25 * 0.4, rel=1e-6)
     # the run is in the spec's history, and the next plan starts from it
     hist = run_cli("history", spec, "--json", cwd=tmp_path, env=env)
     data = json.loads(hist.stdout)

@@ -168,7 +168,7 @@ def _steering(session: Any) -> Steering:
                     lo=float(steer.get("min_delay") or 0.0), hi=math.inf if hi is None else float(hi),
                     interval=float(steer["interval"]), horizon=float(steer["horizon"]),
                     observe_only=bool(steer.get("observe_only")), min_gain=float(steer.get("min_gain", 0.0)),
-                    baseline=storage.fit_baseline)
+                    baseline=storage.fit_baseline, jitter=float(plan.get("jitter") or 0.0))
 
 
 def _send(session: Any, jobs: Sequence[str], message: dict[str, Any]) -> None:

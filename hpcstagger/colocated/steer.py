@@ -19,6 +19,8 @@ progress (:mod:`.progress`) and state. :meth:`Steering.decide` then:
 3. **decides**: with the fitted model, the predicted makespan as a function of when the next group
    of waiting jobs starts (:func:`~hpcstagger.model.steer.best_release`); the group is released
    when starting now is best. Later groups keep their planned gaps behind it in that prediction.
+   Starts are compared over the plan's start-time spread (its ``jitter``), as the plan compared
+   staggers: the best exact start is often on the edge of a cliff in the curve.
 
 It looks every 0.25 s and re-fits at most every ``steer_interval`` seconds (and when the best
 start it found comes due). Without evidence yet (no loop older than 0.5 s) the prior holds: the
@@ -98,14 +100,15 @@ class Steering:
     calibrated source curve the source factor multiplies; ``epochs`` each job's epochs; ``delays``
     the plan; ``lo``/``hi`` bound every release; ``interval`` is the watcher's period.
     ``baseline`` is what the counted source fit gave on the jobs' own reads while calibrated
-    (the scenario's ``[storage] fit_baseline``): a fit is taken relative to it.
+    (the scenario's ``[storage] fit_baseline``): a fit is taken relative to it. ``jitter`` is the
+    start-time spread the plan was made for: release times are compared over it as the plan's were.
     """
 
     def __init__(self, build: Callable[[float, Mapping[str, float]], Scenario], bandwidth: Sequence[float],
                  order: Sequence[str], delays: Mapping[str, float], epochs: Mapping[str, int], *,
                  lo: float = 0.0, hi: float = math.inf, interval: float = 1.0, horizon: float | None = None,
                  look: float = LOOK, observe_only: bool = False, min_gain: float = 0.0,
-                 baseline: float = 1.0):
+                 baseline: float = 1.0, jitter: float = 0.0):
         self.build = build
         self.bandwidth = list(bandwidth)
         self.order = list(order)
@@ -116,6 +119,7 @@ class Steering:
         self.min_gain = max(0.0, float(min_gain))  # least predicted gain that moves a release off the plan
         # what the counted source fit gave on the jobs' own calibration runs: "as calibrated"
         self.baseline = float(baseline) if baseline and math.isfinite(baseline) and baseline > 0 else 1.0
+        self.jitter = float(jitter) if math.isfinite(jitter) and jitter > 0 else 0.0  # the plan's start spread
         self.look = min(float(look), self.interval)  # seconds between looks (a look is cheap, a re-fit is not)
         self.groups = release_groups(self.planned, self.order)
         self.released: dict[str, float] = {}
@@ -368,14 +372,16 @@ class Steering:
         waiting = [n for g in self.waiting for n in g]
         moving = {sc.job_index(n): self.planned[n] - planned for n in waiting}
         latest = min(self.hi, max(now, planned + self.horizon))
-        r = best_release(sc, starts, moving, max(now, self.lo), latest, prior=planned, min_gain=self.min_gain)
+        r = best_release(sc, starts, moving, max(now, self.lo), latest, prior=planned, min_gain=self.min_gain,
+                         jitter=self.jitter)
         self._curve_at = (now, fitted)
         self.target, self._best = r.start, r.makespan
         self._optimum = r.optimum
         done = {n: fraction_done(look.progress.get(n), self.epochs.get(n, 1)) for n in loop_starts}
         self.fits.append({"t": now, "loops": dict(loop_starts), "done": done, "seen": dict(self.source_seen),
                           "source": self.beta, "jobs": dict(self.alpha), "best_start": r.start, "best": r.makespan,
-                          "if_now": r.if_now, "optimum_start": r.optimum[0], "optimum": r.optimum[1]})
+                          "if_now": r.if_now, "optimum_start": r.optimum[0], "optimum": r.optimum[1],
+                          "jitter": self.jitter})
         if r.start <= now + self.look / 2 and not self.observe_only:
             return self.release(group, now, self._why_target(now=True), r.if_now)
         return None

@@ -195,7 +195,7 @@ class Release:
 
 def best_release(sc: Scenario, starts: Sequence[float], moving: Mapping[int, float], earliest: float,
                  latest: float, *, points: int = 6, refine: int = 5, prior: float | None = None,
-                 min_gain: float = 0.0) -> Release:
+                 min_gain: float = 0.0, jitter: float = 0.0) -> Release:
     """The best start ``s`` in [earliest, latest] of the jobs in ``moving``.
 
     Job j in ``moving`` starts at ``s + moving[j]`` (0 for the group released next, the planned gap
@@ -206,6 +206,12 @@ def best_release(sc: Scenario, starts: Sequence[float], moving: Mapping[int, flo
     With a ``prior`` start (the plan's), the start returned is the one nearest the prior (clamped to
     the range) among those predicted within ``min_gain`` (a fraction) of the best: a move away from
     the prior must be predicted to gain more than that.
+
+    With ``jitter`` J > 0 (the plan's start-time spread, :mod:`.plan`) starts are compared by their
+    mean predicted makespan over the start moved by -J, -J/2, 0, J/2 and J (the curve interpolated
+    between the points evaluated, two of them before ``earliest``), as the plan compared staggers:
+    a start on the edge of a cliff in the curve loses more often than it wins. The makespans
+    reported are the ones at the starts themselves.
     """
     J = len(sc.jobs)
     if len(starts) != J or not moving or any(not 0 <= j < J for j in moving):
@@ -248,12 +254,40 @@ def best_release(sc: Scenario, starts: Sequence[float], moving: Mapping[int, flo
     if best >= if_now:  # ties go to starting now
         best_s, best = earliest, if_now
     points_seen = set(curve) | {(best_s, best)}
-    start, value = best_s, best
-    if prior is not None and min_gain >= 0:
-        p = min(max(float(prior), earliest), latest)
-        if all(abs(x - p) > 1e-9 for x, _ in points_seen):
-            points_seen.add((p, f(p)))  # (a run cut off past best * (1 + CUTOFF) is far out of reach)
-        near = [(x, v) for x, v in points_seen if v <= best * (1.0 + min_gain)]
-        start, value = min(near, key=lambda xv: (abs(xv[0] - p), xv[1]))
+    p = None if prior is None or min_gain < 0 else min(max(float(prior), earliest), latest)
+    if p is not None and all(abs(x - p) > 1e-9 for x, _ in points_seen):
+        points_seen.add((p, f(p)))  # (a run cut off past best * (1 + CUTOFF) is far out of reach)
+    score = dict(points_seen)
+    if jitter > 0:
+        ev.cutoff = math.inf  # a mean needs every point to its end
+        before = {x: f(x) for x in (max(0.0, earliest - jitter), max(0.0, earliest - 0.5 * jitter)) if x < earliest}
+        score = _spread_means(sorted(set(points_seen) | set(before.items())), jitter, list(score))
+        best_s = min(score, key=lambda x: (score[x], x))
+        best = score[best_s]
+        if best >= score[earliest]:  # ties go to starting now
+            best_s, best = earliest, score[earliest]
+    start = best_s
+    if p is not None:
+        start = min((x for x in score if score[x] <= best * (1.0 + min_gain)), key=lambda x: (abs(x - p), score[x]))
+    value = dict(points_seen)[start]
     return Release(float(start), float(value), float(if_now), tuple(sorted(points_seen)),
-                   (float(best_s), float(best)))
+                   (float(best_s), float(dict(points_seen)[best_s])))
+
+
+def _spread_means(curve: Sequence[tuple[float, float]], jitter: float, at: Sequence[float]) -> dict[float, float]:
+    """For each start in ``at``: the mean of the ``curve`` (sorted (start, makespan) points, linearly
+    interpolated, held flat beyond its ends) at that start moved by -J, -J/2, 0, J/2 and J."""
+    xs = [x for x, _ in curve]
+    ys = [y for _, y in curve]
+
+    def value(x: float) -> float:
+        i = bisect.bisect_left(xs, x)
+        if i <= 0:
+            return ys[0]
+        if i >= len(xs):
+            return ys[-1]
+        x0, x1 = xs[i - 1], xs[i]
+        w = (x - x0) / (x1 - x0) if x1 > x0 else 1.0
+        return ys[i - 1] + w * (ys[i] - ys[i - 1])
+
+    return {x: sum(value(x + u * jitter) for u in (-1.0, -0.5, 0.0, 0.5, 1.0)) / 5.0 for x in at}
