@@ -83,6 +83,15 @@ def test_fit_scale_recovers_a_known_factor_and_says_when_it_cannot():
     nearest = lambda a: bump[min(bump, key=lambda k: abs(math.log(k / a)))]  # noqa: E731
     assert fit_scale(lambda a: a, nearest, 0.45, lo=0.5, hi=2.0, probes=3) is None
     assert fit_scale(lambda a: a, nearest, 0.45, lo=0.5, hi=2.0) is not None  # without probes it cannot tell
+    # the probes fall on the bisection's first midpoints: each factor is run once, and the answer
+    # is the one without probes
+    calls = []
+    falling = lambda a: calls.append(a) or 1.0 / a  # noqa: E731
+    plain = fit_scale(lambda a: a, falling, 1 / 1.3, iterations=6)
+    assert len(calls) == 2 + 6
+    calls.clear()
+    assert fit_scale(lambda a: a, falling, 1 / 1.3, iterations=6, probes=3) == pytest.approx(plain, rel=1e-12)
+    assert len(calls) == 2 + 3 + 6 - 2 and len({round(math.log(a), 9) for a in calls}) == len(calls)
 
 
 def test_best_release_matches_the_plan_and_moves_with_the_source():

@@ -35,7 +35,7 @@ import os
 import socket
 import time
 from typing import Any
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from .. import _io
 from . import env as E
@@ -155,21 +155,25 @@ def corrections(records: Sequence[Mapping[str, Any]], *, digest: str, kind: tupl
     weights = [DECAY ** k for k in range(len(usable))]
     source = _geo([(float(r["source"]), w) for r, w in zip(usable, weights, strict=True)
                    if isinstance(r.get("source"), (int, float)) and r["source"] > 0])
-    names = sorted({n for r in usable for n in (r.get("jobs") or {})})
-    jobs = {}
-    for n in names:
-        value = _geo([(float(r["jobs"][n]), w) for r, w in zip(usable, weights, strict=True)
-                      if isinstance((r.get("jobs") or {}).get(n), (int, float)) and r["jobs"][n] > 0])
-        if value is not None:
-            jobs[n] = value
-    starts: dict[str, float] = {}
-    for n in sorted({n for r in usable for n in (r.get("startup") or {})}):
-        pairs = [(float(r["startup"][n]), w) for r, w in zip(usable, weights, strict=True)
-                 if isinstance((r.get("startup") or {}).get(n), (int, float)) and r["startup"][n] >= 0]
-        if pairs:
-            starts[n] = sum(v * w for v, w in pairs) / sum(w for _, w in pairs)
+    jobs = {n: v for n, pairs in _by_job(usable, weights, "jobs", lambda x: x > 0).items()
+            if (v := _geo(pairs)) is not None}
+    starts = {n: sum(v * w for v, w in pairs) / sum(w for _, w in pairs)
+              for n, pairs in _by_job(usable, weights, "startup", lambda x: x >= 0).items()}
     return {"runs": len(usable), "source": source or 1.0, "jobs": jobs, "startup": starts,
             "latest": float(usable[0]["time"])}
+
+
+def _by_job(records: Sequence[Mapping[str, Any]], weights: Sequence[float], key: str,
+            valid: Callable[[float], bool]) -> dict[str, list[tuple[float, float]]]:
+    """Per job named under the records' ``key``: its (value, weight) pairs, from the records whose
+    value is a number that is ``valid``; jobs with none are left out."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for n in sorted({n for r in records for n in (r.get(key) or {})}):
+        pairs = [(float(r[key][n]), w) for r, w in zip(records, weights, strict=True)
+                 if isinstance((r.get(key) or {}).get(n), (int, float)) and valid(r[key][n])]
+        if pairs:
+            out[n] = pairs
+    return out
 
 
 def plan_history(spec: Any, mode: str, environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:

@@ -151,13 +151,14 @@ def _steering(session: Any) -> Steering:
     calibrations = plan.get("calibrations", {})
     cache_state = plan.get("cache")
     h_source, h_jobs = _history_factors(plan)
+    h_startups = (plan.get("history") or {}).get("startup")
 
     def build(beta: float, alpha: Mapping[str, float]) -> Scenario:
         # the fitted factors are on top of the history's (the plan's starting point)
         jobs = {n: float(alpha.get(n, 1.0)) * h_jobs.get(n, 1.0) for n in set(alpha) | set(h_jobs)}
         return scenario_for(spec, order, calibrations, cache_state=cache_state, source_scale=beta * h_source,
                             job_scales=jobs, partition=plan.get("partition"),
-                            startups=(plan.get("history") or {}).get("startup"))
+                            startups=h_startups)
 
     # the source factor is fitted against the prior's curve: the file's, times the history's factor,
     # relative to what the same fit gave on the jobs' calibration runs

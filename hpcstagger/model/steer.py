@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from ..errors import ModelError
 from . import _engine
 from ._search import CUTOFF, Evaluator, grid
+from ._spread import OFFSETS_TWO
 from .scenario import Scenario
 
 __all__ = ["Release", "progress_at", "progress_series", "fit_scale", "best_release", "source_factor",
@@ -98,19 +99,27 @@ def fit_scale(make: Callable[[float], Scenario], measure: Callable[[Scenario], f
     fast, slow = measure(make(lo)), measure(make(hi))
     if fast - slow <= flat * max(fast, 1e-12):
         return 1.0
+    a_lo, a_hi = math.log(lo), math.log(hi)
+    # the measure by log factor: the probes fall on the bisection's first midpoints, run once
+    seen = {round(a_lo, 12): fast, round(a_hi, 12): slow}
+
+    def at(log_a: float) -> float:
+        key = round(log_a, 12)
+        if key not in seen:
+            seen[key] = measure(make(math.exp(log_a)))
+        return seen[key]
+
     if probes > 0:
-        ratio = hi / lo
-        seq = [fast, *(measure(make(lo * ratio ** (k / (probes + 1)))) for k in range(1, probes + 1)), slow]
+        seq = [fast, *(at(a_lo + (a_hi - a_lo) * k / (probes + 1)) for k in range(1, probes + 1)), slow]
         if any(b > a + 0.5 * flat * fast for a, b in zip(seq[:-1], seq[1:], strict=True)):
             return None
     if observed >= fast:
         return lo
     if observed <= slow:
         return hi
-    a_lo, a_hi = math.log(lo), math.log(hi)
     for _ in range(iterations):
         mid = 0.5 * (a_lo + a_hi)
-        if measure(make(math.exp(mid))) > observed:
+        if at(mid) > observed:
             a_lo = mid  # still too fast: the job is slower than that
         else:
             a_hi = mid
@@ -257,7 +266,8 @@ def best_release(sc: Scenario, starts: Sequence[float], moving: Mapping[int, flo
     p = None if prior is None or min_gain < 0 else min(max(float(prior), earliest), latest)
     if p is not None and all(abs(x - p) > 1e-9 for x, _ in points_seen):
         points_seen.add((p, f(p)))  # (a run cut off past best * (1 + CUTOFF) is far out of reach)
-    score = dict(points_seen)
+    raw = dict(points_seen)
+    score = raw
     if jitter > 0:
         ev.cutoff = math.inf  # a mean needs every point to its end
         before = {x: f(x) for x in (max(0.0, earliest - jitter), max(0.0, earliest - 0.5 * jitter)) if x < earliest}
@@ -269,25 +279,16 @@ def best_release(sc: Scenario, starts: Sequence[float], moving: Mapping[int, flo
     start = best_s
     if p is not None:
         start = min((x for x in score if score[x] <= best * (1.0 + min_gain)), key=lambda x: (abs(x - p), score[x]))
-    value = dict(points_seen)[start]
-    return Release(float(start), float(value), float(if_now), tuple(sorted(points_seen)),
-                   (float(best_s), float(dict(points_seen)[best_s])))
+    return Release(float(start), float(raw[start]), float(if_now), tuple(sorted(points_seen)),
+                   (float(best_s), float(raw[best_s])))
 
 
 def _spread_means(curve: Sequence[tuple[float, float]], jitter: float, at: Sequence[float]) -> dict[float, float]:
     """For each start in ``at``: the mean of the ``curve`` (sorted (start, makespan) points, linearly
-    interpolated, held flat beyond its ends) at that start moved by -J, -J/2, 0, J/2 and J."""
-    xs = [x for x, _ in curve]
-    ys = [y for _, y in curve]
+    interpolated, held flat beyond its ends) at that start moved by -J, -J/2, 0, J/2 and J (the
+    plan's offsets for two jobs, :data:`._spread.OFFSETS_TWO`, and 0)."""
+    import numpy as np
 
-    def value(x: float) -> float:
-        i = bisect.bisect_left(xs, x)
-        if i <= 0:
-            return ys[0]
-        if i >= len(xs):
-            return ys[-1]
-        x0, x1 = xs[i - 1], xs[i]
-        w = (x - x0) / (x1 - x0) if x1 > x0 else 1.0
-        return ys[i - 1] + w * (ys[i] - ys[i - 1])
-
-    return {x: sum(value(x + u * jitter) for u in (-1.0, -0.5, 0.0, 0.5, 1.0)) / 5.0 for x in at}
+    xs, ys = [x for x, _ in curve], [y for _, y in curve]
+    offsets = (0.0, *OFFSETS_TWO)
+    return {x: float(np.mean(np.interp([x + u * jitter for u in offsets], xs, ys))) for x in at}
