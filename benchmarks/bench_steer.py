@@ -84,6 +84,17 @@ def summarise_case(sweep: dict[str, Any]) -> dict[str, Any]:
             "error_median": s.get("error_median"), "error_max": s.get("error_max")}
 
 
+def write_case(work: Path, case: str) -> Path:
+    """``work/scenario-<case>.toml`` (the calibrated ``scenario.toml`` made wrong as ``case`` says) and
+    ``work/spec-<case>.toml`` (``spec.toml`` planning from it); returns the spec's path."""
+    what, factor = CASES[case]
+    (work / f"scenario-{case}.toml").write_text(perturb((work / "scenario.toml").read_text(), what, factor))
+    case_spec = work / f"spec-{case}.toml"
+    case_spec.write_text((work / "spec.toml").read_text().replace('scenario = "scenario.toml"',
+                                                                  f'scenario = "scenario-{case}.toml"'))
+    return case_spec
+
+
 def run_config(name: str, cfg: dict[str, Any], data: Path, work: Path, cases: list[str], staggers: str,
                budget: float, repeat: int) -> dict[str, Any]:
     work.mkdir(parents=True)
@@ -98,13 +109,8 @@ def run_config(name: str, cfg: dict[str, Any], data: Path, work: Path, cases: li
     if rc != 0:
         out["error"] = f"calibrate exited {rc}; see {log}"
         return out
-    base = (work / "scenario.toml").read_text()
     for case in cases:
-        what, factor = CASES[case]
-        (work / f"scenario-{case}.toml").write_text(perturb(base, what, factor))
-        case_spec = work / f"spec-{case}.toml"
-        text = spec.read_text().replace('scenario = "scenario.toml"', f'scenario = "scenario-{case}.toml"')
-        case_spec.write_text(text)
+        case_spec = write_case(work, case)
         print(f"[bench_steer] {name} {case} ...", file=sys.stderr, flush=True)
         t0 = time.monotonic()
         rc = U._run(hs + ["sweep", str(case_spec), "--staggers", staggers, "--repeat", str(repeat), "--json",

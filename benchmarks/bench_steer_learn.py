@@ -35,7 +35,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-import bench_steer as B  # noqa: E402  (the cases and perturb)
+import bench_steer as B  # noqa: E402  (the cases and write_case)
 
 HS = [sys.executable, "-m", "hpcstagger"]
 
@@ -45,11 +45,7 @@ def _env() -> dict[str, str]:
 
 
 def learn(root: Path, case: str, rounds: int, fixed: str) -> dict[str, Any]:
-    what, factor = B.CASES[case]
-    (root / f"scenario-{case}.toml").write_text(B.perturb((root / "scenario.toml").read_text(), what, factor))
-    spec = root / f"spec-{case}.toml"
-    spec.write_text((root / "spec.toml").read_text().replace('scenario = "scenario.toml"',
-                                                            f'scenario = "scenario-{case}.toml"'))
+    spec = B.write_case(root, case)
     subprocess.run(HS + ["history", str(spec), "--clear"], check=True, capture_output=True, env=_env())
     variants = (("plan", ["--mode", "plan"]), ("open", ["--mode", "open"]), (f"fixed {fixed}", ["--delays", fixed]))
     runs: list[dict[str, Any]] = []
