@@ -1,0 +1,97 @@
+"""How busy this node is before a measurement: the cores usable here and what other work takes.
+
+Timings taken on a node where other processes hold the cores (a login node, a shared node, a
+leftover job) are slower than the same jobs alone, and a plan calibrated or judged from them is off.
+:func:`sample` measures the node for a short window from ``/proc`` (no dependency), and
+:func:`busy_warning` says, with the figures, when other work takes a noticeable share of the cores.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+__all__ = ["NodeLoad", "usable_cores", "sample", "busy_warning"]
+
+# Other processes' CPU use, in cores, above which a measurement is flagged (a quarter of a core, or
+# a tenth of the usable cores on a large node).
+_BUSY_CORES = 0.25
+_BUSY_SHARE = 0.10
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class NodeLoad:
+    """One look at the node: ``others_cores`` is the CPU time other processes used per second of
+    the window (in cores; None where /proc/stat cannot be read), ``load1`` the 1-minute load average,
+    ``cores`` the cores usable here and ``window_s`` the window's length."""
+
+    cores: int
+    others_cores: float | None
+    load1: float | None
+    window_s: float
+
+    @property
+    def busy(self) -> bool:
+        """Whether other work takes a noticeable share of the usable cores."""
+        if self.others_cores is None:
+            return self.load1 is not None and self.load1 > self.cores
+        return self.others_cores > max(_BUSY_CORES, _BUSY_SHARE * self.cores)
+
+
+def _node_busy_ticks() -> int | None:
+    """All CPUs' busy time since boot, in clock ticks (user, nice, system, irq, softirq, steal)."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 8 or fields[0] != "cpu":
+        return None
+    v = [int(x) for x in fields[1:]]
+    return v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)
+
+
+def _load1() -> float | None:
+    try:
+        with open("/proc/loadavg", encoding="ascii") as f:
+            return float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def sample(window_s: float = 0.5) -> NodeLoad:
+    """Measure the node for ``window_s`` seconds: other processes' CPU use (the whole node's busy
+    time less this process's own), the load average and the usable cores. Never raises."""
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    t0, own0, busy0 = time.monotonic(), time.process_time(), _node_busy_ticks()
+    time.sleep(max(0.0, window_s))
+    t1, own1, busy1 = time.monotonic(), time.process_time(), _node_busy_ticks()
+    others = None
+    if busy0 is not None and busy1 is not None and t1 > t0:
+        node_s = (busy1 - busy0) / hz
+        others = max(0.0, (node_s - (own1 - own0)) / (t1 - t0))
+    return NodeLoad(cores=usable_cores(), others_cores=others, load1=_load1(), window_s=t1 - t0)
+
+
+def busy_warning(load: NodeLoad, what: str) -> str | None:
+    """One line saying that ``what`` (e.g. "calibration") runs on a busy node, with the figures, or
+    None when the node is quiet enough."""
+    if not load.busy:
+        return None
+    parts = []
+    if load.others_cores is not None:
+        parts.append(f"other processes used {load.others_cores:.2f} of {load.cores} usable cores "
+                     f"over {load.window_s:.1f} s")
+    if load.load1 is not None:
+        parts.append(f"load average {load.load1:.2f}")
+    return (f"the node is busy ({'; '.join(parts)}): {what} measures slower jobs than the same jobs "
+            f"on a quiet node; stop the other work or expect its figures to be off")
