@@ -418,3 +418,32 @@ def test_the_summary_line_names_the_fit_baseline_when_measured(monkeypatch, caps
         line = capsys.readouterr().out.splitlines()[0]
         assert line.startswith("wrote s.toml: 100 samples of 4096 B; source 4.0, 6.0 MB/s with 1, 2, ... readers")
         assert ("(the jobs' own reads got 0.85 of it); a 1.000 ms/sample" in line) is shown, line
+
+
+@pytest.mark.timeout(120)
+def test_readers_overlap_when_they_outnumber_the_cores():
+    """More CPU-bound readers than cores, over a short window: a reader that first runs after
+    another's own window would have ended still overlaps it (the windows end together, counted
+    from the last reader's start); before, about a third of such levels failed."""
+    import multiprocessing
+
+    from hpcstagger.model.calibrate_source import measure_readers
+    from support.calib_sources import BusySource
+
+    readers = 4 * len(os.sched_getaffinity(0))
+    ctx = multiprocessing.get_context("fork")
+    for _ in range(6):
+        m = measure_readers(BusySource(), [list(range(r * 200, r * 200 + 200)) for r in range(readers)], 0.05, ctx)
+        assert m["readers"] == readers and m["window_s"] > 0 and m["bandwidth"] > 0, m
+
+
+def test_readers_that_never_overlap_name_the_cause():
+    from hpcstagger.model.calibrate_source import aggregate
+
+    # the first reader read its 3 samples and stopped before the second started
+    results = [((0.0, 0.010), [(0.0, 0.004, 10), (0.004, 0.010, 10)]),
+               ((0.5, 0.700), [(0.5, 0.6, 10), (0.6, 0.7, 10)])]
+    with pytest.raises(ModelError, match=r"read all of its 3 samples in 0\.010 s, before the last of the 2 "
+                                         r"readers started \(0\.500 s after the first\): too few fresh samples"):
+        aggregate(results)
+    assert aggregate([((0.0, 1.0), [(0.0, 1.0, 100)]), ((0.5, 2.0), [(0.5, 2.0, 300)])]) == (300.0, 0.5)

@@ -82,11 +82,16 @@ class SamplePool:
         return [chosen[r::readers] for r in range(readers)]
 
 
-def _reader(source: Any, indices: list[int], barrier: Any, duration: float, queue: Any, cache: Any) -> None:
-    """Child process: read ``indices`` in order for at most ``duration`` seconds after the barrier.
+def _reader(source: Any, indices: list[int], barrier: Any, duration: float, queue: Any, cache: Any,
+            started: Any) -> None:
+    """Child process: read ``indices`` in order until ``duration`` seconds after the LAST reader
+    started (``started``: a shared [count, latest start] pair), or until they run out.
 
-    The first index is read before the barrier (files opened, connections made) and not measured.
-    With ``cache``, every sample read is put into it (outside the timed read).
+    Every reader's window ends at the same instant, counted from the last start: readers pass the
+    barrier together but, with more readers than free cores, one may first run long after another
+    (whose own window would then be over before it read anything). The first index is read before
+    the barrier (files opened, connections made) and not measured. With ``cache``, every sample
+    read is put into it (outside the timed read).
     """
     try:
         first = source[indices[0]]
@@ -94,12 +99,15 @@ def _reader(source: Any, indices: list[int], barrier: Any, duration: float, queu
             cache.put(source.key(indices[0]), first)
         barrier.wait(timeout=120)
         start = time.monotonic()
-        end = start + duration
+        with started.get_lock():
+            started[0] += 1
+            started[1] = max(started[1], start)
+        k = barrier.parties
         records = []
         exhausted = True
         for i in indices[1:]:
             t0 = time.monotonic()
-            if t0 >= end:
+            if started[0] >= k and t0 >= started[1] + duration:
                 exhausted = False
                 break
             data = source[i]
@@ -107,6 +115,7 @@ def _reader(source: Any, indices: list[int], barrier: Any, duration: float, queu
             records.append((t0, t1, len(data)))
             if cache is not None:
                 cache.put(source.key(i), data)
+        end = started[1] + duration if started[0] >= k else math.inf
         # a reader that ran out of samples stopped reading at its last read's end
         stop = records[-1][1] if exhausted and records else end
         queue.put(("ok", (start, min(stop, end)), records))
@@ -122,13 +131,18 @@ def aggregate(results: list[tuple[tuple[float, float], list[tuple[float, float, 
     """Bytes/s of all readers inside the window where every reader was reading, and its length.
 
     Each result is ``((start, stop), [(t0, t1, bytes), ...])``; reads that straddle the window's
-    edges count in proportion to their overlap.
+    edges count in proportion to their overlap. Raises ModelError when a reader ran out of samples
+    before the last one started (the one way left for the windows not to overlap).
     """
     lo = max(span[0] for span, _ in results)
     hi = min(span[1] for span, _ in results)
     if hi <= lo:
-        raise ModelError("calibration readers did not overlap in time; give calibrate a larger budget or a "
-                         "larger dataset")
+        first = min(span[0] for span, _ in results)
+        short = min(results, key=lambda r: r[0][1])
+        raise ModelError(f"a calibration reader read all of its {len(short[1]) + 1} samples in "
+                         f"{short[0][1] - short[0][0]:.3f} s, before the last of the {len(results)} readers "
+                         f"started ({lo - first:.3f} s after the first): too few fresh samples per reader; "
+                         "give calibrate a larger dataset or fewer readers (--readers)")
     total = 0.0
     for _, records in results:
         for t0, t1, nbytes in records:
@@ -194,8 +208,9 @@ def measure_readers(source: Any, subsets: list[list[int]], duration: float, ctx:
         raise ModelError(f"too few samples for {k} concurrent readers; give calibrate a larger dataset")
     barrier = ctx.Barrier(k)
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_reader, args=(source, subsets[r], barrier, duration, queue, cache), daemon=True)
-             for r in range(k)]
+    started = ctx.Array("d", [0.0, 0.0])  # readers started, the latest start (monotonic: one clock per node)
+    procs = [ctx.Process(target=_reader, args=(source, subsets[r], barrier, duration, queue, cache, started),
+                         daemon=True) for r in range(k)]
     t0 = time.monotonic()
     _start(procs)
     results, errors = _collect(procs, queue, k, duration + 120)

@@ -116,3 +116,23 @@ class FailsInReaders:
         if os.getpid() != self.owner:
             raise OSError("storage unreachable from this process")
         return b"x" * 1000
+
+
+class BusySource:
+    """``n`` samples of ``size`` bytes, each read spinning the CPU for ``busy_s`` seconds: readers
+    that need a core each, so that more readers than cores wait their turn to run."""
+
+    def __init__(self, n: int = 4000, size: int = 4096, busy_s: float = 0.002):
+        self.n, self.size, self.busy_s = n, size, busy_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> bytes:
+        t = time.perf_counter()
+        while time.perf_counter() - t < self.busy_s:
+            pass
+        return bytes([i % 256]) * self.size
+
+    def key(self, i: int) -> str:
+        return f"busy/{i}"
