@@ -21,6 +21,7 @@ __all__ = [
     "CacheError",
     "LoaderError",
     "CheckpointError",
+    "CheckpointWarning",
     "LaunchError",
     "ModelError",
 ]
@@ -92,6 +93,12 @@ class LoaderError(HpcstaggerError):
 
 class CheckpointError(HpcstaggerError):
     """A checkpoint could not be written, found, verified or loaded."""
+
+
+class CheckpointWarning(HpcstaggerError, UserWarning):
+    """A checkpoint was passed over: :func:`~hpcstagger.checkpoint.load` skipped a damaged one and
+    loaded an older step. Issued with :func:`warnings.warn`; ``warnings.simplefilter("error",
+    CheckpointWarning)`` turns it into an exception (``load(strict=True)`` raises CheckpointError)."""
 
 
 class LaunchError(HpcstaggerError):

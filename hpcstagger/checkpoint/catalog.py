@@ -14,7 +14,7 @@ from .._io import atomic_write, fsync_dir
 from ..errors import CheckpointError
 from .manifest import MANIFEST, decode_manifest, encode_manifest, parse_step_dirname, step_dirname
 
-__all__ = ["Entry", "scan", "candidates", "commit", "prune", "clear_step", "as_dirs"]
+__all__ = ["Entry", "scan", "candidates", "shard_problem", "file_problems", "commit", "prune", "clear_step", "as_dirs"]
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +40,14 @@ class Entry:
             except FileNotFoundError:
                 raise CheckpointError(f"{where} is missing: the checkpoint of step {self.step} is incomplete "
                                       "(a save was interrupted or is in progress)") from None
-            self.manifest = decode_manifest(data, where)
-            if self.manifest["step"] != self.step:
-                raise CheckpointError(f"{where} says step {self.manifest['step']}, its directory step {self.step}; "
+            except OSError as exc:
+                raise CheckpointError(f"{where} cannot be read ({exc.strerror or exc}); "
+                                      "check its permissions") from None
+            manifest = decode_manifest(data, where)
+            if manifest["step"] != self.step:
+                raise CheckpointError(f"{where} says step {manifest['step']}, its directory step {self.step}; "
                                       "the checkpoint directory was renamed or damaged")
+            self.manifest = manifest  # cached only once it is valid, so a second read fails alike
         return self.manifest
 
 
@@ -62,6 +66,9 @@ def scan(directories: Iterable[str]) -> list[Entry]:
             names = os.listdir(root)
         except FileNotFoundError:
             continue
+        except OSError as exc:
+            raise CheckpointError(f"cannot list the checkpoints in {root} ({exc.strerror or exc}); "
+                                  "check that it is a directory you may read") from None
         for name in names:
             step = parse_step_dirname(name)
             path = os.path.join(root, name)
@@ -75,6 +82,33 @@ def scan(directories: Iterable[str]) -> list[Entry]:
 def candidates(directories: Iterable[str], step: int | None = None) -> list[Entry]:
     """Committed checkpoints to try loading, best first; only ``step`` when given."""
     return [e for e in scan(directories) if e.committed and (step is None or e.step == step)]
+
+
+def shard_problem(step_dir: str, shard: dict[str, Any]) -> str | None:
+    """What is wrong with one shard file of a manifest by its size alone (missing, truncated,
+    replaced), or None when it has the manifest's size. Reads no data."""
+    path = os.path.join(step_dir, shard["file"])
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        return f"shard {path} is missing"
+    except OSError as exc:
+        return f"shard {path} cannot be read ({exc.strerror or exc})"
+    if size != shard["size"]:
+        return f"shard {path} is {size} bytes, the manifest says {shard['size']}: truncated or replaced"
+    return None
+
+
+def file_problems(entry: Entry) -> list[str]:
+    """The problems of a committed checkpoint found without reading shard data: its manifest fails
+    to read or validate, or shard files are missing or of another size than the manifest says.
+    Empty when the files look whole (their bytes may still be damaged: :func:`.load.verify_checkpoint`
+    checksums them)."""
+    try:
+        manifest = entry.read_manifest()
+    except CheckpointError as exc:
+        return [str(exc)]
+    return [p for s in manifest["shards"] if (p := shard_problem(entry.path, s)) is not None]
 
 
 def commit(step_dir: str, manifest: dict[str, Any]) -> None:

@@ -262,12 +262,12 @@ class AsyncCheckpointer:
         self._worker.queue.join()
         return path
 
-    def load(self, step: int | None = None, *, map_location: Any = None) -> dict[str, Any]:
+    def load(self, step: int | None = None, *, map_location: Any = None, strict: bool = False) -> dict[str, Any]:
         """Wait for the save in flight, then :func:`~hpcstagger.checkpoint.load` from every level."""
         from .load import load
 
         self.wait()
-        return load(self._levels, step, comm=self._comm, map_location=map_location)
+        return load(self._levels, step, comm=self._comm, map_location=map_location, strict=strict)
 
     # ------------------------------------------------------------------ lifetime
     def _check_open(self) -> None:

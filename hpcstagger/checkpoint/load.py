@@ -1,7 +1,8 @@
 """Loading, verifying and restoring checkpoints. Nothing is unpickled: JSON and raw tensor bytes only.
 
 :func:`load` picks the newest committed checkpoint (or the given step) across one or more levels,
-skips incomplete or damaged ones with a logged warning, checks every piece's checksum while reading
+skips incomplete ones, and damaged ones with a :class:`~hpcstagger.errors.CheckpointWarning`
+(or raises, with ``strict=True``), checks every piece's checksum while reading
 it, and rebuilds the state. Every rank reads every shard it needs, so the number of ranks need not
 match the save. :func:`verify_checkpoint` checks one checkpoint thoroughly (whole-file checksums as
 well), for ``hpcstagger ckpt verify``.
@@ -11,17 +12,18 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from typing import Any
 from collections.abc import Callable, Sequence
 
 from .._io import checksum
 from ..comm import as_comm
-from ..errors import CheckpointError, describe_exception
-from .catalog import Entry, as_dirs, candidates, scan
+from ..errors import CheckpointError, CheckpointWarning, describe_exception
+from .catalog import Entry, as_dirs, candidates, scan, shard_problem
 from .manifest import FORMAT
 from .state import unflatten
 
-__all__ = ["load", "restore", "read_checkpoint", "verify_checkpoint"]
+__all__ = ["load", "load_entry", "restore", "read_checkpoint", "verify_checkpoint", "list_entries"]
 
 log = logging.getLogger(__name__)
 _CHUNK = 8 << 20
@@ -45,13 +47,8 @@ def _check_shard(step_dir: str, manifest: dict[str, Any], rank: int, pieces: lis
 
     shard = manifest["shards"][rank]
     path = os.path.join(step_dir, shard["file"])
-    try:
-        size = os.stat(path).st_size
-    except FileNotFoundError:
-        raise CheckpointError(f"shard {path} is missing") from None
-    if size != shard["size"]:
-        raise CheckpointError(f"shard {path} is {size} bytes, the manifest says {shard['size']}: "
-                              "truncated or replaced")
+    if (problem := shard_problem(step_dir, shard)) is not None:
+        raise CheckpointError(problem)
     if whole_file:
         h = xxhash.xxh3_64()
         with open(path, "rb", buffering=0) as f:
@@ -171,6 +168,9 @@ def read_checkpoint(path: str, *, map_location: Any = None, entry: Entry | None 
             raise CheckpointError(f"{path} is not a checkpoint directory (named step-N)")
         entry = Entry(step, path, 0, True)
     manifest = entry.read_manifest()
+    for shard in manifest["shards"]:  # a missing or cut shard fails before any data is read
+        if (problem := shard_problem(entry.path, shard)) is not None:
+            raise CheckpointError(problem)
     arrays: dict[str, Any] = {}
     flat: dict[str, Any] = {}
     for key, t in manifest["tensors"].items():
@@ -203,43 +203,84 @@ def read_checkpoint(path: str, *, map_location: Any = None, entry: Entry | None 
 
 
 def load(directory: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], step: int | None = None, *,
-         comm: Any = None, map_location: Any = None) -> dict[str, Any]:
+         comm: Any = None, map_location: Any = None, strict: bool = False) -> dict[str, Any]:
     """Load the newest committed checkpoint (or step ``step``) from ``directory``.
 
     ``directory`` may be a list of levels (fastest first): the newest complete checkpoint on any
-    level wins. Incomplete or damaged checkpoints are skipped with a logged warning. With ``comm``,
-    collective: every rank loads the same checkpoint, and one rank's failure to read it makes
-    every rank move on to the next. ``map_location``: None (each tensor to the device it was saved
-    from, or the CPU when that device is absent), a device, a dict mapping saved device names to
-    devices, or a function ``(cpu_tensor, saved_device) -> tensor``. Raises CheckpointError when
-    nothing loadable is found.
+    level wins. Incomplete checkpoints (no manifest) are passed over. A damaged one is skipped
+    for the next older step with one :class:`~hpcstagger.errors.CheckpointWarning` per damaged
+    checkpoint, naming its step and file; with ``strict=True`` it is a CheckpointError instead
+    (a copy of the same step on another level may still stand in). With ``comm``, collective:
+    every rank loads the same checkpoint, one rank's failure to read it makes every rank move on
+    (or raise), and every rank warns alike. ``map_location``: None (each tensor to the device it
+    was saved from, or the CPU when that device is absent), a device, a dict mapping saved device
+    names to devices, or a function ``(cpu_tensor, saved_device) -> tensor``. Raises
+    CheckpointError when nothing loadable is found.
     """
+    return _load(directory, step, comm, map_location, strict)[1]
+
+
+def load_entry(directory: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], step: int | None = None, *,
+               comm: Any = None, map_location: Any = None, strict: bool = False) -> tuple[Entry, dict[str, Any]]:
+    """Like :func:`load`, and also return the :class:`~.catalog.Entry` it loaded (its step and path)."""
+    return _load(directory, step, comm, map_location, strict)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split("\n")).strip()
+
+
+def _try_read(entry: Entry, map_location: Any) -> tuple[dict[str, Any] | None, str | None]:
+    try:
+        return read_checkpoint(entry.path, map_location=map_location, entry=entry), None
+    except CheckpointError as exc:
+        return None, _one_line(str(exc))
+    except Exception as exc:  # a damaged file can raise anything; skip it
+        return None, _one_line(describe_exception(exc))
+
+
+def _load(directory: Any, step: int | None, comm: Any, map_location: Any,
+          strict: bool) -> tuple[Entry, dict[str, Any]]:
     dirs = as_dirs(directory)
     c = as_comm(comm)
-    found = candidates(dirs, step) if c.rank == 0 else None
-    found = c.bcast(found) if c.size > 1 else found
-    problems: list[str] = []
-    for entry in found or []:
-        state, err = None, None
+    found: list[Entry] | str | None = None
+    if c.rank == 0:
         try:
-            state = read_checkpoint(entry.path, map_location=map_location, entry=entry)
-        except CheckpointError as exc:
-            err = str(exc)
-        except Exception as exc:  # a damaged file can raise anything; skip it
-            err = describe_exception(exc)
+            found = candidates(dirs, step)
+        except CheckpointError as exc:  # unreadable directory: every rank raises it, none waits
+            found = str(exc)
+    found = c.bcast(found) if c.size > 1 else found
+    if isinstance(found, str) or found is None:
+        raise CheckpointError(found or "no candidates")
+    damaged: list[tuple[Entry, str]] = []
+    for i, entry in enumerate(found):
+        state, err = _try_read(entry, map_location)
         errs = c.allgather(err) if c.size > 1 else [err]
         bad = {r: e for r, e in enumerate(errs) if e is not None}
         if not bad:
-            log.info("loaded the checkpoint of step %d from %s", entry.step, entry.path)
             assert state is not None, "no rank failed, this one included, so it read the checkpoint"
-            return state
+            log.info("loaded the checkpoint of step %d from %s", entry.step, entry.path)
+            for skipped, text in damaged:
+                instead = "a copy on another level" if skipped.step == entry.step else f"step {entry.step}"
+                warnings.warn(CheckpointWarning(
+                    f"skipped the damaged checkpoint of step {skipped.step} in {skipped.path} and loaded {instead} "
+                    f"({entry.path}): {text}; 'hpcstagger ckpt verify {skipped.path}' lists its problems, and "
+                    "load(..., strict=True) makes this an error"), stacklevel=3)
+            return entry, state
         text = "; ".join(f"rank {r}: {e}" if c.size > 1 else e for r, e in sorted(bad.items()))
-        log.warning("skipping the checkpoint of step %d in %s: %s", entry.step, entry.path, text)
-        problems.append(f"step {entry.step} ({entry.path}): {text}")
-    what = f"checkpoint of step {step}" if step is not None else "checkpoint"
+        log.debug("the checkpoint of step %d in %s cannot be loaded: %s", entry.step, entry.path, text)
+        damaged.append((entry, text))
+        if (strict or step is not None) and not any(e.step == entry.step for e in found[i + 1:]):
+            raise CheckpointError(
+                f"the checkpoint of step {entry.step} in {entry.path} is damaged: {text}; load an older step "
+                f"explicitly with step=N ('hpcstagger ckpt ls {os.path.dirname(entry.path)}' lists them), or "
+                f"check its files with 'hpcstagger ckpt verify {entry.path}'")
     where = ", ".join(dirs)
-    if problems:
-        raise CheckpointError(f"no loadable {what} in {where}; every candidate is damaged:\n  " + "\n  ".join(problems))
+    if damaged:
+        listed = "; ".join(f"step {e.step} ({e.path}): {t}" for e, t in damaged)
+        raise CheckpointError(f"no loadable checkpoint in {where}, every committed one is damaged: {listed}; "
+                              f"'hpcstagger ckpt verify {dirs[0]}' lists every problem")
+    what = f"checkpoint of step {step}" if step is not None else "checkpoint"
     raise CheckpointError(f"no committed {what} in {where}; check the path (hpcstagger ckpt ls DIR lists them)")
 
 
@@ -294,7 +335,9 @@ def verify_checkpoint(path: str, *, progress: Callable[[int], None] | None = Non
         try:
             _check_shard(path, manifest, rank, pieces, dest, whole_file=True, progress=progress)
         except CheckpointError as exc:
-            problems.append(str(exc))
+            problems.append(_one_line(str(exc)))
+        except Exception as exc:  # a damaged file can raise anything; report it as a problem
+            problems.append(_one_line(f"shard {rank} of {path}: {describe_exception(exc)}"))
     return problems
 
 

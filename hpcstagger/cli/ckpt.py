@@ -6,9 +6,15 @@ import argparse
 import json
 import os
 import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ._text import human_bytes
+
+
+_DIR_HELP = "the checkpoint directory AsyncCheckpointer writes to, or one step-N directory in it"
 
 
 def register(sub: Any) -> None:
@@ -19,9 +25,13 @@ def register(sub: Any) -> None:
 
     ls = cmds.add_parser("ls", help="list the checkpoints in a directory",
                          description="List every step directory in DIR, newest first: committed (with world size, "
-                                     "tensors and bytes) or incomplete. Reads manifests only; use verify to check "
-                                     "data. DIR may also be one step-N directory.")
-    ls.add_argument("directory", metavar="DIR")
+                                     "tensors and bytes), incomplete (no manifest: an interrupted save) or damaged "
+                                     "(saying which file). Reads the manifests and compares each shard file's size "
+                                     "with its manifest, reading no shard data; --verify checksums everything, as "
+                                     "verify does. Exit 0 whatever it finds. DIR may also be one step-N directory.")
+    ls.add_argument("directory", metavar="DIR", help=_DIR_HELP)
+    ls.add_argument("--verify", action="store_true",
+                    help="also read every shard and check its checksums (slow: reads all the data)")
     ls.add_argument("--json", action="store_true", help="print exactly one JSON object")
     ls.set_defaults(func=run_ls)
 
@@ -31,7 +41,7 @@ def register(sub: Any) -> None:
                                     "the manifest, and every tensor piece's checksum. A step directory without a "
                                     "manifest (an interrupted save) is a problem too. Exit 1 if anything is wrong, "
                                     "saying what. DIR may also be one step-N directory.")
-    v.add_argument("directory", metavar="DIR")
+    v.add_argument("directory", metavar="DIR", help=_DIR_HELP)
     v.add_argument("--step", type=int, help="verify only this step")
     v.add_argument("--json", action="store_true", help="print exactly one JSON object")
     v.set_defaults(func=run_verify)
@@ -40,28 +50,42 @@ def register(sub: Any) -> None:
                         description="Load a checkpoint (checksums checked) and write it with torch.save as a plain "
                                     "state dict that torch.load(..., weights_only=True) reads: modules and optimizers "
                                     "appear as their state dicts, numpy arrays become tensors and numpy scalars "
-                                    "Python numbers.")
-    e.add_argument("directory", metavar="DIR")
-    e.add_argument("--step", type=int, help="the step to export (default: the newest committed)")
+                                    "Python numbers. Without --step, a damaged newest checkpoint is skipped with "
+                                    "one warning for the next older one; with --step, the step must load. Says "
+                                    "which step it wrote, and where.")
+    e.add_argument("directory", metavar="DIR", help=_DIR_HELP)
+    e.add_argument("--step", type=int, help="the step to export (default: the newest that loads)")
     e.add_argument("--out", required=True, metavar="FILE.pt", help="the file to write")
     e.set_defaults(func=run_export)
 
 
-def _describe(entry: Any) -> dict[str, Any]:
-    from ..errors import CheckpointError
+def _describe(entry: Any, verify: bool = False) -> dict[str, Any]:
+    """One row of ``ckpt ls``: damaged when the files (sizes, presence; with ``verify`` every
+    checksum) disagree with the manifest, naming the first problem and counting the others."""
+    from ..checkpoint.catalog import file_problems
+    from ..checkpoint.load import verify_checkpoint
 
     row: dict[str, Any] = {"step": entry.step, "path": entry.path, "committed": entry.committed}
     if not entry.committed:
         row["status"] = "incomplete"
         return row
-    try:
-        m = entry.read_manifest()
-    except CheckpointError as exc:
-        row.update(status="damaged", error=str(exc))
-        return row
-    row.update(status="committed", world_size=m["world_size"], tensors=len(m["tensors"]),
-               bytes=sum(s["size"] for s in m["shards"]), created=m.get("created"))
+    problems = file_problems(entry)
+    if entry.manifest is not None:
+        m = entry.manifest
+        row.update(world_size=m["world_size"], tensors=len(m["tensors"]),
+                   bytes=sum(s["size"] for s in m["shards"]), created=m.get("created"))
+    if verify and not problems:
+        problems = verify_checkpoint(entry.path)
+    if problems:
+        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        row.update(status="damaged", error=_one_line(problems[0]) + more, problems=[_one_line(p) for p in problems])
+    else:
+        row["status"] = "committed"
     return row
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split("\n")).strip()
 
 
 def _entries(directory: str) -> list[Any]:
@@ -72,7 +96,8 @@ def _entries(directory: str) -> list[Any]:
     from ..errors import CheckpointError
 
     if not os.path.isdir(directory):
-        raise CheckpointError(f"{directory} is not a directory; give the directory AsyncCheckpointer writes to")
+        what = "does not exist" if not os.path.lexists(directory) else "is not a directory"
+        raise CheckpointError(f"{directory} {what}; give the directory AsyncCheckpointer writes to")
     step = parse_step_dirname(os.path.basename(os.path.normpath(directory)))
     if step is not None:
         return [Entry(step, directory, 0, os.path.exists(os.path.join(directory, MANIFEST)))]
@@ -80,7 +105,7 @@ def _entries(directory: str) -> list[Any]:
 
 
 def run_ls(args: argparse.Namespace) -> int:
-    rows = [_describe(e) for e in _entries(args.directory)]
+    rows = [_describe(e, args.verify) for e in _entries(args.directory)]
     if args.json:
         json.dump({"directory": os.path.abspath(args.directory), "checkpoints": rows}, sys.stdout)
         sys.stdout.write("\n")
@@ -91,7 +116,7 @@ def run_ls(args: argparse.Namespace) -> int:
     print(f"{'step':>10}  {'status':<10}  {'ranks':>5}  {'tensors':>7}  {'size':>10}  created")
     for r in rows:
         print(f"{r['step']:>10}  {r['status']:<10}  {r.get('world_size', '-'):>5}  {r.get('tensors', '-'):>7}  "
-              f"{human_bytes(r['bytes']) if 'bytes' in r else '-':>10}  {r.get('created') or r.get('error', '')}")
+              f"{human_bytes(r['bytes']) if 'bytes' in r else '-':>10}  {r.get('error') or r.get('created') or ''}")
     return 0
 
 
@@ -133,7 +158,7 @@ def run_verify(args: argparse.Namespace) -> int:
                 print(f"step {r['step']}: ok")
             else:
                 for p in r["problems"]:
-                    print(f"step {r['step']}: PROBLEM: {p}")
+                    print(f"step {r['step']}: PROBLEM: {_one_line(p)}")
         print(f"{len(results) - len(bad)} of {len(results)} checkpoint(s) sound"
               + (f"; problems in step(s) {', '.join(str(r['step']) for r in bad)}" if bad else ""))
     return 1 if bad else 0
@@ -166,14 +191,61 @@ def _tensors_only(obj: Any) -> Any:
     return obj
 
 
+@contextmanager
+def _warnings_as_lines() -> Iterator[None]:
+    """Print each CheckpointWarning as one ``hpcstagger ckpt: warning: ...`` line on stderr, once."""
+    from ..errors import CheckpointWarning
+
+    shown = warnings.showwarning
+
+    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        if issubclass(category, CheckpointWarning):
+            print(f"hpcstagger ckpt: warning: {_one_line(str(message))}", file=sys.stderr)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", CheckpointWarning)
+        warnings.showwarning = show
+        yield
+
+
+def _check_out(out: str) -> None:
+    """Refuse an --out that cannot be written before anything is loaded."""
+    from ..errors import ConfigError
+
+    parent = os.path.dirname(os.path.abspath(out))
+    if os.path.isdir(out):
+        raise ConfigError(f"--out {out} is a directory; give a file name, e.g. --out {os.path.join(out, 'state.pt')}")
+    if not os.path.isdir(parent):
+        raise ConfigError(f"--out {out}: {parent} is not a directory; create it first or choose another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out}: {parent} is not writable by this user; choose another path")
+
+
 def run_export(args: argparse.Namespace) -> int:
     import torch
 
     from .._io import atomic_write
-    from ..checkpoint.load import load
+    from ..checkpoint.load import load_entry
+    from ..checkpoint.manifest import parse_step_dirname
+    from ..errors import CheckpointError, ConfigError
 
     _entries(args.directory)
-    state = _tensors_only(load(args.directory, args.step, map_location="cpu"))
-    atomic_write(args.out, lambda f: torch.save(state, f))
-    print(f"wrote {args.out} ({human_bytes(os.path.getsize(args.out))})")
+    _check_out(args.out)
+    directory, step = args.directory, args.step
+    named = parse_step_dirname(os.path.basename(os.path.normpath(directory)))
+    if named is not None:  # one step-N directory: that step of its parent
+        if step is not None and step != named:
+            raise ConfigError(f"--step {step} disagrees with the step directory {directory} (step {named}); "
+                              "give one of them")
+        directory, step = os.path.dirname(os.path.abspath(directory)), named
+    with _warnings_as_lines():
+        entry, state = load_entry(directory, step, map_location="cpu")
+    try:
+        atomic_write(args.out, lambda f: torch.save(_tensors_only(state), f))
+    except OSError as exc:
+        raise CheckpointError(f"cannot write {args.out}: {exc.strerror or exc}; check the free space and "
+                              "permissions there, or choose another --out") from None
+    print(f"wrote step {entry.step} from {entry.path} to {args.out} ({human_bytes(os.path.getsize(args.out))})")
     return 0
