@@ -208,3 +208,91 @@ def test_jobs_sharing_a_loader_are_planned_as_their_slowest_member(tmp_path):
     # fixed delays stay the user's
     fixed = plan_delays(spec, ["a", "b", "c"], calib, "fixed", fixed={"b": 1.0})
     assert fixed["delays"] == {"a": 0.0, "b": 1.0, "c": 0.0}
+
+
+CURVE = {"stagger": [-4.0, -2.0, 0.0, 2.0, 4.0], "makespan": [16.0, 15.9, 15.9, 15.8, 15.85]}
+
+
+def test_simultaneous_reason_names_why_and_the_figures():
+    """A plan that starts every job at once says why, with the predicted makespans it compared."""
+    from hpcstagger.colocated.planning import simultaneous_reason
+
+    sim = {"plan": 15.9, "simultaneous": 15.9}
+    # the best stagger (b +2 s, 15.8 s) gains 0.6%: under a min_gain of 1%
+    why = simultaneous_reason({"a": 0.0, "b": 0.0}, sim, CURVE, min_gain=0.01)
+    assert why == ("a simultaneous start: the model predicts no stagger gains more than 1% (best stagger b +2.0 s: "
+                   "predicted makespan 15.8 s against 15.9 s simultaneous: a gain of 0.6%)")
+    # a staggered plan, or a single job, needs no reason
+    assert simultaneous_reason({"a": 0.0, "b": 2.0}, sim, CURVE, min_gain=0.01) is None
+    assert simultaneous_reason({"a": 0.0}, sim, CURVE, min_gain=0.01) is None
+    # the best stagger is job a's when the curve is lowest on its negative side
+    left = {"stagger": CURVE["stagger"], "makespan": [15.0, 15.9, 15.9, 15.9, 15.9]}
+    why = simultaneous_reason({"a": 0.0, "b": 0.0}, {"simultaneous": 15.9}, left, min_gain=0.1, max_delay=4.0)
+    assert "best stagger a +4.0 s: predicted makespan 15.0 s against 15.9 s" in why
+    assert why.endswith("[plan] max_delay (4 s) bounds the stagger")
+    # a gain above min_gain that the plan dropped: over the start-time spread, or at full accuracy
+    assert "does not hold over starts that stray by up to 0.30 s" in simultaneous_reason(
+        {"a": 0.0, "b": 0.0}, {"simultaneous": 15.9}, left, min_gain=0.01, jitter=0.3)
+    assert "at full accuracy the best stagger gains less than 1%" in simultaneous_reason(
+        {"a": 0.0, "b": 0.0}, {"simultaneous": 15.9}, left, min_gain=0.01)
+    # a flat curve, a max_delay of 0, and three jobs (their curve is the largest delay)
+    flat = {"stagger": [0.0, 1.0, 2.0], "makespan": [6.0, 6.0, 6.0]}
+    assert simultaneous_reason({"a": 0.0, "b": 0.0}, {"simultaneous": 6.0}, flat, min_gain=0.01) == (
+        "a simultaneous start: the model predicts that no stagger shortens the makespan (6.0 s simultaneous)")
+    assert "max_delay is 0 s" in simultaneous_reason({"a": 0.0, "b": 0.0}, sim, CURVE, min_gain=0.01, max_delay=0.0)
+    three = simultaneous_reason({"a": 0.0, "b": 0.0, "c": 0.0}, {"simultaneous": 15.9}, CURVE, min_gain=0.01)
+    assert "gains more than 1% (best stagger largest delay +2.0 s" in three
+
+
+def test_a_simultaneous_plan_carries_its_reason_and_a_staggered_one_none(tmp_path, monkeypatch):
+    monkeypatch.delenv("HPCSTAGGER_PLAN_MIN_GAIN", raising=False)
+    monkeypatch.delenv("HPCSTAGGER_PLAN_JITTER", raising=False)
+    (tmp_path / "io.toml").write_text(textwrap.dedent("""
+        [dataset]
+        samples = 2000
+        sample_bytes = 100000
+        [storage]
+        bandwidth = [2.0e7, 8.0e6]
+        [cache]
+        capacity = 2.0e8
+        [[job]]
+        name = "a"
+        sample_time = 0.001
+        [[job]]
+        name = "b"
+        sample_time = 0.0005
+    """))
+    jobs = [{"name": n, "command": "x", "epochs": 3} for n in ("a", "b")]
+
+    def plan(cache_entries, **pl):
+        spec = Spec.from_dict({"plan": {"mode": "plan", "scenario": "io.toml", **pl}, "job": jobs},
+                              base_dir=tmp_path)
+        return plan_delays(spec, ["a", "b"], {}, "plan", cache_state={"entries": cache_entries, "bytes": 0})
+
+    cold = plan(0)
+    assert max(cold["delays"].values()) > 1.0 and "simultaneous_reason" not in cold
+    warm = plan(2000)  # every sample cached: no stagger shortens the run
+    assert warm["delays"] == {"a": 0.0, "b": 0.0}
+    assert warm["simultaneous_reason"].startswith("a simultaneous start: the model predicts that no stagger")
+    assert plan(0, max_delay=0.0)["simultaneous_reason"] == (
+        "a simultaneous start: [plan] max_delay is 0 s, which allows no stagger")
+    # the same reason the pure function gives for the plan's own figures
+    from hpcstagger.colocated.planning import simultaneous_reason
+
+    assert warm["simultaneous_reason"] == simultaneous_reason(warm["delays"], warm["predicted"], warm["curve"],
+                                                              min_gain=0.01, jitter=warm["jitter"])
+    # a mode that takes no plan gives no reason
+    assert "simultaneous_reason" not in plan_delays(
+        Spec.from_dict({"plan": {"mode": "plan", "scenario": "io.toml"}, "job": jobs}, base_dir=tmp_path),
+        ["a", "b"], {}, "simultaneous")
+
+
+def test_one_launch_of_a_sequential_run_is_labelled_sequential(tmp_path):
+    """``hpcstagger launch --mode sequential`` starts each job in a world of its own, in mode
+    sequential: it starts at once and its records say sequential, not simultaneous."""
+    spec = _spec(tmp_path)
+    out = plan_delays(spec.only(["a"]), ["a"], {"a": {"sample_time": 0.0004}}, "sequential")
+    assert out["mode"] == "sequential" and out["delays"] == {"a": 0.0}
+    assert out["predicted"]["sequential"] == pytest.approx(out["predicted"]["simultaneous"])
+    with pytest.raises(ConfigError, match="'sequential' runs the jobs one after another"):
+        plan_delays(spec, ["a", "b"], {}, "sequential")

@@ -491,6 +491,7 @@ def _announce(session: Session, decided: Mapping[str, Any]) -> None:
         extra = "; predicted makespan " + ", ".join(f"{k} {v:.1f}s" for k, v in p.items())
     start = describe_start(decided.get("cache"))
     extra += f"; {start}" if start else ""
+    extra += f"; {decided['simultaneous_reason']}" if decided.get("simultaneous_reason") else ""
     if decided.get("learn"):
         extra += f"; {decided['learn'].get('why', '')}"
     h = decided.get("history")

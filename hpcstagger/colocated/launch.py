@@ -435,7 +435,7 @@ def launch(spec: Spec, *, mode: str | None = None, delays: Mapping[str, float] |
             sub = run_dir / job.name
             sub.mkdir(exist_ok=True)
             left = limit - (time.monotonic() - start)
-            job_env = {**base_env, E.RUN_DIR: str(sub), E.ONLY: job.name, E.MODE: "simultaneous"}
+            job_env = {**base_env, E.RUN_DIR: str(sub), E.ONLY: job.name, E.MODE: "sequential"}
             rc = _run(command([job.name], sub), job_env, max(left, 1.0), cwd)
             if rc != 0 or collect_results(spec, sub, jobs=[job.name]).jobs[job.name].state != "done":
                 break

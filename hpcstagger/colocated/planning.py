@@ -12,11 +12,12 @@ from __future__ import annotations
 from typing import Any
 from collections.abc import Mapping, Sequence
 
+from .. import config
 from ..errors import ConfigError
 from .spec import PLAN_MODES, PLAN_MODES_IN_WORLD, PLANNED_MODES, Spec
 
-__all__ = ["plan_delays", "scenario_for", "cached_fraction", "fold_miss_overhead", "loader_representatives",
-           "partition_cache"]
+__all__ = ["plan_delays", "simultaneous_reason", "scenario_for", "cached_fraction", "fold_miss_overhead",
+           "loader_representatives", "partition_cache"]
 
 
 def _needs_scenario() -> ConfigError:
@@ -66,6 +67,10 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
     ``partition`` (the run's partitioned cache: ``nodes``, the nodes the run spans, and
     ``remote_bandwidth``, the default for a remote hit) makes the plan's scenario partitioned as
     :func:`scenario_for` says; it is returned as ``partition``, for the run's watcher.
+
+    A plan (modes ``"plan"``, ``"open"``) that starts every job at once says why, in one line, as
+    ``simultaneous_reason`` (:func:`simultaneous_reason`, with the ``plan_min_gain`` knob). Mode
+    ``"sequential"`` is accepted for a world of one job (one launch of a sequential run).
     """
     out: dict[str, Any] = {"mode": mode, "delays": _mode_delays(spec, order, mode, fixed),
                            "calibrations": {n: dict(c) for n, c in calibrations.items()}}
@@ -96,7 +101,8 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
     if cache_state is not None:
         out["cache"].update(fraction=scenario.cache.initial, samples=scenario.dataset.samples,
                             initial_samples=scenario.initial_samples)
-    p = optimal_plan(scenario, max_delay=spec.plan.max_delay, jitter=spec.plan.jitter)
+    min_gain = float(config.get("plan_min_gain"))
+    p = optimal_plan(scenario, max_delay=spec.plan.max_delay, min_gain=min_gain, jitter=spec.plan.jitter)
     if mode in PLANNED_MODES:
         out["delays"] = {n: float(p.delays.get(n, 0.0)) for n in order}
     out["predicted"] = {"plan": float(p.makespan), "simultaneous": float(p.simultaneous),
@@ -110,7 +116,56 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
     out["scenario"] = scenario.to_dict()
     out["curve"] = p.to_dict()["curve"]
     out["jitter"] = float(p.jitter)  # the start-time spread the plan was made for (seconds)
+    if mode in PLANNED_MODES:
+        reason = simultaneous_reason(out["delays"], out["predicted"], out["curve"], min_gain=min_gain,
+                                     max_delay=spec.plan.max_delay, jitter=float(p.jitter))
+        if reason:
+            out["simultaneous_reason"] = reason
     return out
+
+
+def simultaneous_reason(delays: Mapping[str, float], predicted: Mapping[str, float] | None,
+                        curve: Mapping[str, Any] | None, *, min_gain: float, max_delay: float | None = None,
+                        jitter: float = 0.0) -> str | None:
+    """Why a plan starts every job at once, in one line; None when some job waits (or only one runs).
+
+    ``delays`` are the plan's, ``predicted`` its predicted makespans (``simultaneous``), ``curve``
+    the model's makespan-versus-stagger curve (``stagger``, ``makespan``: a signed stagger of the
+    second job for 2 jobs, else the largest delay), ``min_gain`` the least gain for which a stagger
+    is planned, ``max_delay`` the spec's bound on a delay and ``jitter`` the start-time spread (s).
+    """
+    names = list(delays)
+    if len(names) < 2 or any(float(d) > 0 for d in delays.values()):
+        return None
+    if max_delay is not None and max_delay <= 0:
+        return "a simultaneous start: [plan] max_delay is 0 s, which allows no stagger"
+    points = list(zip((curve or {}).get("stagger") or (), (curve or {}).get("makespan") or ()))
+    staggered = [(float(x), float(m)) for x, m in points if x != 0]
+    sim = (predicted or {}).get("simultaneous")
+    if sim is None:
+        sim = next((float(m) for x, m in points if x == 0), None)
+    if sim is None or not staggered:
+        return (f"a simultaneous start: the model predicts no stagger gains more than {100 * min_gain:g}% "
+                "over it" + (f" (predicted makespan {sim:.1f} s)" if sim is not None else ""))
+    x, best = min(staggered, key=lambda p: (p[1], abs(p[0])))
+    if len(names) == 2:
+        which = f"{names[1]} +{x:.1f} s" if x > 0 else f"{names[0]} +{-x:.1f} s"
+    else:
+        which = f"largest delay +{abs(x):.1f} s"
+    figures = f"best stagger {which}: predicted makespan {best:.1f} s against {sim:.1f} s simultaneous"
+    gain = 1.0 - best / sim if sim > 0 else 0.0
+    if gain < 1e-3:  # a flat curve: the model's own accuracy
+        why = f"the model predicts that no stagger shortens the makespan ({sim:.1f} s simultaneous)"
+    elif gain <= min_gain:
+        why = f"the model predicts no stagger gains more than {100 * min_gain:g}% ({figures}: a gain of {100 * gain:.1f}%)"
+    elif jitter > 0:
+        why = (f"the best stagger's gain does not hold over starts that stray by up to {jitter:.2f} s "
+               f"({figures}, with exact starts)")
+    else:
+        why = f"at full accuracy the best stagger gains less than {100 * min_gain:g}% ({figures})"
+    if max_delay is not None and abs(x) >= max_delay * (1 - 1e-6):
+        why += f"; [plan] max_delay ({max_delay:g} s) bounds the stagger"
+    return f"a simultaneous start: {why}"
 
 
 def _steer(spec: Spec, delays: Mapping[str, float], order: Sequence[str], sequential: float,
@@ -151,8 +206,10 @@ def loader_representatives(spec: Spec, order: Sequence[str],
 
 def _mode_delays(spec: Spec | None, order: Sequence[str], mode: str,
                  fixed: Mapping[str, float] | None) -> dict[str, float]:
-    """The delays of a mode before any plan: mode "fixed"'s, else none; ConfigError for a bad mode."""
-    if mode not in PLAN_MODES_IN_WORLD:
+    """The delays of a mode before any plan: mode "fixed"'s, else none; ConfigError for a bad mode.
+
+    Mode "sequential" is one job per launch: a world of one job of a sequential run starts it at once."""
+    if mode not in PLAN_MODES_IN_WORLD and not (mode == "sequential" and len(order) == 1):
         if mode == "sequential":
             raise ConfigError("plan mode 'sequential' runs the jobs one after another, each in its own launch: "
                               "use 'hpcstagger launch --mode sequential' (or the rendered Slurm script), not "
