@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from .errors import ConfigError
 
 __all__ = ["REQUIRED", "Field", "Table", "number", "integer", "string", "choice", "boolean", "size",
-           "command", "str_map", "number_list", "table", "load_toml"]
+           "command", "str_map", "number_list", "table", "load_toml", "check_tables"]
 
 
 class _Required:
@@ -115,6 +115,32 @@ def load_toml(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
         return tomllib.loads(text.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{what} {name} is not valid TOML: {exc}") from None
+
+
+# A job spec and a scenario share [dataset], [cache], [loader] and [[job]]; these tables (and these
+# [[job]] keys) are one kind's alone, so a file of the other kind is named as such, with the fix.
+_ONLY = {"scenario": (("storage", "node"), "sample_time"), "job spec": (("run", "plan", "checkpoint", "slurm"),
+                                                                         "command")}
+_GIVE = {"scenario": "give the scenario that 'hpcstagger calibrate SPEC' writes (the spec's [plan] scenario)",
+         "job spec": "give the job spec ([run], [[job]] tables with a command); a scenario goes in its [plan] "
+                     "scenario"}
+
+
+def check_tables(data: Mapping[str, Any], known: Sequence[str], valid: str, kind: str) -> None:
+    """ConfigError for a table of ``data`` not in ``known`` (``valid`` lists them for the message),
+    and for a file of the other kind: a job spec read as a ``kind`` "scenario" or the reverse."""
+    other = "job spec" if kind == "scenario" else "scenario"
+    tables, job_key = _ONLY[other]
+    jobs = data.get("job")
+    jobs = [jobs] if isinstance(jobs, Mapping) else jobs if isinstance(jobs, list) else []
+    sign = next((f"[{k}]" for k in data if k in tables), None)
+    if sign is None and any(isinstance(j, Mapping) and job_key in j for j in jobs):
+        sign = f"[[job]] {job_key}"
+    if sign is not None:
+        raise ConfigError(f"this is a {other} (it has {sign}), not a {kind}: {_GIVE[kind]}")
+    for key in data:
+        if key not in known:
+            raise ConfigError(f"unknown table [{key}]; valid tables: {valid}")
 
 
 # ---------------------------------------------------------------------------- checkers

@@ -12,10 +12,11 @@ import argparse
 import importlib
 import logging
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 from collections.abc import Callable, Sequence
 
 from .._version import __version__
+from ._args import settle_spec
 
 # Subcommand modules under hpcstagger.cli, in --help order. Each has register(subparsers).
 SUBCOMMANDS: list[str] = ["demo", "info", "cache", "ckpt", "calibrate", "plan", "profile", "launch", "sweep", "history",
@@ -23,7 +24,13 @@ SUBCOMMANDS: list[str] = ["demo", "info", "cache", "ckpt", "calibrate", "plan", 
 
 
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors are one line and exit 2."""
+    """An ArgumentParser whose usage errors are one line and exit 2, and that takes options only
+    as spelled in full: ``--cold`` is not read as ``--cold-cache`` (no abbreviations, so a
+    destructive flag never acts on a prefix). Its subparsers are Parsers too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
@@ -75,6 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    settle_spec(args)
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return 2

@@ -31,7 +31,8 @@ def register(sub: Any) -> None:
                                     "used it: lookups, hits, misses, inserts, refused, bytes used, ...; for a "
                                     "partitioned cache also its local hits, remote hits and source reads "
                                     "(emulated nodes: --root <root>/node<i>).")
-    q.add_argument("name", metavar="NAME")
+    q.add_argument("name", metavar="NAME", help="the cache, as 'hpcstagger cache ls' lists it (a spec's [cache] name, "
+                   "by default its [run] name)")
     common(q)
     q.add_argument("--json", action="store_true", help="print exactly one JSON object")
     q.set_defaults(func=run_stats)
@@ -40,7 +41,7 @@ def register(sub: Any) -> None:
                         description="Empty cache NAME. When no live process is attached it is removed from "
                                     "the root altogether; otherwise its entries are dropped and the attached "
                                     "processes keep using the (now empty) cache.")
-    q.add_argument("name", metavar="NAME")
+    q.add_argument("name", metavar="NAME", help="the cache to empty, as 'hpcstagger cache ls' lists it")
     common(q)
     q.set_defaults(func=run_clear)
 

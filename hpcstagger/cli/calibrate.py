@@ -8,6 +8,8 @@ import json
 import sys
 from typing import Any
 
+from ._args import add_spec
+
 
 def register(sub: Any) -> None:
     p = sub.add_parser(
@@ -15,21 +17,21 @@ def register(sub: Any) -> None:
         description="Measure, within a time budget, the source's aggregate bandwidth with 1, 2, ... "
                     "concurrent reader processes (on samples no reader has read, with the files' pages "
                     "dropped), the cache's hit bandwidth and each job's costs, and write a scenario file "
-                    "for 'hpcstagger plan'. With --spec, every job runs its own command briefly, alone, "
-                    "with its ranks, in calibration mode: its loop, written 'for batch in "
+                    "for 'hpcstagger plan'. Given a job spec (SPEC, or --spec SPEC), every job runs its own "
+                    "command briefly, alone, with its ranks, in calibration mode: its loop, written 'for batch in "
                     "session.loader(loader):', measures itself and stops early; the source is measured "
-                    "with up to as many readers as the jobs have fetchers (at most 16). Without --spec, "
+                    "with up to as many readers as the jobs have fetchers (at most 16). Without a spec, "
                     "jobs are step factories timed on samples in memory: sources and jobs are named "
                     "'module:function', called with no arguments, returning the source (len, [i] -> "
                     "bytes, key(i); picklable) or the job's step(samples: list[bytes]).")
-    p.add_argument("--spec", metavar="SPEC",
-                   help="a job spec: the source ([dataset], with its throttle), the cache's capacity and policy, "
-                        "and the jobs, each measured from its own command (unless given with --job)")
+    add_spec(p, "a job spec (TOML): the source ([dataset], with its throttle), the cache's capacity and policy, "
+                "and the jobs, each measured from its own command (unless given with --job); without it, "
+                "--source and --job give the source and the jobs", required=False)
     p.add_argument("--source", metavar="MODULE:FUNCTION",
-                   help="factory of the dataset source (e.g. mypkg.data:make_source); not with --spec")
+                   help="factory of the dataset source (e.g. mypkg.data:make_source); not with a spec")
     p.add_argument("--job", action="append", default=[], metavar="NAME=MODULE:FUNCTION",
                    help="a job and the factory of its step function, timed on samples in memory; repeat for "
-                        "every job (with --spec: only for jobs not to run from their command)")
+                        "every job (with a spec: only for jobs not to run from their command)")
     p.add_argument("--epochs", action="append", default=[], metavar="N|NAME=N",
                    help="epochs of every job (N) or of one job (NAME=N); default 1, or the spec's")
     p.add_argument("--capacity", default=None, metavar="BYTES|PCT",
@@ -39,9 +41,9 @@ def register(sub: Any) -> None:
                    help="cache policy (default minio, or the spec's)")
     p.add_argument("--cache", default=None, metavar="MODULE:FUNCTION",
                    help="factory of a cache object with put(key, data) and get(key) to time hits "
-                        "against (default: files in /dev/shm); not with --spec")
+                        "against (default: files in /dev/shm); not with a spec")
     p.add_argument("--readers", type=int, default=None, metavar="K",
-                   help="measure the source with 1 .. K concurrent readers (default: with --spec the jobs' "
+                   help="measure the source with 1 .. K concurrent readers (default: with a spec the jobs' "
                         "fetchers, ranks x max(workers, 1) summed, at most 16; else 2, or the number of jobs "
                         "up to 4)")
     p.add_argument("--budget", type=float, default=None, metavar="S",
@@ -49,13 +51,13 @@ def register(sub: Any) -> None:
     p.add_argument("--batch", type=int, default=16,
                    help="samples per step call when timing step factories (--job; default 16)")
     p.add_argument("--prefetch", type=int, default=2,
-                   help="the loader prefetch depth written into the scenario without --spec (default 2)")
+                   help="the loader prefetch depth written into the scenario without a spec (default 2)")
     p.add_argument("--cores", type=float, default=None, metavar="C",
-                   help="with --spec: the CPU cores the co-located jobs share, written as [node] cores "
+                   help="with a spec: the CPU cores the co-located jobs share, written as [node] cores "
                         "(default: the CPUs this process may run on; 0: do not model CPU sharing)")
     p.add_argument("-o", "--out", default="scenario.toml", help="scenario file to write (default scenario.toml)")
     p.add_argument("--history", action="store_true",
-                   help="with --spec: seed the spec's run history instead (<workdir>/history/seed.toml): a spec "
+                   help="with a spec: seed the spec's run history instead (<workdir>/history/seed.toml): a spec "
                         "without [plan] scenario then plans from it, and what its runs observe refines it")
     p.add_argument("--json", action="store_true", help="print the measurements as one JSON object")
     p.set_defaults(func=run)
@@ -127,7 +129,7 @@ def _with_spec(args: argparse.Namespace, jobs: dict[str, Any]) -> Any:
     from ..errors import ConfigError
 
     if args.source or args.cache:
-        raise ConfigError("with --spec the source and the cache come from the spec: drop --source and --cache")
+        raise ConfigError("with a spec the source and the cache come from the spec: drop --source and --cache")
     spec = Spec.from_toml(args.spec)
     epochs = _epochs(args.epochs, list(spec.job_names)) if args.epochs else None
     out = args.out
@@ -149,7 +151,7 @@ def _with_factories(args: argparse.Namespace, jobs: dict[str, Any]) -> Any:
     from ..model.calibrate import calibrate
 
     if not args.source:
-        raise ConfigError("give the source: --source MODULE:FUNCTION, or --spec SPEC")
+        raise ConfigError("give a job spec (hpcstagger calibrate SPEC), or the source: --source MODULE:FUNCTION")
     if not jobs:
         raise ConfigError("give at least one --job NAME=MODULE:FUNCTION")
     source = load_factory(args.source, "source")
@@ -167,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     if args.history and not args.spec:
         from ..errors import ConfigError
 
-        raise ConfigError("--history seeds a spec's run history: give --spec SPEC")
+        raise ConfigError("--history seeds a spec's run history: give --spec SPEC, or SPEC as the first argument")
     jobs = _steps(args.job)
     cal = _with_spec(args, jobs) if args.spec else _with_factories(args, jobs)
     if args.json:

@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from ._args import add_spec
 from ._text import table
 
 
@@ -17,7 +18,7 @@ def register(sub: Any) -> None:
                                    "and jobs, each job's start-up, the node, the date), and what the next plan "
                                    "starts from on this node; for a spec without a scenario, the runs observed "
                                    "to learn one and the learned scenario. Records live in <workdir>/history.")
-    p.add_argument("spec", help="the job spec (TOML)")
+    add_spec(p)
     p.add_argument("--clear", action="store_true",
                    help="remove every record of the spec's history, the observed runs and the learned scenario "
                         "(not the seed of 'hpcstagger calibrate --history')")

@@ -8,6 +8,7 @@ import shlex
 import sys
 from typing import Any
 
+from ._args import add_spec
 from ._text import table
 from ..colocated.spec import PLAN_MODES
 
@@ -18,7 +19,7 @@ def register(sub: Any) -> None:
                                    "hpcstagger.init() in each job plans the start delays and holds the "
                                    "jobs back; afterwards each job's start, finish and the makespan are "
                                    "printed. Mode sequential runs the jobs one after another instead.")
-    p.add_argument("spec", help="the job spec (TOML)")
+    add_spec(p)
     p.add_argument("--mode", choices=PLAN_MODES,
                    help="override the spec's [plan] mode")
     p.add_argument("--delays", metavar="JOB=S,...", help="fixed start delays, e.g. a=0,b=12.5 (implies --mode fixed)")
@@ -31,12 +32,15 @@ def register(sub: Any) -> None:
     p.add_argument("--no-history", action="store_true",
                    help="plan without what earlier runs of the spec measured (see 'hpcstagger history')")
     p.add_argument("--dry-run", action="store_true", help="print the mpiexec command(s) and exit")
+    p.add_argument("--check", action="store_true",
+                   help="only check, starting nothing: the dataset (path, format, dataset name, files), each "
+                        "job's backend (importable) and the launcher (on PATH); every launch checks these first")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=run)
     st = sub.add_parser("status", help="print each job's times for a run of a spec",
                         description="Print each job's delay, start, finish and state, and the makespan, from "
                                     "the status files of a run (by default the newest run of SPEC).")
-    st.add_argument("spec", help="the job spec (TOML)")
+    add_spec(st, then="run_dir")
     st.add_argument("run_dir", nargs="?", help="the run's status directory (default: the newest under "
                                               "<workdir>/runs)")
     st.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -46,7 +50,7 @@ def register(sub: Any) -> None:
                                     "heterogeneous job), work out which job of SPEC this rank belongs to "
                                     "(HPCSTAGGER_JOB, else the heterogeneous-job component, else the rank's place "
                                     "in the spec's layout) and replace this process with that job's command.")
-    ex.add_argument("spec", help="the job spec (TOML)")
+    add_spec(ex)
     ex.set_defaults(func=run_exec)
 
 
@@ -56,8 +60,11 @@ def run_exec(args: argparse.Namespace) -> int:
     from ..colocated.launch import exec_job
     from ..colocated.spec import Spec
 
+    from ..colocated.preflight import check
+
     spec = Spec.from_toml(args.spec)
     argv, env, cwd = exec_job(spec)
+    check(spec, launcher=None, jobs=[env["HPCSTAGGER_JOB"]])  # this rank's job, before its command starts
     os.chdir(cwd)
     os.execvpe(argv[0], argv, env)
     return 1  # not reached
@@ -137,6 +144,12 @@ def run(args: argparse.Namespace) -> int:
                 print(shlex.join(mpmd_command(spec, jobs=[job.name])))
         else:
             print(shlex.join(mpmd_command(spec)))
+        return 0
+    if args.check:
+        from ..colocated.preflight import check
+
+        check(spec, launcher=args.launcher)
+        print(f"{args.spec}: dataset, backends and launcher ({args.launcher}) are ready")
         return 0
     from ..colocated import env as E
 

@@ -8,6 +8,8 @@ import re
 import sys
 from typing import Any
 
+from ._args import add_spec
+
 
 def register(sub: Any) -> None:
     p = sub.add_parser("slurm", help="render or submit the sbatch script of a job spec",
@@ -15,14 +17,14 @@ def register(sub: Any) -> None:
                                    "node, or submit it (optionally waiting for it to end).")
     acts = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     r = acts.add_parser("render", help="print the sbatch script", description="Print the sbatch script for SPEC.")
-    r.add_argument("spec", help="the job spec (TOML)")
+    add_spec(r)
     r.add_argument("--out", metavar="FILE", help="write the script to FILE instead of standard output")
     r.set_defaults(func=run_render)
     s = acts.add_parser("submit", help="submit the sbatch script",
                         description="Render SPEC's sbatch script into <workdir>/slurm/, submit it with sbatch, "
                                     "and print the job id. With --wait, poll the job until it ends, print each "
                                     "job's times, and exit non-zero unless it completed.")
-    s.add_argument("spec", help="the job spec (TOML)")
+    add_spec(s)
     s.add_argument("--wait", action="store_true", help="wait for the job to end")
     s.add_argument("--timeout", type=float, metavar="S",
                    help="with --wait, give up after S seconds (default: [run] timeout + 10 minutes)")
@@ -34,7 +36,7 @@ def register(sub: Any) -> None:
                                     "else SLURM_JOB_ID) and print its path. Batch scripts that start the ranks "
                                     "themselves (slurm/hetjob.sbatch) use it as HPCSTAGGER_RUN_DIR, so that "
                                     "'hpcstagger status SPEC' finds the run.")
-    d.add_argument("spec", help="the job spec (TOML)")
+    add_spec(d)
     d.add_argument("--job-id", metavar="ID", help="the Slurm job id (default: SLURM_JOB_ID)")
     d.set_defaults(func=run_run_dir)
 

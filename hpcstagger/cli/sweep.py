@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Mapping, Sequence
 
+from ._args import add_spec
 from ._text import table
 
 
@@ -20,7 +21,7 @@ def register(sub: Any) -> None:
                     "reverse order (job k of N delayed by (N-1-k)*S); with 2 jobs: B delayed by S, and A "
                     "delayed by S. Prints a table, the plan's gap to the best measured stagger and the "
                     "prediction errors; writes JSON and a plot; one progress line per run on stderr.")
-    p.add_argument("spec", help="the job spec (TOML) with at least 2 jobs")
+    add_spec(p, "the job spec (TOML) with at least 2 jobs")
     p.add_argument("--staggers", metavar="S,S,...",
                    help="staggers in seconds, e.g. 0,2,4,8 (default: 7 from 0 over the plan's predicted curve, "
                         "or up to --max-stagger)")

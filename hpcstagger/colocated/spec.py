@@ -300,10 +300,7 @@ class Spec:
         """Validate a dict shaped like the TOML format; relative paths resolve against ``base_dir``."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"a spec must be a table, got {type(data).__name__}")
-        valid = [*(f"[{t}]" for t in _TABLES), "[[job]]"]
-        for key in data:
-            if key not in _TABLES and key != "job":
-                raise ConfigError(f"unknown table [{key}]; valid tables: {', '.join(valid)}")
+        S.check_tables(data, [*_TABLES, "job"], ", ".join([*(f"[{t}]" for t in _TABLES), "[[job]]"]), "job spec")
         base = Path(base_dir).resolve()
 
         def resolve(p: str) -> str:

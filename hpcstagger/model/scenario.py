@@ -323,10 +323,7 @@ class Scenario:
         """
         if not isinstance(data, Mapping):
             raise ConfigError(f"a scenario must be a table/dict, got {type(data).__name__}")
-        for key in data:
-            if key not in _TOP:
-                valid = ", ".join(f"[{k}] ({v})" for k, v in _TOP.items())
-                raise ConfigError(f"unknown table [{key}]; valid tables: {valid}")
+        S.check_tables(data, list(_TOP), ", ".join(f"[{k}] ({v})" for k, v in _TOP.items()), "scenario")
         for key in ("dataset", "storage", "job"):
             if key not in data:
                 raise ConfigError(f"missing [{'[job]' if key == 'job' else key}] ({_TOP[key]})")
