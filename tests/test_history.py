@@ -184,3 +184,23 @@ def test_start_ups_are_read_from_the_run_and_the_plan_starts_from_them(tmp_path,
     assert on_disk["startup"] == {a: pytest.approx(0.8)}
     (again,) = H.read_history(spec.run.workdir)
     assert again["startup"] == {a: pytest.approx(0.8)}
+
+
+def test_no_records_says_what_keeps_a_run_from_being_recorded(tmp_path, capsys):
+    from hpcstagger.cli import main
+    from hpcstagger.colocated.steer import WARMUP, WINDOW
+
+    path = write_spec(tmp_path, str(tmp_path / "shm"))  # mode plan with a scenario
+    assert main(["history", path]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("no runs recorded") and len(out.strip().splitlines()) == 1
+    assert f"before the watcher's fit window (about {WARMUP + WINDOW:g} s of training" in out
+    assert "a shorter run records nothing" in out and "started every job together" in out
+    assert "a job that waits" not in out  # the old reason, which held in the runs it failed to explain
+    text = (tmp_path / "spec.toml").read_text()
+    (tmp_path / "spec.toml").write_text(text.replace('mode = "plan"', 'mode = "plan"\nhistory = false'))
+    assert main(["history", path]) == 0
+    assert "[plan] history = false: its runs are not recorded" in capsys.readouterr().out
+    (tmp_path / "spec.toml").write_text(text.replace('mode = "plan"', 'mode = "simultaneous"'))
+    assert main(["history", path]) == 0
+    assert "[plan] mode is 'simultaneous': only a run in mode plan records" in capsys.readouterr().out

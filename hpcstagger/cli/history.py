@@ -65,8 +65,7 @@ def run(args: argparse.Namespace) -> int:
     if not spec.plan.scenario:
         _print_learning(learned)
     if not records:
-        print(f"no runs recorded in {H.history_dir(workdir)} yet (a run records what its closed-loop watcher "
-              "fitted: mode plan with a job that waits)")
+        print(f"no runs recorded in {H.history_dir(workdir)} yet: {why_unrecorded(spec)}")
         return 0
     digest = H.scenario_digest(spec.plan.scenario) if spec.plan.scenario else ""
     names = sorted({n for r in records for n in (r.get("jobs") or {})})
@@ -85,6 +84,23 @@ def run(args: argparse.Namespace) -> int:
         print("\nno record applies to the next plan on this kind of node (other nodes, another calibration, "
               "or older than it)")
     return 0
+
+
+def why_unrecorded(spec: Any) -> str:
+    """Why a spec's runs may have left no record: what the spec rules out, else what can stop a
+    run's closed-loop watcher from fitting the model (it records only a fit)."""
+    from ..colocated.steer import WARMUP, WINDOW
+
+    if not spec.plan.history:
+        return "the spec's [plan] history = false: its runs are not recorded"
+    if spec.plan.mode != "plan":
+        return (f"the spec's [plan] mode is {spec.plan.mode!r}: only a run in mode plan records (what its "
+                "closed-loop watcher fitted); run 'hpcstagger launch SPEC --mode plan' or set [plan] mode = \"plan\"")
+    return ("a run records what its closed-loop watcher fitted, so none is recorded when the run ended before "
+            f"the watcher's fit window (about {WARMUP + WINDOW:g} s of training after the last job's loop began, "
+            "less once the source reads stop): a shorter run records nothing; when the plan started every job "
+            "together (no job waited, so no watcher ran); or when it ran in another mode ('hpcstagger launch "
+            "--mode')")
 
 
 def _print_learning(learned: dict[str, Any]) -> None:
