@@ -1,5 +1,7 @@
 """The driver behind ``hpcstagger demo``.
 
+0. Look at how busy the node is (other processes' CPU use, the load average against the cores)
+   and warn, with the figures, when other work would slow the measured jobs.
 1. Generate a synthetic image-like dataset (HDF5) unless one is already there.
 2. Serve it through a ThrottledSource: a slow shared repository whose aggregate bandwidth
    degrades when two jobs read at once.
@@ -9,7 +11,8 @@
 4. Run the two co-located jobs (two different small models, one rank each, under MPMD mpiexec) at
    the planned stagger, simultaneously and sequentially, each run with a cold cache and
    asynchronous checkpoints, and compare predicted with measured makespans.
-5. Print a table, write ``demo.json`` and a PNG plot.
+5. Print a table, write ``demo.json`` and a PNG plot; both say when the node was busy and, when the
+   plan is a simultaneous start, why.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Mapping
 
-from .. import _io
-from ..cli._text import table
+from .. import _io, config, nodeload
+from ..colocated.planning import simultaneous_reason
 from ..errors import ConfigError
+from .report import figure, format_table, notes, plot
 
-__all__ = ["DemoConfig", "DemoSetup", "prepare", "run_demo", "format_table"]
+__all__ = ["DemoConfig", "DemoSetup", "check_node", "prepare", "run_demo", "format_table", "notes", "figure",
+           "plot"]
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +155,25 @@ class DemoSetup:
     scenario: Any
     plan: Any
     calibration: Any
+    reason: str | None = None  # why the plan is a simultaneous start (None when some job waits)
+
+
+def check_node(window_s: float = 1.0) -> dict[str, Any]:
+    """How busy the node is before the demo measures anything (:func:`hpcstagger.nodeload.sample`
+    over ``window_s`` seconds), as demo.json records it: the usable ``cores``, other processes' CPU
+    use (``others_cores``), the 1-minute load average (``load1``), ``busy``, and the ``warning``
+    line with the figures (None on a quiet node). It prints the figures, or the warning. Never raises."""
+    load = nodeload.sample(window_s)
+    warning = nodeload.busy_warning(load, "the demo")
+    if warning:
+        print(f"demo: warning: {warning}", file=sys.stderr, flush=True)
+    else:
+        others = "-" if load.others_cores is None else f"{load.others_cores:.2f}"
+        load1 = "-" if load.load1 is None else f"{load.load1:.2f}"
+        print(f"demo: the node is quiet (other processes used {others} of {load.cores} usable cores over "
+              f"{load.window_s:.1f} s; load average {load1})", file=sys.stderr, flush=True)
+    return {"cores": load.cores, "others_cores": load.others_cores, "load1": load.load1,
+            "window_s": load.window_s, "busy": load.busy, "warning": warning}
 
 
 def prepare(cfg: DemoConfig) -> DemoSetup:
@@ -169,101 +193,81 @@ def prepare(cfg: DemoConfig) -> DemoSetup:
           "1 and 2 readers; cache hits)", file=sys.stderr)
     calibration = _calibrate(cfg, spec, scenario_path)
     scenario = Scenario.from_toml(scenario_path)
-    plan = optimal_plan(scenario)
+    min_gain = float(config.get("plan_min_gain"))
+    plan = optimal_plan(scenario, max_delay=spec.plan.max_delay, min_gain=min_gain, jitter=spec.plan.jitter)
+    reason = simultaneous_reason(plan.delays, {"simultaneous": plan.simultaneous}, plan.to_dict()["curve"],
+                                 min_gain=min_gain, max_delay=spec.plan.max_delay, jitter=plan.jitter)
     print(f"demo: plan {', '.join(f'{n} +{d:.1f}s' for n, d in plan.delays.items())}: predicted makespan "
-          f"{plan.makespan:.1f} s (simultaneous {plan.simultaneous:.1f} s, sequential {plan.sequential:.1f} s)",
-          file=sys.stderr)
-    return DemoSetup(work=work, spec=spec, scenario=scenario, plan=plan, calibration=calibration)
+          f"{plan.makespan:.1f} s (simultaneous {plan.simultaneous:.1f} s, sequential {plan.sequential:.1f} s)"
+          + (f"; {reason}" if reason else ""), file=sys.stderr)
+    return DemoSetup(work=work, spec=spec, scenario=scenario, plan=plan, calibration=calibration, reason=reason)
+
+
+def _plan_reason(result: Any, spec: Any) -> str | None:
+    """Why the coordinator's plan for a run started every job at once (its leaders' plan record)."""
+    from ..colocated.progress import read_status
+
+    for job in spec.jobs:
+        record = read_status(result.run_dir, job.name) or {}
+        reason = (record.get("plan") or {}).get("simultaneous_reason")
+        if reason:
+            return str(reason)
+    return None
+
+
+def _run_one(spec: Any, scenario: Any, plan: Any, runs: list[dict[str, Any]], mode: str,
+             delays: dict[str, float] | None, label: str) -> dict[str, Any]:
+    """Launch one run of the demo's jobs with a cold cache; its record for demo.json."""
+    from ..colocated.launch import launch
+    from ..model import predict
+
+    _reset_shared_state()
+    result = launch(spec, mode=mode, delays=delays, run_name=f"{len(runs) + 1:02d}-{label.replace(' ', '-')}")
+    if not result.ok:
+        problems = "; ".join(result.failures()) or f"mpiexec exited with {result.returncode}"
+        raise ConfigError(f"demo run '{label}' failed: {problems} (see {result.run_dir})")
+    # The coordinator predicts each run from the calibrated scenario and the cache as it finds it;
+    # sequential runs launch one job at a time, so theirs comes from the planned run's scenario.
+    predicted = result.predicted.get(mode)
+    if mode == "sequential":
+        planned = next((r for r in runs if r["mode"] == "plan"), None)
+        predicted = planned["predicted_all"].get("sequential") if planned else plan.sequential
+    if predicted is None:
+        predicted = predict(scenario, delays).makespan if delays else plan.makespan
+    measured = float(result.makespan or 0.0)
+    record = {"mode": mode, "label": label, "delays": result.delays, "predicted": predicted,
+              "predicted_all": result.predicted, "calibrations": result.calibrations, "curve": result.curve,
+              "measured": measured, "error": (predicted - measured) / measured if measured else None,
+              "jobs": {n: {"start": j.start, "finish": j.finish, "metrics": j.metrics}
+                       for n, j in result.jobs.items()},
+              "overhead": result.overhead, "run_dir": result.run_dir}
+    if mode == "plan":
+        record["simultaneous_reason"] = _plan_reason(result, spec)
+    return record
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """Run the whole demo; return its results (also written to ``<workdir>/demo.json``)."""
-    from ..colocated.launch import launch
-    from ..model import predict
-
     started = time.monotonic()
+    node_load = check_node()
     setup = prepare(cfg)
-    work, spec, scenario, plan, calibration = setup.work, setup.spec, setup.scenario, setup.plan, setup.calibration
-
+    work, spec, scenario, plan = setup.work, setup.spec, setup.scenario, setup.plan
     runs: list[dict[str, Any]] = []
-    later = max(plan.delays, key=lambda n: plan.delays[n]) if plan.order else spec.jobs[-1].name
+    # the job the sweep delays: the plan's later one, else the second (the curve's positive side)
+    later = max(plan.delays, key=lambda n: plan.delays[n]) if any(plan.delays.values()) else spec.jobs[-1].name
     todo: list[tuple[str, dict[str, float] | None]] = [(m, None) for m in cfg.modes]
     todo += [("fixed", {later: float(d)}) for d in cfg.sweep]
     for mode, delays in todo:
-        _reset_shared_state()
         label = mode if delays is None else f"stagger {delays[later]:.1f}s"
         print(f"demo: run {len(runs) + 1}/{len(todo)}: {label}", file=sys.stderr, flush=True)
-        result = launch(spec, mode=mode, delays=delays, run_name=f"{len(runs) + 1:02d}-{label.replace(' ', '-')}")
-        if not result.ok:
-            problems = "; ".join(result.failures()) or f"mpiexec exited with {result.returncode}"
-            raise ConfigError(f"demo run '{label}' failed: {problems} (see {result.run_dir})")
-        # The coordinator predicts each run from the calibrated scenario and the cache as it finds it;
-        # sequential runs launch one job at a time, so theirs comes from the planned run's scenario.
-        predicted = result.predicted.get(mode)
-        if mode == "sequential":
-            planned = next((r for r in runs if r["mode"] == "plan"), None)
-            predicted = planned["predicted_all"].get("sequential") if planned else plan.sequential
-        if predicted is None:
-            predicted = predict(scenario, delays).makespan if delays else plan.makespan
-        measured = float(result.makespan or 0.0)
-        runs.append({"mode": mode, "label": label, "delays": result.delays, "predicted": predicted,
-                     "predicted_all": result.predicted, "calibrations": result.calibrations,
-                     "curve": result.curve,
-                     "measured": measured, "error": (predicted - measured) / measured if measured else None,
-                     "jobs": {n: {"start": j.start, "finish": j.finish, "metrics": j.metrics}
-                              for n, j in result.jobs.items()},
-                     "overhead": result.overhead, "run_dir": result.run_dir})
+        runs.append(_run_one(spec, scenario, plan, runs, mode, delays, label))
     _reset_shared_state()
     out = {"config": {k: (list(v) if isinstance(v, tuple) else dict(v) if isinstance(v, Mapping) else v)
                       for k, v in vars(cfg).items()},
-           "scenario": scenario.to_dict(), "calibration": calibration.measurements,
-           "plan": plan.to_dict(), "runs": runs, "seconds": time.monotonic() - started}
+           "node_load": node_load, "scenario": scenario.to_dict(), "calibration": setup.calibration.measurements,
+           "plan": {**plan.to_dict(), "simultaneous_reason": setup.reason}, "runs": runs,
+           "seconds": time.monotonic() - started}
     _io.atomic_write_json(work / "demo.json", out, durable=False)
-    out["plot"] = str(_plot(out, work / "demo.png"))
+    out["plot"] = str(plot(out, work / "demo.png"))
     return out
 
-
-def format_table(result: Mapping[str, Any]) -> str:
-    """The predicted-versus-measured table of a demo result."""
-    rows = [("RUN", "DELAYS", "PREDICTED", "MEASURED", "ERROR")]
-    for r in result["runs"]:
-        delays = ", ".join(f"{n} +{d:.1f}s" for n, d in r["delays"].items())
-        err = "-" if r["error"] is None else f"{100 * r['error']:+.1f}%"
-        rows.append((r["label"], delays, f"{r['predicted']:.1f} s", f"{r['measured']:.1f} s", err))
-    return table(rows)
-
-
-def _plot(result: Mapping[str, Any], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    plan = result["plan"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    planned = next((r for r in result["runs"] if r["mode"] == "plan" and r.get("curve")), None)
-    curve = planned["curve"] if planned else plan["curve"]  # the coordinator's, with the jobs' calibration
-    if curve["stagger"]:
-        ax1.plot(curve["stagger"], curve["makespan"], label="predicted makespan", color="tab:blue")
-    delays = planned["delays"] if planned else plan["delays"]
-    later = max(delays, key=lambda n: delays[n])
-    for r in result["runs"]:
-        if r["mode"] == "sequential":
-            ax1.axhline(r["measured"], color="tab:gray", ls="--", label="measured, sequential")
-            ax1.axhline(r["predicted"], color="tab:gray", ls=":", label="predicted, sequential")
-            continue
-        x = r["delays"].get(later, 0.0)
-        marker = {"plan": "*", "simultaneous": "o"}.get(r["mode"], "x")
-        ax1.scatter([x], [r["measured"]], marker=marker, s=90 if marker == "*" else 40, color="tab:red", zorder=3,
-                    label=f"measured, {r['label']}" if r["mode"] != "fixed" else None)
-    ax1.set_xlabel(curve.get("label") or f"delay of {later} (s)")
-    ax1.set_ylabel("makespan (s)")
-    ax1.set_title("Makespan versus stagger")
-    ax1.legend(fontsize=8)
-    from ..cli.sweep import draw_timelines
-
-    draw_timelines(ax2, result["runs"], [r["label"] for r in result["runs"]])
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
