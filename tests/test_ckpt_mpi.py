@@ -9,6 +9,7 @@ import errno
 import os
 import shutil
 import tempfile
+import warnings
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import torch
 from hpcstagger import AsyncCheckpointer, config, load
 from hpcstagger.checkpoint import ShardWriter, verify_checkpoint
 from hpcstagger.comm import Comm
-from hpcstagger.errors import CheckpointError
+from hpcstagger.errors import CheckpointError, CheckpointWarning
 from support.ckpt_util import plain, same
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(180)]
@@ -177,7 +178,30 @@ def test_load_skips_a_checkpoint_one_rank_cannot_read(world, shared_dir):
     if world.rank == 0:  # damage the newest (shard 0 holds the first tensor): every rank must skip it
         os.unlink(os.path.join(shared_dir, "step-000000001", f"shard-00000-of-{world.size:05d}.h5"))
     world.barrier()
-    same(plain(_state(0)), load(shared_dir, comm=world))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = load(shared_dir, comm=world)
+    same(plain(_state(0)), got)
+    texts = [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
+    assert len(texts) == 1 and "step 1" in texts[0] and "shard-00000-of" in texts[0], texts
+    assert world.allgather(texts) == [texts] * world.size  # every rank warns, and alike
+
+
+def test_strict_load_raises_alike_on_every_rank(world, shared_dir):
+    with AsyncCheckpointer(shared_dir, comm=world, keep=3) as ck:
+        ck.save(0, _state(0))
+        ck.save(1, _state(1))
+    world.barrier()
+    if world.rank == 0:  # cut the last shard: no rank may load step 1 now
+        shard = os.path.join(shared_dir, "step-000000001", f"shard-{world.size - 1:05d}-of-{world.size:05d}.h5")
+        os.truncate(shard, os.path.getsize(shard) // 2)
+    world.barrier()
+    with pytest.raises(CheckpointError) as info:
+        load(shared_dir, comm=world, strict=True)
+    msg = str(info.value)
+    assert "step 1" in msg and f"shard-{world.size - 1:05d}" in msg and "\n" not in msg
+    assert world.allgather(msg) == [msg] * world.size
+    same(plain(_state(0)), load(shared_dir, step=0, comm=world, strict=True))
 
 
 def test_ddp_gated_hook_and_one_process_group_per_job(world):
