@@ -239,6 +239,9 @@ def test_simultaneous_reason_names_why_and_the_figures():
     flat = {"stagger": [0.0, 1.0, 2.0], "makespan": [6.0, 6.0, 6.0]}
     assert simultaneous_reason({"a": 0.0, "b": 0.0}, {"simultaneous": 6.0}, flat, min_gain=0.01) == (
         "a simultaneous start: the model predicts that no stagger shortens the makespan (6.0 s simultaneous)")
+    near = {"stagger": [0.0, 0.03, 1.0], "makespan": [10.9, 10.88, 11.5]}
+    assert "best stagger b +0.03 s: predicted makespan 10.9 s" in simultaneous_reason(
+        {"a": 0.0, "b": 0.0}, {"simultaneous": 10.9}, near, min_gain=0.01)
     assert "max_delay is 0 s" in simultaneous_reason({"a": 0.0, "b": 0.0}, sim, CURVE, min_gain=0.01, max_delay=0.0)
     three = simultaneous_reason({"a": 0.0, "b": 0.0, "c": 0.0}, {"simultaneous": 15.9}, CURVE, min_gain=0.01)
     assert "gains more than 1% (best stagger largest delay +2.0 s" in three
@@ -293,6 +296,7 @@ def test_one_launch_of_a_sequential_run_is_labelled_sequential(tmp_path):
     spec = _spec(tmp_path)
     out = plan_delays(spec.only(["a"]), ["a"], {"a": {"sample_time": 0.0004}}, "sequential")
     assert out["mode"] == "sequential" and out["delays"] == {"a": 0.0}
-    assert out["predicted"]["sequential"] == pytest.approx(out["predicted"]["simultaneous"])
+    sc = Scenario.from_dict(out["scenario"])
+    assert out["predicted"] == {"sequential": pytest.approx(predict(sc, {"a": 0.0}).makespan, rel=1e-9)}
     with pytest.raises(ConfigError, match="'sequential' runs the jobs one after another"):
         plan_delays(spec, ["a", "b"], {}, "sequential")

@@ -109,6 +109,8 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
                         "sequential": float(p.sequential),
                         mode: float(p.makespan) if mode in PLANNED_MODES
                         else float(predict(scenario, out["delays"]).makespan)}
+    if mode == "sequential":  # one job of a sequential run: its own part, not the other modes' makespans
+        out["predicted"] = {mode: out["predicted"][mode]}
     out["delays"] = {n: out["delays"][rep[n]] for n in full_order} if mode in PLANNED_MODES else given
     order = full_order
     if mode == "plan":
@@ -139,7 +141,7 @@ def simultaneous_reason(delays: Mapping[str, float], predicted: Mapping[str, flo
         return None
     if max_delay is not None and max_delay <= 0:
         return "a simultaneous start: [plan] max_delay is 0 s, which allows no stagger"
-    points = list(zip((curve or {}).get("stagger") or (), (curve or {}).get("makespan") or ()))
+    points = list(zip((curve or {}).get("stagger") or (), (curve or {}).get("makespan") or (), strict=True))
     staggered = [(float(x), float(m)) for x, m in points if x != 0]
     sim = (predicted or {}).get("simultaneous")
     if sim is None:
@@ -148,16 +150,15 @@ def simultaneous_reason(delays: Mapping[str, float], predicted: Mapping[str, flo
         return (f"a simultaneous start: the model predicts no stagger gains more than {100 * min_gain:g}% "
                 "over it" + (f" (predicted makespan {sim:.1f} s)" if sim is not None else ""))
     x, best = min(staggered, key=lambda p: (p[1], abs(p[0])))
-    if len(names) == 2:
-        which = f"{names[1]} +{x:.1f} s" if x > 0 else f"{names[0]} +{-x:.1f} s"
-    else:
-        which = f"largest delay +{abs(x):.1f} s"
+    secs = f"{abs(x):.1f}" if abs(x) >= 0.1 else f"{abs(x):.2g}"  # a stagger of hundredths is not "+0.0"
+    which = f"largest delay +{secs} s" if len(names) != 2 else f"{names[1] if x > 0 else names[0]} +{secs} s"
     figures = f"best stagger {which}: predicted makespan {best:.1f} s against {sim:.1f} s simultaneous"
     gain = 1.0 - best / sim if sim > 0 else 0.0
     if gain < 1e-3:  # a flat curve: the model's own accuracy
         why = f"the model predicts that no stagger shortens the makespan ({sim:.1f} s simultaneous)"
     elif gain <= min_gain:
-        why = f"the model predicts no stagger gains more than {100 * min_gain:g}% ({figures}: a gain of {100 * gain:.1f}%)"
+        why = (f"the model predicts no stagger gains more than {100 * min_gain:g}% "
+               f"({figures}: a gain of {100 * gain:.1f}%)")
     elif jitter > 0:
         why = (f"the best stagger's gain does not hold over starts that stray by up to {jitter:.2f} s "
                f"({figures}, with exact starts)")

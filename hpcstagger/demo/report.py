@@ -85,7 +85,7 @@ def figure(result: Mapping[str, Any]) -> Any:
 
     from ..cli.sweep import draw_timelines
 
-    lines = [part for line in notes(result) for part in textwrap.wrap(line, 150)]
+    lines = [part for line in notes(result) for part in textwrap.wrap(line, 180)]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5 + 0.18 * len(lines)))
     _makespans(ax1, result)
     draw_timelines(ax2, result["runs"], [r["label"] for r in result["runs"]])
