@@ -117,10 +117,10 @@ def load_toml(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
         raise ConfigError(f"{what} {name} is not valid TOML: {exc}") from None
 
 
-# A job spec and a scenario share [dataset], [cache], [loader] and [[job]]; these tables (and these
-# [[job]] keys) are one kind's alone, so a file of the other kind is named as such, with the fix.
-_ONLY = {"scenario": (("storage", "node"), "sample_time"), "job spec": (("run", "plan", "checkpoint", "slurm"),
-                                                                         "command")}
+# A job spec and a scenario share [dataset], [cache], [loader] and [[job]]; these tables (and a job
+# spec's [[job]] command) are one kind's alone, so a file of the other kind is named as such, with the
+# fix. (A spec's job may carry a scenario's job keys, sample_time among them.)
+_ONLY = {"scenario": (("storage", "node"), ""), "job spec": (("run", "plan", "checkpoint", "slurm"), "command")}
 _GIVE = {"scenario": "give the scenario that 'hpcstagger calibrate SPEC' writes (the spec's [plan] scenario)",
          "job spec": "give the job spec ([run], [[job]] tables with a command); a scenario goes in its [plan] "
                      "scenario"}
@@ -134,7 +134,7 @@ def check_tables(data: Mapping[str, Any], known: Sequence[str], valid: str, kind
     jobs = data.get("job")
     jobs = [jobs] if isinstance(jobs, Mapping) else jobs if isinstance(jobs, list) else []
     sign = next((f"[{k}]" for k in data if k in tables), None)
-    if sign is None and any(isinstance(j, Mapping) and job_key in j for j in jobs):
+    if sign is None and job_key and any(isinstance(j, Mapping) and job_key in j for j in jobs):
         sign = f"[[job]] {job_key}"
     if sign is not None:
         raise ConfigError(f"this is a {other} (it has {sign}), not a {kind}: {_GIVE[kind]}")

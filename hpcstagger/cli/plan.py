@@ -69,17 +69,23 @@ def format_plan(path: str, sc: Any, plan: Any) -> str:
     lines.append("")
     lines.append("predicted makespan")
     lines.append(f"  plan          {_seconds(plan.makespan):>12}")
+    spread = ""
+    if plan.spread_simultaneous > 0:  # a stagger kept for its mean over the start-time spread
+        spread = (f"over starts within {plan.jitter:.2g} s its mean, {_seconds(plan.spread_makespan)}, is "
+                  f"{1.0 - plan.spread_makespan / plan.spread_simultaneous:.1%} below a simultaneous start's, "
+                  f"{_seconds(plan.spread_simultaneous)}")
     if not any(plan.delays.values()):
         saved = "   (start together)"
     elif plan.gain > 0:
-        saved = f"   (the plan saves {plan.gain:.1%})"
-    else:  # chosen for its mean over the start-time spread
-        saved = "   (no gain if starts were exact; the stagger pays over the start-time spread)"
+        saved = f"   (the plan saves {plan.gain:.1%}" + (f"; {spread})" if spread else ")")
+    else:
+        saved = f"   (no gain if starts were exact; {spread or 'the stagger pays over the start-time spread'})"
     lines.append(f"  simultaneous  {_seconds(plan.simultaneous):>12}{saved}")
     lines.append(f"  sequential    {_seconds(plan.sequential):>12}")
     if plan.jitter > 0:
-        lines.append(f"(planned for starts within {plan.jitter:.2g} s of their delays: the least mean "
-                     "makespan over that spread)")
+        how = ("the least mean makespan over that spread" if len(sc.jobs) == 2 else
+               "a stagger only if its mean makespan over that spread beats a simultaneous start's")
+        lines.append(f"(planned for starts within {plan.jitter:.2g} s of their delays: {how})")
     return "\n".join(lines)
 
 

@@ -63,7 +63,9 @@ class Plan:
     ``finish`` per job with those delays, and the predicted makespans of a simultaneous start
     (``simultaneous``) and of fully sequential runs in job order (``sequential``). ``order`` is the
     start order. ``curve_stagger``/``curve_makespan`` is the predicted makespan-versus-delay curve
-    described by ``curve_label``. ``jitter`` is the start-time spread planned for (seconds).
+    described by ``curve_label``. ``jitter`` is the start-time spread planned for (seconds);
+    ``spread_makespan`` and ``spread_simultaneous`` are the mean predicted makespans over it of
+    the plan and of a simultaneous start (0.0 when the plan is for exact starts or starts together).
     """
 
     delays: dict[str, float]
@@ -78,6 +80,8 @@ class Plan:
     evaluations: int = 0
     seconds: float = 0.0
     jitter: float = 0.0
+    spread_makespan: float = 0.0
+    spread_simultaneous: float = 0.0
 
     @property
     def gain(self) -> float:
@@ -91,7 +95,8 @@ class Plan:
                 "order": list(self.order),
                 "curve": {"label": self.curve_label, "stagger": list(self.curve_stagger),
                           "makespan": list(self.curve_makespan)},
-                "evaluations": self.evaluations, "seconds": self.seconds, "jitter": self.jitter}
+                "evaluations": self.evaluations, "seconds": self.seconds, "jitter": self.jitter,
+                "spread_makespan": self.spread_makespan, "spread_simultaneous": self.spread_simultaneous}
 
 
 def _solo_times(sc: Scenario) -> list[float]:
@@ -235,25 +240,32 @@ def _plan_scaled(ev: Evaluator, base: list[float], best: float,
 
 def _final_plan(sc: Scenario, best_d: list[float], curve: list[tuple[float, float]], label: str,
                 min_gain: float, *, evaluations: int, t0: float, jitter: float = 0.0) -> Plan:
-    """The plan of delays ``best_d`` with its makespans recomputed at full accuracy (back to a
-    simultaneous start if the stagger then gains less than ``min_gain``, unless the search checked
-    that over a start-time spread of ``jitter`` seconds already)."""
+    """The plan of delays ``best_d`` with its makespans recomputed at full accuracy, back to a
+    simultaneous start if the stagger then gains less than ``min_gain``: with exact starts in its
+    makespan, over a start-time spread of ``jitter`` seconds in its mean over the spread (the search
+    weighed the spread at its own, coarser accuracy, which can favour a stagger that loses)."""
     J = len(sc.jobs)
     names = sc.job_names
     zero = [0.0] * J
     final_eng = _engine.Engine(sc, _engine.FINE)
     finish = final_eng.run(best_d)
     simultaneous = max(final_eng.run(zero)) if any(best_d) else max(finish)
-    if any(best_d) and not jitter and max(finish) > simultaneous * (1.0 - min_gain):
+    means = (0.0, 0.0)
+    if any(best_d) and jitter:
+        spread = Spread(Evaluator(sc, _engine.FINE), jitter, OFFSETS_TWO if J == 2 else OFFSETS_MANY)
+        means = (spread(best_d), spread(zero))
+    mine, together = means if jitter else (max(finish), simultaneous)
+    if any(best_d) and mine > together * (1.0 - min_gain):
         # the stagger does not pay at full accuracy: start together
-        best_d = list(zero)
+        best_d, means = list(zero), (0.0, 0.0)
         finish = final_eng.run(best_d)
     sequential = _sequential(sc) if J > 1 else max(finish)
     order = tuple(names[j] for j in sorted(range(J), key=lambda j: (best_d[j], j)))
     return Plan(delays=dict(zip(names, best_d, strict=True)), makespan=max(finish), simultaneous=simultaneous,
                 sequential=sequential, finish=dict(zip(names, finish, strict=True)), order=order,
                 curve_stagger=tuple(c[0] for c in curve), curve_makespan=tuple(c[1] for c in curve),
-                curve_label=label, evaluations=evaluations, seconds=time.perf_counter() - t0, jitter=jitter)
+                curve_label=label, evaluations=evaluations, seconds=time.perf_counter() - t0, jitter=jitter,
+                spread_makespan=means[0], spread_simultaneous=means[1])
 
 
 def _plan_two(ev: Evaluator, spread: Spread, bound: list[float], points: int):
