@@ -12,7 +12,46 @@ from ..errors import CacheError
 from . import _fs, _pstats
 from .store import ShmCache
 
-__all__ = ["list_caches", "cache_contents", "clear_cache", "remove_broken"]
+__all__ = ["list_caches", "cache_contents", "clear_cache", "remove_broken", "remove_empty_dirs", "ROOT_SUBDIRS"]
+
+# The root's own folders beside the caches: shared loader rings, throttle tables, partitioned stats.
+ROOT_SUBDIRS = (".loader", ".throttle", ".partition")
+
+
+def remove_empty_dirs(root: str | None = None, *, keep_root: bool = False) -> list[str]:
+    """Remove the root's folders (:data:`ROOT_SUBDIRS`, and ``.partition``'s per-cache folders) when
+    they are empty, then the root itself when nothing is left (unless ``keep_root``); return the
+    paths removed. A folder with anything in it stays. Raises CacheError for an unsafe root (as
+    :class:`ShmCache` would)."""
+    root = os.path.abspath(root or config.get("shm_root"))
+    if not os.path.lexists(root):
+        return []
+    removed = []
+    fd = _fs.open_secure_dir(root, create=False, what="cache root")
+    try:
+        for sub in ROOT_SUBDIRS:
+            if sub == ".partition" and os.path.isdir(os.path.join(root, sub)):
+                for name in os.listdir(os.path.join(root, sub)):
+                    removed += _rmdir(os.path.join(sub, name), fd, root)
+            removed += _rmdir(sub, fd, root)
+    finally:
+        os.close(fd)
+    if keep_root:
+        return removed
+    try:
+        os.rmdir(root)  # checked above: ours, not a link; fails while anything is in it
+        removed.append(root)
+    except OSError:
+        pass
+    return removed
+
+
+def _rmdir(name: str, root_fd: int, root: str) -> list[str]:
+    try:
+        os.rmdir(name, dir_fd=root_fd)
+    except OSError:  # absent, not empty, or not a directory: leave it
+        return []
+    return [os.path.join(root, name)]
 
 
 def list_caches(root: str | None = None) -> list[str]:
@@ -89,7 +128,8 @@ def clear_cache(name: str, root: str | None = None, *, missing_ok: bool = False)
     """Empty cache ``name``: remove it when no live process is attached, else drop its entries.
 
     The cache's safety checks apply (owner, mode, no symlinks), as in :class:`ShmCache`. A damaged
-    cache is removed with :func:`remove_broken`. Returns ``{"name", "root", "action", "entries",
+    cache is removed with :func:`remove_broken`. After a removal the root's empty folders, and the
+    root itself when empty, go too (:func:`remove_empty_dirs`). Returns ``{"name", "root", "action", "entries",
     "bytes", "processes"}`` with ``action`` one of ``"removed"``, ``"cleared"`` (kept: in use),
     ``"removed damaged"`` or ``"absent"`` (only with ``missing_ok``; nothing was there). A removed
     cache's partitioned-cache stats directory is removed with it; a cleared one's keeps the counts
@@ -106,6 +146,7 @@ def clear_cache(name: str, root: str | None = None, *, missing_ok: bool = False)
         if remove_broken(name, root):  # a half-created or damaged cache: remove what is there
             out["action"] = "removed damaged"
             _pstats.remove(root, name)
+            remove_empty_dirs(root)
             return out
         raise
     stats = cache.stats()
@@ -119,4 +160,5 @@ def clear_cache(name: str, root: str | None = None, *, missing_ok: bool = False)
         cache.destroy()
         out["action"] = "removed"
         _pstats.remove(root, name)  # its counters restart with the cache
+        remove_empty_dirs(root)  # no empty root, .loader or .throttle left behind
     return out

@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING
 from ..comm import poll_until
 from ..errors import CheckpointError
 
-__all__ = ["Gate", "ActivityGate", "StepGate", "AnyGate", "SharedActivityGate", "SourceReadHook"]
+__all__ = ["Gate", "ActivityGate", "StepGate", "AnyGate", "SharedActivityGate", "SourceReadHook", "GATE_PREFIX",
+           "gate_owner", "stale_gate_files", "remove_stale_gates"]
 
 
 class Gate:
@@ -280,6 +281,41 @@ class SourceReadHook(_Marks):
                 s.words[_HEADER // 8 + 2 * s.index + 1] = s.count
 
 
+GATE_PREFIX = "hpcstagger-gate-"  # then <uid>-<owner pid>-<random>: the owner's liveness is in the name
+
+
+def gate_owner(name: str, uid: int | None = None) -> int | None:
+    """The pid of the process that made gate file ``name``, or None when ``name`` is not a gate file
+    of user ``uid`` (default: this user)."""
+    prefix = f"{GATE_PREFIX}{os.getuid() if uid is None else uid}-"
+    if not name.startswith(prefix):
+        return None
+    pid, _, token = name[len(prefix):].partition("-")
+    return int(pid) if pid.isdigit() and token else None
+
+
+def stale_gate_files(directory: str = "/dev/shm") -> list[str]:
+    """Paths of this user's gate files in ``directory`` whose owner is dead: a process killed by a
+    signal or ended with ``os._exit`` (MPI_Abort, a rank's fail-fast exit) skips the removal."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(os.path.join(directory, n) for n in names
+                  if (pid := gate_owner(n)) is not None and pid != os.getpid() and not _alive(pid))
+
+
+def remove_stale_gates(directory: str = "/dev/shm") -> list[str]:
+    """Remove :func:`stale_gate_files`; return the paths removed. A process that still has such a
+    file mapped keeps using its mapping."""
+    removed = []
+    for path in stale_gate_files(directory):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(path)
+    return removed
+
+
 def _unlink(path: str, owner: int) -> None:
     if os.getpid() == owner:
         with contextlib.suppress(FileNotFoundError):
@@ -290,14 +326,18 @@ def _unlink(path: str, owner: int) -> None:
 class SharedActivityGate(_Marks, Gate):
     """Busy while any process is inside ``enter()``/``exit()`` of one of this gate's hooks.
 
-    The counters live in a 16 KiB file in ``directory`` (default /dev/shm) under a unique name,
-    removed by :meth:`close` or when the gate is garbage collected or the process exits. A process
-    that dies inside a read does not hold the gate busy: slots of dead processes are ignored.
-    Raises CheckpointError if the file cannot be made.
+    The counters live in a 16 KiB file in ``directory`` (default /dev/shm) under a unique name that
+    carries this user's uid and this process's pid, removed by :meth:`close` or when the gate is
+    garbage collected or the process exits normally. A process that ends without Python's exit
+    handlers (a signal, ``os._exit``) cannot remove it; the next gate made in ``directory``, a
+    launch that ends and ``hpcstagger clean`` remove the files of dead owners
+    (:func:`remove_stale_gates`). A process that dies inside a read does not hold the gate busy:
+    slots of dead processes are ignored. Raises CheckpointError if the file cannot be made.
     """
 
     def __init__(self, directory: str = "/dev/shm"):
-        name = f"hpcstagger-gate-{os.getuid()}-{os.getpid()}-{secrets.token_hex(6)}"
+        remove_stale_gates(directory)
+        name = f"{GATE_PREFIX}{os.getuid()}-{os.getpid()}-{secrets.token_hex(6)}"
         self.path = os.path.join(directory, name)
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -308,6 +348,13 @@ class SharedActivityGate(_Marks, Gate):
             os.ftruncate(fd, _SIZE)
             os.pwrite(fd, _MAGIC + struct.pack("<q", _SLOTS), 0)
             self._mm = mmap.mmap(fd, _SIZE, prot=mmap.PROT_READ)
+        except BaseException as exc:  # a full /dev/shm, an interrupt: leave no file behind
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            if isinstance(exc, OSError):
+                raise CheckpointError(f"cannot set up the shared gate file {self.path}: {exc}; "
+                                      "free space in /dev/shm or pass another directory") from None
+            raise
         finally:
             os.close(fd)
         self._words: memoryview | None = memoryview(self._mm).cast("q")

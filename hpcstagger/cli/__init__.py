@@ -19,8 +19,8 @@ from .._version import __version__
 from ._args import settle_spec
 
 # Subcommand modules under hpcstagger.cli, in --help order. Each has register(subparsers).
-SUBCOMMANDS: list[str] = ["demo", "info", "cache", "ckpt", "calibrate", "plan", "profile", "launch", "sweep", "history",
-                          "slurm"]
+SUBCOMMANDS: list[str] = ["demo", "info", "cache", "clean", "ckpt", "calibrate", "plan", "profile", "launch", "sweep",
+                          "history", "slurm"]
 
 
 class Parser(argparse.ArgumentParser):

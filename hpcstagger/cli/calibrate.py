@@ -131,6 +131,10 @@ def _with_spec(args: argparse.Namespace, jobs: dict[str, Any]) -> Any:
     if args.source or args.cache:
         raise ConfigError("with a spec the source and the cache come from the spec: drop --source and --cache")
     spec = Spec.from_toml(args.spec)
+    from ..colocated.preflight import check  # the dataset, the backends, mpiexec: before any job starts
+
+    check(spec, jobs=[n for n in spec.job_names if n not in jobs], launcher=None if set(spec.job_names) <= set(jobs)
+          else "mpiexec")
     epochs = _epochs(args.epochs, list(spec.job_names)) if args.epochs else None
     out = args.out
     if args.history:

@@ -60,11 +60,12 @@ def run_exec(args: argparse.Namespace) -> int:
     from ..colocated.launch import exec_job
     from ..colocated.spec import Spec
 
+    from ..colocated import env as E
     from ..colocated.preflight import check
 
     spec = Spec.from_toml(args.spec)
     argv, env, cwd = exec_job(spec)
-    check(spec, launcher=None, jobs=[env["HPCSTAGGER_JOB"]])  # this rank's job, before its command starts
+    check(spec, launcher=None, jobs=[env[E.JOB]])  # this rank's job, before its command starts
     os.chdir(cwd)
     os.execvpe(argv[0], argv, env)
     return 1  # not reached

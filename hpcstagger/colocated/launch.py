@@ -25,6 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 from ._shm import remove_stale_mpich_segments
 from . import env as E
+from . import leftovers, preflight
+from .. import config
 from ..errors import CacheError, ConfigError, LaunchError
 from .spec import PLAN_MODES, JobSpec, Spec
 
@@ -293,11 +295,12 @@ def _collect_sequential(spec: Spec, run_dir: Path, returncode: int) -> RunResult
 
 
 def run_group(argv: list[str], env: dict[str, str], cwd: str, timeout: float, *, output: Any = None,
-              on_timeout: Callable[[], None] | None = None) -> int:
+              on_timeout: Callable[[], None] | None = None, stop_when: Callable[[], bool] | None = None) -> int:
     """Run ``argv`` in a session of its own (its output to the file ``output``, else inherited) and
-    return its exit status, or 124 after ``timeout`` seconds. On a timeout (after ``on_timeout``)
-    or an exception here (Ctrl-C) the whole process group gets SIGTERM, then SIGKILL 15 s later.
-    Killed MPICH ranks skip the cleanup of their /dev/shm segments, so a failed run removes them.
+    return its exit status, or 124 after ``timeout`` seconds or once ``stop_when()`` (asked every
+    half second) is true. On a timeout (after ``on_timeout``) or an exception here (Ctrl-C) the
+    whole process group gets SIGTERM, then SIGKILL 15 s later. Killed MPICH ranks skip the cleanup
+    of their /dev/shm segments, so a failed run removes them.
     """
     started = time.time()
     proc = subprocess.Popen(argv, env=env, cwd=cwd, start_new_session=True, stdout=output,
@@ -312,7 +315,7 @@ def run_group(argv: list[str], env: dict[str, str], cwd: str, timeout: float, *,
             proc.wait()
 
     try:
-        rc = proc.wait(timeout=timeout)
+        rc = _wait(proc, timeout, stop_when)
     except subprocess.TimeoutExpired:
         if on_timeout is not None:
             on_timeout()
@@ -325,6 +328,19 @@ def run_group(argv: list[str], env: dict[str, str], cwd: str, timeout: float, *,
     if rc != 0:
         remove_stale_mpich_segments(started, settle=3.0)
     return rc
+
+
+def _wait(proc: subprocess.Popen[Any], timeout: float, stop_when: Callable[[], bool] | None) -> int:
+    """``proc.wait(timeout)``, ending early (TimeoutExpired) once ``stop_when()`` is true."""
+    if stop_when is None:
+        return proc.wait(timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return proc.wait(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= deadline or stop_when():
+                raise
 
 
 def _release_throttle(spec: Spec, env: Mapping[str, str]) -> None:
@@ -370,22 +386,10 @@ def _srun_commands(spec: Spec, run_dir: Path, jobs: Sequence[str] | None) -> lis
     return base + ["--multi-prog", str(run_dir / "multiprog.conf")]
 
 
-def launch(spec: Spec, *, mode: str | None = None, delays: Mapping[str, float] | None = None,
-           mpiexec: str | None = None, timeout: float | None = None, run_name: str | None = None,
-           env: Mapping[str, str] | None = None, launcher: str = "mpiexec", cold_cache: bool = False) -> RunResult:
-    """Run every job of ``spec`` in one MPI world and return what happened.
-
-    ``launcher`` is ``"mpiexec"`` (MPMD mpiexec, anywhere) or ``"srun"`` (``srun --multi-prog``,
-    inside a Slurm allocation). ``mode`` overrides the spec's ``[plan] mode``; ``delays`` (job ->
-    seconds) implies mode fixed. Mode sequential runs one launch per job in spec order, and its
-    makespan is the sum of the jobs' own run times. ``cold_cache`` first empties the spec's shared
-    cache and drops the dataset from the page cache (:func:`~hpcstagger.colocated.cachestate.make_cold`;
-    reported in ``RunResult.cold_cache``); otherwise the run starts from the cache as it is, and the
-    coordinator plans from it. Raises LaunchError when the launcher is missing, CacheError when the
-    cache cannot be cleared; a failed job is reported in the result (``RunResult.failures()``), not
-    raised.
-    """
-    mode = mode or ("fixed" if delays else spec.plan.mode)
+def _check_launch(spec: Spec, mode: str, delays: Mapping[str, float] | None, launcher: str, mpiexec: str | None,
+                  check: bool) -> str | None:
+    """Validate a launch's arguments, then (``check``) the spec's dataset, backends and launcher;
+    return the mpiexec to use (None for srun)."""
     if mode not in PLAN_MODES:
         raise ConfigError(f"mode must be one of {', '.join(PLAN_MODES)}, not {mode!r}")
     if mode == "fixed" and not (delays or spec.plan.delays):
@@ -395,11 +399,38 @@ def launch(spec: Spec, *, mode: str | None = None, delays: Mapping[str, float] |
             spec.job(name)
     if launcher not in ("mpiexec", "srun"):
         raise ConfigError(f"launcher must be 'mpiexec' or 'srun', not {launcher!r}")
+    if check:
+        preflight.check(spec, launcher=launcher, mpiexec=mpiexec)
     exe = mpiexec or shutil.which("mpiexec") or shutil.which("mpiexec", path=os.path.dirname(sys.executable))
     if launcher == "mpiexec" and not exe:
         raise LaunchError("no mpiexec on PATH; install an MPI (pip install mpich) or load your site's MPI module")
     if not spec.path:
         raise LaunchError("launch needs a spec read from a file (Spec.from_toml), so every rank can read it too")
+    return exe
+
+
+def launch(spec: Spec, *, mode: str | None = None, delays: Mapping[str, float] | None = None,
+           mpiexec: str | None = None, timeout: float | None = None, run_name: str | None = None,
+           env: Mapping[str, str] | None = None, launcher: str = "mpiexec", cold_cache: bool = False,
+           check: bool = True) -> RunResult:
+    """Run every job of ``spec`` in one MPI world and return what happened.
+
+    ``launcher`` is ``"mpiexec"`` (MPMD mpiexec, anywhere) or ``"srun"`` (``srun --multi-prog``,
+    inside a Slurm allocation). ``mode`` overrides the spec's ``[plan] mode``; ``delays`` (job ->
+    seconds) implies mode fixed. Mode sequential runs one launch per job in spec order, and its
+    makespan is the sum of the jobs' own run times. ``cold_cache`` first empties the spec's shared
+    cache and drops the dataset from the page cache (:func:`~hpcstagger.colocated.cachestate.make_cold`;
+    reported in ``RunResult.cold_cache``); otherwise the run starts from the cache as it is, and the
+    coordinator plans from it. With ``check`` (the default), before anything starts, the dataset,
+    each job's backend and the launcher are checked (:func:`~hpcstagger.colocated.preflight.check`:
+    ConfigError, DependencyError or LaunchError, one line naming the job, the field and the fix).
+    Raises LaunchError when the launcher is missing, CacheError when the cache cannot be cleared; a
+    failed job is reported in the result (``RunResult.failures()``), not raised. When the ranks are
+    gone, what they left in /dev/shm that no live process uses (gate files, loader rings, throttle
+    tables: :func:`~hpcstagger.colocated.leftovers.remove_unused`) is removed; caches stay.
+    """
+    mode = mode or ("fixed" if delays else spec.plan.mode)
+    exe = _check_launch(spec, mode, delays, launcher, mpiexec, check)
     stamp = run_name or f"{time.strftime('%Y%m%d-%H%M%S')}-{mode}"
     run_dir = Path(spec.run.workdir) / "runs" / stamp
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -413,6 +444,7 @@ def launch(spec: Spec, *, mode: str | None = None, delays: Mapping[str, float] |
         log.info("cold cache before the run: %s", cold)
         _io.atomic_write_json(run_dir / _COLD_CACHE_FILE, cold, durable=False)
     base_env = {**os.environ, **(env or {}), E.SPEC: spec.path, E.MODE: mode}
+    root_existed = os.path.lexists(config.get("shm_root", base_env))
     base_env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), base_env.get("PATH", "")])
     base_env.pop("MPIR_CVAR_PMI_VERSION", None)
     if delays:
@@ -443,5 +475,7 @@ def launch(spec: Spec, *, mode: str | None = None, delays: Mapping[str, float] |
     result.wall = time.monotonic() - start
     result.cold_cache = cold
     _release_throttle(spec, base_env)
+    # what killed ranks could not remove (their gate files, rings, tables); a root made by the run goes too
+    leftovers.remove_unused(base_env, keep_root=root_existed)
     _io.atomic_write_json(run_dir / "result.json", result.to_dict(), durable=False)
     return result

@@ -312,7 +312,11 @@ class Spec:
         ds = _DATASET.parse("dataset", data.get("dataset"))
         ds["path"] = resolve(ds["path"])
         if ds["path"] and not ds["format"]:
-            ds["format"] = "directory" if os.path.isdir(ds["path"]) else "hdf5"
+            # A path that is not there is an HDF5 file only by its name, so that a mistyped directory is
+            # reported as missing (colocated.preflight) rather than as an HDF5 file without dataset.name.
+            exists = os.path.exists(ds["path"])
+            ds["format"] = ("directory" if os.path.isdir(ds["path"]) or not (
+                exists or ds["path"].endswith((".h5", ".hdf5", ".hdf", ".he5"))) else "hdf5")
         if ds["format"] == "hdf5" and ds["path"] and not ds["name"]:
             raise ConfigError("missing dataset.name: the HDF5 dataset to read (format hdf5)")
 
@@ -456,6 +460,11 @@ class Spec:
             close = getattr(base, "close", None)
             if close is not None:
                 close()
+
+    def base_source(self) -> Any:
+        """The ``[dataset]``'s files as a source, unthrottled, keyed as every job keys them (raises
+        ConfigError when the dataset cannot be opened)."""
+        return self._base_source()
 
     def _base_source(self) -> Any:
         """The ``[dataset]``'s files as a source, unthrottled: an HDF5Source or a DirectorySource."""

@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from ..errors import ConfigError, LaunchError
 from . import env as E
+from . import preflight
 from .spec import Spec
 
 __all__ = ["SweepRun", "DEFAULT_COUNT", "DEFAULT_MAX_STAGGER", "parse_staggers", "stagger_delays",
@@ -308,6 +309,7 @@ def run_sweep(spec: Spec, *, staggers: Sequence[float] | None = None, repeat: in
     from .launch import launch
 
     _check(spec, repeat, staggers, max_stagger)
+    preflight.check(spec, launcher=launcher)  # before the first run: its dataset, backends, launcher
     say = progress or (lambda line: None)
     order = list(spec.job_names)
     stamp = time.strftime("%Y%m%d-%H%M%S")
