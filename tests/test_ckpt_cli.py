@@ -117,7 +117,7 @@ def test_verify_catches_a_damaged_manifest(saved, tmp_path):
 
 def test_verify_errors_are_one_line(tmp_path):
     out = run_cli("ckpt", "verify", str(tmp_path / "nope"))
-    assert out.returncode == 1 and out.stderr.count("\n") == 1 and "not a directory" in out.stderr
+    assert out.returncode == 1 and out.stderr.count("\n") == 1 and "does not exist" in out.stderr
     out = run_cli("ckpt", "verify", str(tmp_path))
     assert out.returncode == 1 and "no checkpoints in" in out.stderr
     out = run_cli("ckpt", "verify", "--step", "x", str(tmp_path))
