@@ -34,7 +34,7 @@ def test_directory_source_sorted_keys_and_pattern(files):
     assert src.files == ["a.bin", "b/1.bin", "b/2.bin", "c/d/e.txt"]
     assert [len(src[i]) for i in range(len(src))] == [100, 200, 300, 50]
     assert src[-1] == (files / "c/d/e.txt").read_bytes()
-    assert src.key(1) == "file:" + os.path.realpath(files / "b/1.bin")
+    assert src.key(1).startswith("file:" + os.path.realpath(files / "b/1.bin") + "@")
     assert len({src.key(i) for i in range(len(src))}) == 4
     with pytest.raises(IndexError):
         src[4]
@@ -70,7 +70,7 @@ def test_hdf5_source_opens_lazily_in_each_process(tmp_path):
     assert src._file is None  # nothing open until the first read
     assert len(src) == 20 and src[3] == data[3].tobytes() and src[-1] == data[19].tobytes()
     assert src._file is not None
-    assert src.key(3) == f"h5:{os.path.realpath(path)}:x:3"
+    assert src.key(3).startswith(f"h5:{os.path.realpath(path)}:x:3@")
     # the parent's handle is open; a forked child opens its own and reads the same rows
     q = FORK.Queue()
     p = FORK.Process(target=_h5_child, args=(src, q))
@@ -90,8 +90,13 @@ def test_hdf5_source_opens_lazily_in_each_process(tmp_path):
         HDF5Source(path, "nope")
     with pytest.raises(ConfigError, match="scalar"):
         HDF5Source(path, "scalar")
-    with pytest.raises(ConfigError, match="cannot open"):
+    with pytest.raises(ConfigError, match="does not exist"):
         HDF5Source(str(tmp_path / "missing.h5"), "x")
+    with pytest.raises(ConfigError, match="is a directory"):
+        HDF5Source(str(tmp_path), "x")
+    (tmp_path / "junk.h5").write_bytes(b"not hdf5")
+    with pytest.raises(ConfigError, match="cannot open .* as HDF5"):
+        HDF5Source(str(tmp_path / "junk.h5"), "x")
 
 
 # ---- ThrottledSource --------------------------------------------------------------------------

@@ -16,16 +16,16 @@ from hpcstagger.colocated.cachestate import (describe_cold, describe_start, drop
 from hpcstagger.colocated.spec import Spec
 from hpcstagger.errors import CacheError
 from support.cli import run_cli
-from support.spec_util import CAPACITY, fill, write_spec
+from support.spec_util import CAPACITY, fill, fill_dataset, write_spec
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def test_a_partitioned_cache_on_emulated_nodes_is_seen_on_node_0_and_cleared_on_every_node(tmp_path, shm_root):
-    path = write_spec(tmp_path, shm_root)
+    path = write_spec(tmp_path, shm_root, files=30, size=1000)
     spec = Spec.from_toml(path)
-    fill(os.path.join(shm_root, "node0"), 20)
-    fill(os.path.join(shm_root, "node1"), 7)
+    fill_dataset(os.path.join(shm_root, "node0"), path, range(20))
+    fill_dataset(os.path.join(shm_root, "node1"), path, range(20, 27))
     assert observe_cache(spec)["entries"] == 0  # node-local: the root's own cache, which is empty
     with config.override(cache_partitioned=True, cache_nodes=2):
         seen = observe_cache(spec)
@@ -37,20 +37,21 @@ def test_a_partitioned_cache_on_emulated_nodes_is_seen_on_node_0_and_cleared_on_
 
 
 def test_observe_and_make_cold_on_a_real_cache(tmp_path, shm_root):
-    spec = Spec.from_toml(write_spec(tmp_path, shm_root))
+    path = write_spec(tmp_path, shm_root, files=200, size=1000)
+    spec = Spec.from_toml(path)
     assert observe_cache(spec) == {"name": "warm", "exists": False, "entries": 0, "bytes": 0}
     assert list_caches(shm_root) == []  # looking created nothing
-    fill(shm_root, 30)
+    fill_dataset(shm_root, path, range(30))
     seen = observe_cache(spec)
-    assert seen["exists"] and seen["entries"] == 30 and seen["bytes"] == 30_000
+    assert seen["exists"] and seen["entries"] == 30 and seen["bytes"] == 30_000 and seen["other_entries"] == 0
     assert describe_start({**seen, "fraction": 0.15}) == "warm cache: 30 samples (30.0 kB, 15% of the dataset)"
 
     cold = make_cold(spec)
     assert cold["cache"]["action"] == "removed" and cold["cache"]["entries"] == 30
-    assert cold["page_cache"]["files"] == 3 and cold["page_cache"]["bytes"] == 3 * 4096
+    assert cold["page_cache"]["files"] == 200 and cold["page_cache"]["bytes"] == 200 * 1000
     assert list_caches(shm_root) == []
     assert "removed cache 'warm' (30 entries" in describe_cold(cold)
-    assert "dropped 3 dataset file(s)" in describe_cold(cold)
+    assert "dropped 200 dataset file(s)" in describe_cold(cold)
     assert make_cold(spec)["cache"]["action"] == "absent"  # nothing there: nothing to do
 
     # a cache in use by a live process is emptied, not removed under it
@@ -78,8 +79,8 @@ def test_cold_cache_refuses_a_cache_it_may_not_touch(tmp_path, shm_root):
 
 
 def test_a_warm_cache_reaches_the_plan_and_cold_cache_clears_it(tmp_path, shm_root):
-    spec = write_spec(tmp_path, shm_root)
-    fill(shm_root, 50)
+    spec = write_spec(tmp_path, shm_root, files=200, size=1000)
+    fill_dataset(shm_root, spec, range(50))
     out = run_cli("launch", spec, "--json", cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr
     warm = json.loads(out.stdout)
@@ -93,9 +94,48 @@ def test_a_warm_cache_reaches_the_plan_and_cold_cache_clears_it(tmp_path, shm_ro
 
     out = run_cli("launch", spec, "--cold-cache", cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "cold cache: removed cache 'warm' (50 entries, 50.0 kB); dropped 3 dataset file(s) (12.3 kB)" in out.stdout
+    assert ("cold cache: removed cache 'warm' (50 entries, 50.0 kB); dropped 200 dataset file(s) (200.0 kB)"
+            in out.stdout)
     assert "start: cold cache" in out.stdout
     assert list_caches(shm_root) == []
     status = json.loads(run_cli("status", spec, "--json", cwd=tmp_path).stdout)
     assert status["cache"]["entries"] == 0 and status["cold_cache"]["cache"]["action"] == "removed"
     assert status["scenario"]["cache"].get("initial", 0.0) == 0.0
+
+
+def test_a_cache_of_other_data_is_cold_for_this_dataset(tmp_path, shm_root):
+    """Entries of other data, or of an older version of the files, are not counted as warm."""
+    path = write_spec(tmp_path, shm_root, files=40, size=1000)
+    spec = Spec.from_toml(path)
+    fill(shm_root, 25)  # 25 entries under keys of no file of this dataset
+    seen = observe_cache(spec)
+    assert seen["exists"] and seen["entries"] == 0 and seen["other_entries"] == 25
+    line = describe_start(seen)
+    assert line.startswith("cold cache; 25 entries of other data") and "hpcstagger cache clear warm" in line
+
+    fill_dataset(shm_root, path, range(10))
+    assert observe_cache(spec)["entries"] == 10
+    for f in sorted((tmp_path / "data").iterdir())[:4]:  # four of the cached files regenerated
+        f.write_bytes(os.urandom(1000))
+    seen = observe_cache(spec)
+    assert seen["entries"] == 6 and seen["other_entries"] == 29
+
+
+def test_a_dataset_that_cannot_be_read_counts_as_cold(tmp_path, shm_root):
+    path = write_spec(tmp_path, shm_root, files=10, size=1000)
+    fill_dataset(shm_root, path, range(10))
+    spec = Spec.from_toml(path)
+    import shutil
+
+    shutil.rmtree(tmp_path / "data")
+    seen = observe_cache(spec)
+    assert seen["entries"] == 0 and seen["other_entries"] == 10 and "does not exist" in seen["note"]
+
+
+def test_counting_a_large_dataset_probes_evenly(tmp_path, shm_root, monkeypatch):
+    from hpcstagger.colocated import cachestate
+
+    monkeypatch.setattr(cachestate, "PROBES", 20)
+    path = write_spec(tmp_path, shm_root, files=100, size=100)
+    fill_dataset(shm_root, path, range(0, 100, 2))  # every other sample
+    assert observe_cache(Spec.from_toml(path))["entries"] == 50

@@ -6,6 +6,7 @@ This module imports torch; :mod:`hpcstagger.cache` loads it only when ``CachedDa
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from typing import Any, Protocol
 from collections.abc import Callable
@@ -16,6 +17,8 @@ from .sources import Source
 from .store import ShmCache
 
 __all__ = ["CachedDataset", "SourceReadHook", "SampleMeter"]
+
+log = logging.getLogger(__name__)
 
 
 class SourceReadHook(Protocol):
@@ -56,6 +59,7 @@ class CachedDataset(torch.utils.data.Dataset):
     """
 
     meter: SampleMeter | None = None
+    _refusal_logged = False  # per process: see _refused
 
     def __init__(self, source: Source, cache: ShmCache, transform: Callable[[Any], Any] | None = None, *,
                  source_read_hook: SourceReadHook | None = None):
@@ -75,9 +79,21 @@ class CachedDataset(torch.utils.data.Dataset):
         data: Any = self.cache.get(key)
         if data is None:
             data = self._read(i)
-            self.cache.put(key, data)
+            if not self.cache.put(key, data):
+                self._refused()
             self._count_miss(data, time.perf_counter() - t)
         return self._finish(data)
+
+    def _refused(self) -> None:
+        """Log once per process that the cache refuses inserts while it stores: the samples it does
+        not hold are read from the source every time (by design when the dataset is larger than the
+        cache; a sign of a cache full of other data when it is not)."""
+        if CachedDataset._refusal_logged or not getattr(getattr(self.cache, "policy", None), "stores", False):
+            return
+        CachedDataset._refusal_logged = True
+        name = getattr(self.cache, "name", "?")
+        log.info("cache %s refused an insert (full, or /dev/shm is): samples it does not hold are read from the "
+                 "source each time; if it holds other data, `hpcstagger cache clear %s` empties it", name, name)
 
     def _count_miss(self, data: Any, seconds: float) -> None:
         """Report a miss to the cache's counters (:meth:`ShmCache.count_read`): its bytes, and the
@@ -118,7 +134,8 @@ class CachedDataset(torch.utils.data.Dataset):
         if not hit:
             data = self._read(i)
             t2 = time.perf_counter()
-            self.cache.put(key, data)
+            if not self.cache.put(key, data):
+                self._refused()
             t3 = time.perf_counter()
             read_s, insert_s = t2 - t1, t3 - t2
             self._count_miss(data, t3 - t0)

@@ -1,23 +1,30 @@
 """Map-style sources of byte samples: ``len(source)``, ``source[i] -> bytes``, ``source.key(i)``.
 
 ``key(i)`` names sample ``i`` in a shared cache, so it must be the same in every process and job
-that reads the same data and differ for different data: the sources here use the real path of the
-file (and the dataset name and row for HDF5). The cache assumes the data does not change while it
-is cached.
+that reads the same data and differ for different data. The sources here build it from the real
+path of the file (and the dataset name and row for HDF5) *and* an identity token of the file's
+version, captured when the source is built (:mod:`hpcstagger.cache._listing`): a job over changed
+files misses and reads the new bytes, and never gets the old ones from the cache.
 
 Sources are picklable: they cross into DataLoader workers and other processes under both fork
-and spawn. Whatever they hold open (an HDF5 file) is opened lazily in each process.
+and spawn, with their listing and identity, so a worker neither lists nor stats again. Whatever
+they hold open (an HDF5 file) is opened lazily in each process.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+import xxhash
+
 from ..errors import ConfigError
+from ._listing import list_files, stat_token
 
 __all__ = ["Source", "DirectorySource", "HDF5Source", "read_file"]
+
+log = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -42,9 +49,15 @@ def _index(i: Any, n: int) -> int:
 
 def read_file(path: str | os.PathLike[str]) -> bytes:
     """The whole content of a file, in as few system calls as Python allows."""
+    return _read_fd(path)[0]
+
+
+def _read_fd(path: str | os.PathLike[str]) -> tuple[bytes, os.stat_result]:
+    """The whole content of a file and the stat of the version read (one ``fstat``)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        size = st.st_size
         data = os.read(fd, size) if size else b""
         if len(data) < size:  # short read (a file that shrank, or an unusual file system)
             chunks = [data]
@@ -54,41 +67,57 @@ def read_file(path: str | os.PathLike[str]) -> bytes:
                     break
                 chunks.append(more)
             data = b"".join(chunks)
-        return data
+        return data, st
     finally:
         os.close(fd)
 
 
 class DirectorySource:
-    """Every regular file under ``root`` matching ``pattern`` (pathlib glob), in sorted order.
+    """Every regular file under ``root`` matching ``pattern`` (pathlib glob rules), in sorted order.
 
-    ``key(i)`` is the file's real absolute path. Raises ConfigError if ``root`` is not a directory
-    or nothing matches.
+    The listing records each file's identity (inode, size, mtime, ctime), and ``key(i)`` is the
+    file's real absolute path with that identity: a file replaced, rewritten or grown since another
+    job cached it is a miss here, read from the file. A file that changes after this source was
+    built is read as it is now (and logged once); build a new source, or restart the job, to key
+    it by its new identity. Raises ConfigError if ``root`` does not exist, is not a directory, or
+    nothing matches.
     """
 
     def __init__(self, root: str | os.PathLike[str], pattern: str = "**/*"):
-        base = Path(root)
-        if not base.is_dir():
-            raise ConfigError(f"DirectorySource: {root} is not a directory")
-        self.root = os.path.realpath(base)
+        if not os.path.exists(root):
+            raise ConfigError(f"DirectorySource: {root} does not exist (check the dataset path)")
+        if not os.path.isdir(root):
+            raise ConfigError(f"DirectorySource: {root} is not a directory (an HDF5 file takes HDF5Source)")
+        self.root = os.path.realpath(root)
         self.pattern = pattern
-        files = sorted(p.relative_to(base).as_posix() for p in base.glob(pattern) if p.is_file())
+        files, tokens = list_files(self.root, pattern)
         if not files:
             raise ConfigError(f"DirectorySource: no files match {pattern!r} under {root}")
         self.files: list[str] = files
+        self.tokens = tokens
+        self._prefix = "file:" + os.path.join(self.root, "")
+        self._changed_logged = False
 
     def __len__(self) -> int:
         return len(self.files)
 
     def __getitem__(self, i: int) -> bytes:
-        return read_file(self.path(i))
+        i = _index(i, len(self.files))
+        data, st = _read_fd(os.path.join(self.root, self.files[i]))
+        if stat_token(st) != self.tokens[i] and not self._changed_logged:
+            self._changed_logged = True
+            log.warning("%s changed after the dataset was listed: read as it is now; restart the job to "
+                        "cache it under its new identity (further changes in this process are not logged)",
+                        self.path(i))
+        return data
 
     def path(self, i: int) -> str:
         """The file behind sample ``i``."""
         return os.path.join(self.root, self.files[_index(i, len(self.files))])
 
     def key(self, i: int) -> str:
-        return "file:" + self.path(i)
+        i = _index(i, len(self.files))
+        return f"{self._prefix}{self.files[i]}@{self.tokens[i]:016x}"
 
     def __repr__(self) -> str:
         return f"DirectorySource({self.root!r}, {self.pattern!r}) with {len(self)} files"
@@ -98,24 +127,37 @@ class HDF5Source:
     """Row ``i`` of one HDF5 dataset, as bytes (C order). The file is opened lazily in each process.
 
     The first axis of ``dataset`` indexes the samples. ``key(i)`` is built from the file's real
-    path, the dataset name and ``i``. Raises ConfigError if the file or dataset is missing, and
-    DependencyError without h5py.
+    path, the dataset name, ``i`` and an identity of this version of the data, taken when the
+    source is built: the file's inode, size, mtime and ctime, and the dataset's shape and dtype. A
+    file regenerated, replaced or written in place since another job cached it is a miss here.
+    Raises ConfigError if the file or dataset is missing, and DependencyError without h5py.
     """
 
     def __init__(self, path: str | os.PathLike[str], dataset: str):
+        if not os.path.exists(path):
+            raise ConfigError(f"HDF5Source: {path} does not exist (check the dataset path)")
+        if os.path.isdir(path):
+            raise ConfigError(f"HDF5Source: {path} is a directory, not an HDF5 file (a directory of "
+                              f"files takes DirectorySource)")
         self.path = os.path.realpath(path)
         self.dataset = dataset
         h5 = _h5py()
         try:
+            st = os.stat(self.path)
             with h5.File(self.path, "r") as f:
                 if dataset not in f or not isinstance(f[dataset], h5.Dataset):
                     raise ConfigError(f"HDF5Source: {path} has no dataset {dataset!r}")
-                shape = f[dataset].shape
+                shape, dtype = f[dataset].shape, f[dataset].dtype.str
         except OSError as exc:
-            raise ConfigError(f"HDF5Source: cannot open {path}: {exc}") from None
+            raise ConfigError(f"HDF5Source: cannot open {path} as HDF5: {exc}") from None
         if not shape:
             raise ConfigError(f"HDF5Source: dataset {dataset!r} in {path} is a scalar; it needs a sample axis")
         self._len = int(shape[0])
+        ident = f"{stat_token(st):016x}:{dataset}:{tuple(shape)}:{dtype}".encode("utf-8", "surrogatepass")
+        self.token = xxhash.xxh3_64_intdigest(ident)
+        self._file_token = stat_token(st)
+        self._prefix = f"h5:{self.path}:{self.dataset}:"
+        self._suffix = f"@{self.token:016x}"
         self._file: Any = None
         self._ds: Any = None
         self._pid = 0
@@ -124,6 +166,13 @@ class HDF5Source:
         pid = os.getpid()
         if self._ds is None or self._pid != pid:
             # After a fork the parent's HDF5 handle must not be used: open our own.
+            try:
+                changed = stat_token(os.stat(self.path)) != self._file_token
+            except OSError:
+                changed = True
+            if changed:
+                log.warning("%s changed after this source was built: its rows are read as they are now; "
+                            "restart the job to cache them under the file's new identity", self.path)
             self._file = _h5py().File(self.path, "r")
             self._ds = self._file[self.dataset]
             self._pid = pid
@@ -137,7 +186,7 @@ class HDF5Source:
         return row.tobytes() if hasattr(row, "tobytes") else bytes(row)
 
     def key(self, i: int) -> str:
-        return f"h5:{self.path}:{self.dataset}:{_index(i, self._len)}"
+        return f"{self._prefix}{_index(i, self._len)}{self._suffix}"
 
     def close(self) -> None:
         """Close this process's handle (it reopens on the next read)."""

@@ -21,7 +21,7 @@ from typing import Any
 from collections.abc import Mapping
 
 from .. import config
-from ..errors import CacheError
+from ..errors import CacheError, ConfigError
 from .spec import Spec
 
 __all__ = ["observe_cache", "run_partition", "make_cold", "drop_page_cache", "dataset_files", "describe_start",
@@ -35,11 +35,17 @@ def _has_cache(spec: Spec) -> bool:
 
 
 def observe_cache(spec: Spec | None) -> dict[str, Any] | None:
-    """What the spec's shared cache holds now: ``{"name", "exists", "entries", "bytes"}``.
+    """What the spec's shared cache holds now *of the spec's dataset*: ``{"name", "exists",
+    "entries", "bytes", "other_entries"}``.
 
-    None when there is no spec or it has no cache. A cache that does not exist yet is empty (and
-    is not created). A cache that cannot be read (unsafe directory, damaged files) is reported with
-    ``error`` and counted as empty, with a logged warning: planning goes on as for a cold start.
+    Entries are counted under the keys the jobs will look up, which carry the identity of each
+    file's version (:mod:`hpcstagger.cache.sources`): a cache filled from other data, or from an
+    older version of these files, is cold for this dataset, and its entries are ``other_entries``.
+    The count is exact up to :data:`PROBES` samples and estimated from as many evenly spaced ones
+    above that. None when there is no spec or it has no cache. A cache that does not exist yet is
+    empty (and is not created). A cache that cannot be read (unsafe directory, damaged files) is
+    reported with ``error`` and counted as empty, with a logged warning: planning goes on as for a
+    cold start. A dataset that cannot be opened counts as cold too, with ``note``.
     """
     if spec is None or not _has_cache(spec):
         return None
@@ -53,8 +59,38 @@ def observe_cache(spec: Spec | None) -> dict[str, Any] | None:
         out["error"] = str(exc)
         return out
     if found is not None:
-        out.update(exists=True, entries=found["entries"], bytes=found["bytes"])
+        out.update(exists=True, entries=found["entries"], bytes=found["bytes"], other_entries=0)
+        if found["entries"]:
+            out.update(_dataset_share(spec, _node_roots(spec)[0], found))
     return out
+
+
+PROBES = 4096  # sample keys looked up to count what a cache holds of a dataset
+
+
+def _dataset_share(spec: Spec, root: str | None, found: Mapping[str, Any]) -> dict[str, Any]:
+    """How many of the cache's ``found["entries"]`` are the spec's dataset's samples (and their
+    bytes, at the cache's mean entry size), from up to :data:`PROBES` of its keys."""
+    from ..cache.store import ShmCache
+
+    total = int(found["entries"])
+    try:
+        source = spec.base_source()
+    except (ConfigError, CacheError, OSError) as exc:
+        return {"entries": 0, "bytes": 0, "other_entries": total, "note": f"the dataset cannot be read: {exc}"}
+    n = len(source)
+    picks = range(n) if n <= PROBES else sorted({int(k * n / PROBES) for k in range(PROBES)})
+    cache = ShmCache(spec.cache.name, None, root=root)
+    try:
+        hits = sum(1 for i in picks if source.key(i) in cache)
+    finally:
+        cache.close()
+        close = getattr(source, "close", None)
+        if close is not None:
+            close()
+    entries = min(total, round(n * hits / max(1, len(picks))))
+    return {"entries": entries, "bytes": int(found["bytes"]) * entries // max(1, total),
+            "other_entries": total - entries}
 
 
 def _node_roots(spec: Spec) -> list[str | None]:
@@ -159,16 +195,22 @@ def _mb(n: Any) -> str:
 
 
 def describe_start(cache: Mapping[str, Any] | None) -> str:
-    """``"cold cache"`` or ``"warm cache: 1200 samples (14.7 MB, 40% of the dataset)"``; "" with no cache."""
+    """``"cold cache"`` or ``"warm cache: 1200 samples (14.7 MB, 40% of the dataset)"``, then how many
+    entries are of other data when there are any; "" with no cache."""
     if not cache:
         return ""
     if cache.get("error"):
         return "cache unreadable, planned as cold"
     entries = int(cache.get("entries") or 0)
+    other = int(cache.get("other_entries") or 0)
+    tail = ""
+    if other:
+        tail = (f"; {other} entries of other data or of an older version of these files "
+                f"(`hpcstagger cache clear {cache.get('name')}` frees their space)")
     if entries == 0:
-        return "cold cache"
+        return "cold cache" + tail
     extra = f", {cache['fraction']:.0%} of the dataset" if cache.get("fraction") is not None else ""
-    return f"warm cache: {entries} samples ({_mb(cache.get('bytes'))}{extra})"
+    return f"warm cache: {entries} samples ({_mb(cache.get('bytes'))}{extra})" + tail
 
 
 def describe_cold(cold: Mapping[str, Any] | None) -> str:

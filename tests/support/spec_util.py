@@ -8,7 +8,7 @@ import textwrap
 
 from hpcstagger.cache import ShmCache
 
-__all__ = ["CAPACITY", "write_spec", "fill"]
+__all__ = ["CAPACITY", "write_spec", "fill", "fill_dataset"]
 
 WORK = textwrap.dedent("""
     import time
@@ -37,14 +37,16 @@ SCENARIO = textwrap.dedent("""
 CAPACITY = 1 << 20
 
 
-def write_spec(tmp_path, root: str, *, scenario: bool = True, jobs: tuple[str, ...] = ("a", "b")) -> str:
-    """A spec of tiny jobs with a cache under ``root`` and a directory of 3 dataset files."""
+def write_spec(tmp_path, root: str, *, scenario: bool = True, jobs: tuple[str, ...] = ("a", "b"), files: int = 3,
+               size: int = 4096) -> str:
+    """A spec of tiny jobs with a cache under ``root`` and a directory of ``files`` dataset files of
+    ``size`` bytes."""
     (tmp_path / "work.py").write_text(WORK)
     (tmp_path / "s.toml").write_text(SCENARIO)
     data = tmp_path / "data"
     data.mkdir(exist_ok=True)
-    for i in range(3):
-        (data / f"{i}.bin").write_bytes(os.urandom(4096))
+    for i in range(files):
+        (data / f"{i:04d}.bin").write_bytes(os.urandom(size))
     job_tables = "".join(f'[[job]]\nname = "{n}"\ncommand = "python work.py"\n' for n in jobs)
     path = tmp_path / "spec.toml"
     path.write_text(textwrap.dedent(f"""
@@ -68,5 +70,18 @@ def fill(root: str, n: int, name: str = "warm") -> None:
     try:
         for k in range(n):
             assert cache.put(k, bytes(1000))
+    finally:
+        cache.close()
+
+
+def fill_dataset(root: str, spec_path: str, samples: range, name: str = "warm") -> None:
+    """Put the spec's dataset samples ``samples`` in cache ``name`` under ``root``, keyed as the jobs key them."""
+    from hpcstagger.colocated.spec import Spec
+
+    source = Spec.from_toml(spec_path).base_source()
+    cache = ShmCache(name, CAPACITY, root=root)
+    try:
+        for i in samples:
+            assert cache.put(source.key(i), source[i])
     finally:
         cache.close()
