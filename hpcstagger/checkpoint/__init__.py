@@ -24,7 +24,7 @@ from .._lazy import lazy_exports
 _EXPORTS = {
     "AsyncCheckpointer": "checkpointer", "SaveHandle": "checkpointer",
     "load": "load", "restore": "load", "read_checkpoint": "load", "verify_checkpoint": "load",
-    "list_entries": "load",
+    "list_entries": "load", "load_entry": "load",
     "Gate": "gates", "ActivityGate": "gates", "StepGate": "gates", "AnyGate": "gates", "SharedActivityGate": "gates",
     "SourceReadHook": "gates",
     "ShardWriter": "writer", "Pacer": "writer",
