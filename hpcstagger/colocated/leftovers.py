@@ -108,16 +108,15 @@ def find(root: str | None = None, *, gate_dir: str = GATE_DIR,
     """Every item hpcstagger keeps for this user under ``root`` (default: the ``shm_root`` knob, as a
     process with ``environ`` sees it) and its gate files in ``gate_dir``, with their live users.
     Raises CacheError for an unsafe root (another user's, a link, writable by others)."""
-    from ..cache.throttle import throttle_dir
-
     root = os.path.abspath(root or config.get("shm_root", environ))
-    items = _entries(root, throttle_dir(environ))
+    throttle = os.path.abspath(config.get("throttle_dir", environ) or os.path.join(root, ".throttle"))
+    items = _entries(root, throttle)
     try:
         gates = sorted(n for n in os.listdir(gate_dir) if gate_owner(n) is not None)
     except OSError:
         gates = []
     items += [("gate file", os.path.join(gate_dir, n)) for n in gates]
-    held = users_of(sorted({root + os.sep, throttle_dir(environ) + os.sep,
+    held = users_of(sorted({root + os.sep, throttle + os.sep,
                             *(os.path.join(gate_dir, n) for n in gates)}))
     out = []
     for kind, path in items:
