@@ -168,7 +168,7 @@ def test_glob_segments_match_as_fnmatch_does():
 def test_a_refused_insert_is_logged_once(tmp_path, shm_root, caplog, monkeypatch):
     from hpcstagger.cache import dataset as dataset_mod
 
-    monkeypatch.setattr(dataset_mod.CachedDataset, "_refusal_logged", False)
+    monkeypatch.setattr(dataset_mod, "_refusal_logged", False)
     B.make_dir(tmp_path / "d")
     cache = ShmCache("small", 4 * B.SIZE)  # room for 4 of the 48 samples
     try:

@@ -19,6 +19,7 @@ from .store import ShmCache
 __all__ = ["CachedDataset", "SourceReadHook", "SampleMeter"]
 
 log = logging.getLogger(__name__)
+_refusal_logged = False  # once per process: see CachedDataset._refused
 
 
 class SourceReadHook(Protocol):
@@ -59,7 +60,6 @@ class CachedDataset(torch.utils.data.Dataset):
     """
 
     meter: SampleMeter | None = None
-    _refusal_logged = False  # per process: see _refused
 
     def __init__(self, source: Source, cache: ShmCache, transform: Callable[[Any], Any] | None = None, *,
                  source_read_hook: SourceReadHook | None = None):
@@ -88,9 +88,10 @@ class CachedDataset(torch.utils.data.Dataset):
         """Log once per process that the cache refuses inserts while it stores: the samples it does
         not hold are read from the source every time (by design when the dataset is larger than the
         cache; a sign of a cache full of other data when it is not)."""
-        if CachedDataset._refusal_logged or not getattr(getattr(self.cache, "policy", None), "stores", False):
+        global _refusal_logged
+        if _refusal_logged or not getattr(getattr(self.cache, "policy", None), "stores", False):
             return
-        CachedDataset._refusal_logged = True
+        _refusal_logged = True
         name = getattr(self.cache, "name", "?")
         log.info("cache %s refused an insert (full, or /dev/shm is): samples it does not hold are read from the "
                  "source each time; if it holds other data, `hpcstagger cache clear %s` empties it", name, name)

@@ -43,7 +43,7 @@ from .identity import resolve_job
 from .calibration import calibration_dir, calibration_spec, no_plan, wrap_loader
 from .cachestate import describe_start, observe_cache, run_partition
 from .planning import plan_delays
-from .progress import status_path
+from .progress import plain_metrics, status_path
 from .history import describe as describe_history, plan_history
 from .idle import flush_root, flusher_for
 from .prefetch import prefetcher_for
@@ -241,12 +241,12 @@ class Session:
         return wrap_loader(self, iterable, profiler)
 
     def finish(self, **metrics: Any) -> None:
-        """Mark this rank done (its status file records ``metrics`` and its finish time)."""
+        """Mark this rank done (its status file records ``metrics``, tensors as numbers, and its finish time)."""
         if self._closed:
             return
         self._closed = True
         self.timings["finished_at"] = self.elapsed()
-        self.write_status("done", metrics=metrics)
+        self.write_status("done", metrics=plain_metrics(metrics))
         self.say(f"finished after {self.elapsed():.1f} s")
 
 

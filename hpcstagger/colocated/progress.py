@@ -27,15 +27,38 @@ from typing import Any
 from collections.abc import Iterable, Iterator
 
 from .. import _io, config
+from ..errors import ConfigError
 
 HISTORY = 500
 
-__all__ = ["Counted", "ProgressMeter", "progress_path", "read_progress", "fraction_done", "throughput"]
+__all__ = ["Counted", "ProgressMeter", "progress_path", "read_progress", "fraction_done", "throughput",
+           "plain_metrics"]
 
 
 def progress_path(run_dir: str, job: str) -> str:
     """Where job ``job``'s leader publishes its progress."""
     return os.path.join(run_dir, f"{job}.progress.json")
+
+
+def plain_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    """``session.finish``'s metrics as JSON values: a tensor or NumPy scalar becomes its number
+    (``.item()``, which needs no ``float()`` on a tensor that requires grad), a sequence a list.
+    Raises ConfigError naming a metric that is none of these."""
+    import json
+
+    out: dict[str, Any] = {}
+    for name, value in metrics.items():
+        if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+            value = value.item()
+        elif hasattr(value, "tolist"):
+            value = value.tolist()
+        try:
+            json.dumps(value, allow_nan=True)
+        except (TypeError, ValueError):
+            raise ConfigError(f"session.finish: metric {name!r} is a {type(value).__name__}, which a status file "
+                              f"cannot hold; pass numbers, strings, lists or dicts of them") from None
+        out[name] = value
+    return out
 
 
 def status_path(run_dir: str, job: str, rank: int = 0) -> str:
