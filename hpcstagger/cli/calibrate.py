@@ -59,6 +59,10 @@ def register(sub: Any) -> None:
     p.add_argument("--history", action="store_true",
                    help="with a spec: seed the spec's run history instead (<workdir>/history/seed.toml): a spec "
                         "without [plan] scenario then plans from it, and what its runs observe refines it")
+    p.add_argument("--fresh", action="store_true",
+                   help="with a spec: measure everything again, dropping the measurements a failed or "
+                        "interrupted calibration kept in OUT.partial/ (by default the same command goes on from "
+                        "them: only what is missing or changed is measured)")
     p.add_argument("--json", action="store_true", help="print the measurements as one JSON object")
     p.set_defaults(func=run)
 
@@ -146,7 +150,7 @@ def _with_spec(args: argparse.Namespace, jobs: dict[str, Any]) -> Any:
         os.makedirs(os.path.dirname(out), exist_ok=True)
     return calibrate_spec(spec, steps=jobs, budget=args.budget, readers=args.readers, epochs=epochs,
                           capacity=args.capacity, policy=args.policy, batch=args.batch, out=out,
-                          cores=args.cores)
+                          cores=args.cores, fresh=args.fresh)
 
 
 def _with_factories(args: argparse.Namespace, jobs: dict[str, Any]) -> Any:
@@ -195,7 +199,26 @@ def run(args: argparse.Namespace) -> int:
             print(f"jobs {', '.join(names)} read the same sample order ({order}): started together they read "
                   "every sample from the source twice, and a follower hits what its leader read; the model "
                   "accounts for both")
+        for line in _calibration_notes(cal.measurements):
+            print(line)
     return 0
+
+
+def _calibration_notes(meas: dict[str, Any]) -> list[str]:
+    """The summary's lines on how far to trust a spec's calibration: the node's load, what was
+    reused, and source measurements that disagree."""
+    from ..colocated.calibrate_spec import load_line
+
+    out = []
+    if meas.get("node_load"):
+        out.append(load_line(meas["node_load"]))
+    if meas.get("reused"):
+        out.append("reused from the kept measurements: " + ", ".join(meas["reused"]))
+    if meas.get("source_spread"):
+        spread = ", ".join(f"{s * 100:.0f}%" for s in meas["source_spread"])
+        out.append(f"the source's repeated measurements lay {spread} apart with 1, 2, ... readers"
+                   + (f"; {meas['source_disagree']}" if meas.get("source_disagree") else ""))
+    return out
 
 
 def _shared_orders(sc: Any) -> dict[str, list[str]]:

@@ -15,8 +15,10 @@ order):
 3. **The source's aggregate bandwidth with 1, 2, ... k concurrent readers.** k separate processes
    (multiprocessing, ``spawn`` by default) each read their own subset of samples no reader has
    read before, with the files' pages dropped before each level (file sources); after a barrier,
-   the bytes read inside the common window divided by its length give ``bandwidth[k-1]``. Reads
-   that straddle the window edges count in proportion to their overlap.
+   the bytes read inside the common window divided by its length give one measurement. Reads
+   that straddle the window edges count in proportion to their overlap. Every level is measured
+   twice; ``bandwidth[k-1]`` is the median of its measurements and ``spread[k-1]`` how far they
+   lay apart (:func:`~hpcstagger.model.calibrate_source.combine_levels`).
 4. **Each job's seconds per sample with the data in memory.** Its step function is called on
    batches of samples already read into memory; the first call (warm-up) is not counted.
 
@@ -38,11 +40,11 @@ from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
 from ..errors import ConfigError, ModelError
-from .calibrate_source import SamplePool, hit_bandwidth, measure_levels, preload, trusted_bandwidth
+from .calibrate_source import SamplePool, combine_levels, hit_bandwidth, measure_levels, preload
 from .scenario import POLICIES, Cache, Dataset, Job, Loader, Scenario, Storage
 
-__all__ = ["Calibration", "calibrate", "capacity_bytes", "source_length", "reader_levels", "time_steps",
-           "source_comment", "write_scenario"]
+__all__ = ["Calibration", "calibrate", "capacity_bytes", "check_out", "source_length", "reader_levels",
+           "time_steps", "source_comment", "write_scenario"]
 
 log = logging.getLogger(__name__)
 
@@ -177,10 +179,10 @@ def _measure(source: Any, n: int, jobs: Mapping[str, Callable[[list[bytes]], Any
     bar.update(1)
 
     # 3. the source with 1, 2, ... readers, on samples no reader (nor the preload) has read
-    apart = n - len(read) >= 8 * sum(levels)
+    apart = n - len(read) >= 16 * sum(levels)
     pool = SamplePool(n, seed, exclude=read if apart else ())
     pool.fresh = apart  # too small a dataset: the readers read the preloaded samples again
-    meas["source"] = measure_levels(source, pool, levels, _SHARE_SOURCE * budget, ctx, bar)
+    meas["source"] = measure_levels(source, pool, levels + levels, _SHARE_SOURCE * budget, ctx, bar)  # twice
 
     # 4. jobs on in-memory data, in what is left of the budget
     remaining = budget - (time.monotonic() - t_start)
@@ -194,11 +196,11 @@ def _build_scenario(meas: dict[str, Any], jobs: Mapping[str, Any], known: dict[s
     """The scenario of the measurements ``meas``: one job per entry of ``epoch_map`` (name -> epochs),
     in its order; those in ``known`` take their given sample time."""
     n, sample_bytes = meas["samples"], meas["sample_bytes"]
-    bandwidth = tuple(trusted_bandwidth(meas["source"])[0])
+    bandwidth, spread, _ = combine_levels(meas["source"])
     hit_bw = meas["hits"]["hit_bandwidth"]
     return Scenario(
         dataset=Dataset(samples=n, sample_bytes=sample_bytes),
-        storage=Storage(bandwidth),
+        storage=Storage(tuple(bandwidth), spread=tuple(spread)),
         jobs=tuple(Job(name=name, sample_time=meas["jobs"][name]["sample_time"] if name in jobs else float(known[name]),
                        epochs=int(epoch_map[name])) for name in epoch_map),
         cache=Cache(capacity=capacity_bytes(capacity, n, sample_bytes), policy=policy,
@@ -217,13 +219,29 @@ def source_comment(levels: Sequence[Mapping[str, Any]]) -> str:
     return f"measured with {', '.join(parts)} ({how})"
 
 
+def check_out(out: str | os.PathLike[str]) -> None:
+    """Raise ConfigError unless a scenario can be written to ``out``: not a directory, in an existing,
+    writable folder. Called before measuring, so that a bad path costs no measurement."""
+    path = os.path.abspath(os.fspath(out))
+    folder = os.path.dirname(path)
+    if os.path.isdir(path):
+        raise ConfigError(f"the output {out} is a directory; give a file path, e.g. "
+                          f"-o {os.path.join(out, 'scenario.toml')}")
+    if not os.path.isdir(folder):
+        raise ConfigError(f"the output's folder {folder} does not exist; create it (mkdir -p {folder}) or give "
+                          "another -o")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"the output's folder {folder} is not writable by this user; give another -o")
+
+
 def write_scenario(out: str | os.PathLike[str], scenario: Scenario, comments: Mapping[str, str],
-                   elapsed: float, what: str = "hpcstagger calibrate") -> str:
-    """Write ``scenario`` to ``out`` atomically with ``comments`` (dotted key -> how it was measured)
-    and a header line; return the path."""
+                   elapsed: float, what: str = "hpcstagger calibrate", notes: Sequence[str] = ()) -> str:
+    """Write ``scenario`` to ``out`` atomically with ``comments`` (dotted key -> how it was measured),
+    a header line and a comment line per note; return the path."""
     from .._io import atomic_write
 
-    text = f"# {what}, {time.strftime('%Y-%m-%d %H:%M:%S')}, {elapsed:.0f} s\n" + scenario.to_toml(comments)
+    text = (f"# {what}, {time.strftime('%Y-%m-%d %H:%M:%S')}, {elapsed:.0f} s\n"
+            + "".join(f"# {note}\n" for note in notes) + scenario.to_toml(comments))
     path = os.fspath(out)
     atomic_write(path, text.encode())
     return path
@@ -231,9 +249,14 @@ def write_scenario(out: str | os.PathLike[str], scenario: Scenario, comments: Ma
 
 def _comments(meas: dict[str, Any], jobs: Mapping[str, Any], known: dict[str, float]) -> dict[str, str]:
     """How each value of the factory route's scenario was measured."""
+    curve, spread, untrusted = combine_levels(meas["source"])
     comments = {
         "dataset.sample_bytes": f"mean of {meas['preloaded']} samples read",
-        "storage.bandwidth": source_comment(meas["source"]) + trusted_bandwidth(meas["source"])[1],
+        "storage.bandwidth": (f"holds {', '.join(f'{b / 1e6:.1f}' for b in curve)} MB/s with 1 .. {len(curve)} "
+                              "readers: per level the median of its measurements (each level measured twice)"
+                              + untrusted),
+        "storage.spread": ("how far each level's measurements lay apart, (max - min) / median: "
+                           + ", ".join(f"{x * 100:.0f}%" for x in spread)),
         "cache.hit_bandwidth": f"measured per reader with {meas['hits']['how']}",
     }
     for name in jobs:
@@ -267,6 +290,8 @@ def calibrate(source: Any, jobs: Mapping[str, Callable[[list[bytes]], Any]], *,
         from .. import config
 
         budget = float(config.get("calibrate_budget"))
+    if out is not None:
+        check_out(out)
     known = dict(known or {})
     _check_jobs(jobs, known, policy, budget, batch)
     n = source_length(source)
@@ -278,7 +303,7 @@ def calibrate(source: Any, jobs: Mapping[str, Callable[[list[bytes]], Any]], *,
     from tqdm import tqdm
 
     ctx = multiprocessing.get_context(mp_context)
-    bar = tqdm(total=2 + len(levels) + len(jobs), desc="calibrate", unit="step", file=sys.stderr,
+    bar = tqdm(total=2 + 2 * len(levels) + len(jobs), desc="calibrate", unit="step", file=sys.stderr,
                disable=not progress, leave=True)
     try:
         meas = _measure(source, n, jobs, levels, budget=budget, batch=batch, cache=cache, ctx=ctx, seed=seed,

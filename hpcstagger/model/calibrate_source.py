@@ -28,16 +28,17 @@ import shutil
 import tempfile
 import time
 from typing import Any
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ..errors import ConfigError, ModelError
 
 __all__ = ["SamplePool", "trusted_bandwidth", "measure_readers", "hit_bandwidth", "reread_bandwidth", "preload",
            "source_files", "drop_pages", "parse_meminfo", "mem_available", "page_cache_holds", "PAGE_CACHE_SHARE",
-           "MAX_READERS"]
+           "MAX_READERS", "SPREAD_LIMIT", "combine_levels", "disagreeing"]
 
 PAGE_CACHE_SHARE = 0.5   # a dataset below this share of MemAvailable stays in the page cache
 MAX_READERS = 16         # most concurrent readers a calibration measures (the last level holds beyond)
+SPREAD_LIMIT = 0.10      # measurements of one level further apart than this share are measured again
 
 
 class SamplePool:
@@ -385,13 +386,15 @@ def page_cache_holds(dataset_bytes: float, available: int | None, *, file_source
 
 
 def measure_levels(source: Any, pool: SamplePool, levels: Sequence[int], seconds: float, ctx: Any, bar: Any, *,
-                   later_levels: int = 0, cache: Any = None, longest: float = math.inf) -> list[dict[str, Any]]:
+                   later_levels: int = 0, cache: Any = None, longest: float = math.inf,
+                   on_level: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """The source's aggregate bandwidth at each reader count of ``levels``, in turn, sharing ``seconds``
     (at most ``longest`` seconds each).
 
     Before each level the files' pages are dropped (:func:`drop_pages`), and its readers read fresh
     samples from ``pool`` (which keeps a share for ``later_levels`` levels measured afterwards).
-    With ``cache`` the readers put what they read into it. Each level's entry says what it did.
+    With ``cache`` the readers put what they read into it. Each level's entry says what it did, and
+    is handed to ``on_level`` as soon as it is measured (to be kept).
     """
     deadline = time.monotonic() + seconds
     overhead = 0.0
@@ -409,6 +412,8 @@ def measure_levels(source: Any, pool: SamplePool, levels: Sequence[int], seconds
         overhead = max(0.0, m["elapsed_s"] - window)  # process start-up, learnt from the last level
         m.update(fresh=pool.fresh, dropped_files=dropped, how=how)
         out.append(m)
+        if on_level is not None:
+            on_level(m)
         bar.update(1)
     return out
 
@@ -432,3 +437,42 @@ def trusted_bandwidth(levels: Sequence[Mapping[str, Any]]) -> tuple[list[float],
             out.append(float(m["bandwidth"]))
     note = (f"; not trusted, too short a window, so the level before holds: {', '.join(held)}" if held else "")
     return out, note
+
+
+def _trusted(m: Mapping[str, Any]) -> bool:
+    """Whether a level's measurement counts: one reader always does; more readers only over a
+    window of at least :data:`MIN_WINDOW_S` and a tenth of its run (see :func:`trusted_bandwidth`)."""
+    window, elapsed = float(m.get("window_s", 1.0)), float(m.get("elapsed_s", 0.0))
+    return int(m["readers"]) == 1 or not (window < MIN_WINDOW_S or window < 0.1 * elapsed)
+
+
+def combine_levels(levels: Sequence[Mapping[str, Any]]) -> tuple[list[float], list[float], str]:
+    """The curve of repeated measurements of the levels 1 .. K (in any order, each level at least
+    once): per level the median of its trusted measurements (a level with none holds the level
+    before, as :func:`trusted_bandwidth` does), the spread of those measurements ((max - min) /
+    median; 0 with one), and a note naming the measurements not trusted ("" when none)."""
+    top = max(int(m["readers"]) for m in levels)
+    curve: list[float] = []
+    spread: list[float] = []
+    held = []
+    for k in range(1, top + 1):
+        mine = [m for m in levels if int(m["readers"]) == k]
+        values = sorted(float(m["bandwidth"]) for m in mine if _trusted(m))
+        held += [f"{k} reader(s) ({m['bandwidth'] / 1e6:.1f} MB/s over {float(m['window_s']):.3f} s)"
+                 for m in mine if not _trusted(m)]
+        if not values:
+            curve.append(curve[-1])
+            spread.append(spread[-1])
+            continue
+        n = len(values)
+        median = values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
+        curve.append(median)
+        spread.append((values[-1] - values[0]) / median if n > 1 else 0.0)
+    note = (f"; not trusted, too short a window: {', '.join(held)}" if held else "")
+    return curve, spread, note
+
+
+def disagreeing(levels: Sequence[Mapping[str, Any]], limit: float = SPREAD_LIMIT) -> list[int]:
+    """The reader counts whose repeated measurements lie further apart than ``limit`` (a share)."""
+    _, spread, _ = combine_levels(levels)
+    return [k for k, s in enumerate(spread, start=1) if s > limit]

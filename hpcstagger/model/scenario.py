@@ -67,11 +67,12 @@ class Dataset:
 class Storage:
     """The shared source. ``bandwidth[k-1]`` is its aggregate bytes/s with k concurrent readers.
 
-    ``fit_baseline``: what the jobs' own reads got of this curve while calibrated (1: not measured);
-    unused by the predictions, the closed-loop watcher's source fits are relative to it."""
+    Unused by the predictions: ``fit_baseline``, what the jobs' reads got of it while calibrated (the
+    watcher's source fits are relative to it), and ``spread``, each level's (max - min) / median."""
 
     bandwidth: tuple[float, ...]
     fit_baseline: float = 1.0
+    spread: tuple[float, ...] = ()
 
     def aggregate(self, readers: int) -> float:
         """Aggregate bytes/s delivered to ``readers`` (>= 1) concurrent readers."""
@@ -173,7 +174,8 @@ _POSITIVE = S.number(minimum=0, exclusive=True)
 _DELAY = S.number(minimum=0)
 _DATASET = S.Table("dataset", [S.Field("samples", S.integer(minimum=1)), S.Field("sample_bytes", _POSITIVE)])
 _STORAGE = S.Table("storage", [S.Field("bandwidth", S.number_list(minimum=0, exclusive=True)),
-                               S.Field("fit_baseline", S.number(minimum=0, exclusive=True), 1.0)])
+                               S.Field("fit_baseline", S.number(minimum=0, exclusive=True), 1.0),
+                               S.Field("spread", S.number_list(minimum=0), (), shown="[] (not measured)")])
 _CACHE = S.Table("cache", [
     S.Field("capacity", S.number(minimum=0), 0.0, shown="0"),
     S.Field("policy", S.choice(*POLICIES), "minio"),
@@ -366,7 +368,8 @@ class Scenario:
                 cache["remote_bandwidth"] = self.cache.remote_bandwidth
         out: dict[str, Any] = {
             "dataset": {"samples": self.dataset.samples, "sample_bytes": self.dataset.sample_bytes},
-            "storage": {"bandwidth": list(self.storage.bandwidth)},
+            "storage": {"bandwidth": list(self.storage.bandwidth),
+                        **({"spread": list(self.storage.spread)} if self.storage.spread else {})},
             "cache": cache,
             "loader": {"prefetch": self.loader.prefetch},
         }

@@ -1,13 +1,16 @@
 """A small torch training job written the usual way, for the calibration tests (run as a script).
 
-    python calib_job.py [--workers W] [--batch B] [--epochs E] [--forever] [--out DIR]
+    python calib_job.py [--workers W] [--batch B] [--epochs E] [--forever] [--out DIR] [--count FILE]
+        [--no-loader]
 
 It joins the run (``hpcstagger.init``), reads the spec's dataset through ``CachedDataset`` over the
 spec's cache, shards it with a DistributedSampler, loads it with a DataLoader (W workers, batches
 of B), trains a small MLP (DDP when the spec's backend is ddp) and iterates its loader as
 ``for x, y in session.loader(loader):``, the one hpcstagger call around the loader. With
 ``--forever`` it trains until stopped; with ``--out`` each rank writes ``after-loop.<rank>`` when
-its loop ends (a calibration's early exit never gets there).
+its loop ends (a calibration's early exit never gets there). With ``--count`` each rank appends a
+line to FILE as it starts (how often the job was launched). With ``--no-loader`` it iterates its
+DataLoader directly, never through ``session.loader``, as a job not yet adapted would.
 """
 
 from __future__ import annotations
@@ -37,7 +40,12 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=None)
     p.add_argument("--forever", action="store_true")
     p.add_argument("--out", default="")
+    p.add_argument("--count", default="")
+    p.add_argument("--no-loader", action="store_true")
     args = p.parse_args()
+    if args.count:
+        with open(args.count, "a") as f:
+            f.write(f"{os.getpid()}\n")
     torch.set_num_threads(1)
     session = hpcstagger.init(wait=False)
     cache = session.cache()
@@ -57,7 +65,7 @@ def main() -> None:
     steps = 0
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
-        for x, y in session.loader(loader):
+        for x, y in (loader if args.no_loader else session.loader(loader)):
             opt.zero_grad(set_to_none=True)
             loss = torch.nn.functional.cross_entropy(net(x), y)
             loss.backward()

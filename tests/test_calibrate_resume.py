@@ -1,0 +1,275 @@
+"""`hpcstagger calibrate --spec`: measurements kept as they are taken and reused by the same command
+after an interrupt, the output path checked before measuring, a job that never calls
+session.loader named, and a scenario whose comments state the values it holds."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hpcstagger.colocated.calibrate_state import SavedParts, partial_dir
+from hpcstagger.colocated.spec import Spec
+from hpcstagger.model import Scenario
+from support.cli import cli_env, run_cli
+
+JOB = Path(__file__).resolve().parent / "support" / "calib_job.py"
+ROW = 4097
+# what the calibration and its jobs read from the environment: never inherited from the caller
+SCRUB = ("HPCSTAGGER_SPEC", "HPCSTAGGER_JOB", "HPCSTAGGER_CALIBRATE", "HPCSTAGGER_CALIBRATE_UNTIL",
+         "HPCSTAGGER_RUN_DIR", "HPCSTAGGER_ONLY_JOBS", "HPCSTAGGER_PLAN_MODE", "HPCSTAGGER_DELAYS",
+         "HPCSTAGGER_CALIBRATE_BUDGET", "HPCSTAGGER_NO_HISTORY")
+
+
+@pytest.fixture
+def shm_dir(monkeypatch):
+    for name in SCRUB:
+        monkeypatch.delenv(name, raising=False)
+    root = tempfile.mkdtemp(prefix="hpcs-calres-", dir="/dev/shm")
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _env(shm: str) -> dict[str, str]:
+    env = cli_env(HPCSTAGGER_SHM_ROOT=shm)
+    for name in SCRUB:
+        env.pop(name, None)
+    return env
+
+
+def _spec(tmp_path: Path, a_args: str = "", b_args: str = "", samples: int = 2000) -> Path:
+    import h5py
+
+    rows = np.random.default_rng(0).integers(0, 255, size=(samples, ROW), dtype=np.uint8)
+    with h5py.File(tmp_path / "data.h5", "w") as f:
+        f.create_dataset("samples", data=rows, chunks=(1, ROW))
+    shutil.copy(JOB, tmp_path / "calib_job.py")
+    path = tmp_path / "spec.toml"
+    path.write_text(textwrap.dedent(f"""
+        [run]
+        name = "calres"
+        workdir = "work"
+        [dataset]
+        path = "data.h5"
+        name = "samples"
+        throttle = [8.0e6, 6.0e6]
+        [cache]
+        capacity = "32MB"
+        [[job]]
+        name = "a"
+        command = "python calib_job.py --workers 0 --batch 8 --count a.count {a_args}"
+        [[job]]
+        name = "b"
+        command = "python calib_job.py --workers 0 --batch 8 --count b.count {b_args}"
+    """))
+    return path
+
+
+def _launches(tmp_path: Path, job: str) -> int:
+    path = tmp_path / f"{job}.count"
+    return len(path.read_text().split()) if path.exists() else 0
+
+
+# ------------------------------------------------------------------------------- kept and resumed
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_interrupted_calibration_goes_on_without_measuring_a_job_again(tmp_path, shm_dir):
+    _spec(tmp_path)
+    argv = [sys.executable, "-m", "hpcstagger", "calibrate", "--spec", "spec.toml", "--budget", "16",
+            "-o", "scenario.toml"]
+    kept = tmp_path / "scenario.toml.partial"
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=_env(shm_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (kept / "job.a.json").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (kept / "job.a.json").exists(), "job a's measurement was not kept as it was taken"
+        proc.send_signal(signal.SIGINT)  # Ctrl-C while job b runs
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err[-3000:]
+    assert f"what was measured is kept in {kept}" in err and not (tmp_path / "scenario.toml").exists()
+    assert _launches(tmp_path, "a") == 1
+    part = json.loads((kept / "job.a.json").read_text())
+    assert part["fields"]["route"] == "command" and part["fields"]["batches"] > 0
+
+    res = run_cli(*argv[3:], env=_env(shm_dir), cwd=tmp_path, timeout=200)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert _launches(tmp_path, "a") == 1, "job a was measured again"   # launched once in both runs
+    assert _launches(tmp_path, "b") >= 1
+    assert f"calibrate: job a: reusing its measurement kept in {kept}" in res.stderr
+    assert "calibrate: job b: reusing" not in res.stderr
+    assert re.search(r"^reused from the kept measurements: .*job a", res.stdout, re.M), res.stdout
+    sc = Scenario.from_toml(tmp_path / "scenario.toml")
+    assert [j.name for j in sc.jobs] == ["a", "b"] and sc.jobs[0].sample_time == part["fields"]["sample_time"]
+    assert len(sc.storage.spread) == len(sc.storage.bandwidth) == 2   # two jobs, one fetcher each
+    assert not kept.exists()                                            # dropped once the scenario is written
+    assert "the node before measuring:" in res.stdout
+
+
+def test_kept_parts_follow_the_spec(tmp_path):
+    """A job's part is reused while its command, its files and the dataset stay the same; the
+    source's while the dataset does; --fresh drops every part."""
+    _spec(tmp_path, samples=10)
+    said: list[str] = []
+    spec = Spec.from_toml(tmp_path / "spec.toml")
+    kept = partial_dir(tmp_path / "scenario.toml")
+    assert kept == tmp_path / "scenario.toml.partial"
+    parts = SavedParts(kept, spec, fresh=False, say=said.append)
+    a, b = spec.jobs
+    parts.save_job(a, {"route": "command", "sample_time": 0.001})
+    parts.save_job(b, {"route": "command", "sample_time": 0.002})
+    parts.save_levels([{"readers": 1, "bandwidth": 5e6}])
+    again = SavedParts(kept, spec, fresh=False, say=said.append)
+    assert again.job(a) == {"route": "command", "sample_time": 0.001} and again.levels()[0]["bandwidth"] == 5e6
+    assert again.reused == ["job a", "1 source measurement(s)"]
+    # job b's command changes: only b is measured again
+    _spec_text = (tmp_path / "spec.toml").read_text().replace("--count b.count", "--count b.count --epochs 2")
+    (tmp_path / "spec.toml").write_text(_spec_text)
+    changed = SavedParts(kept, Spec.from_toml(tmp_path / "spec.toml"), fresh=False, say=said.append)
+    a2, b2 = changed.spec.jobs
+    assert changed.job(a2) is not None and changed.job(b2) is None
+    assert "calibrate: job b: its command, its files or the dataset changed" in said[-1]
+    # the job's script changes: measured again
+    (tmp_path / "calib_job.py").write_text((tmp_path / "calib_job.py").read_text() + "\n# changed\n")
+    assert SavedParts(kept, changed.spec, fresh=False, say=said.append).job(a2) is None
+    # the dataset changes: every part is measured again
+    changed.save_job(a2, {"route": "command"})
+    (tmp_path / "data.h5").write_bytes((tmp_path / "data.h5").read_bytes() + b"\0" * 16)
+    stale = SavedParts(kept, changed.spec, fresh=False, say=said.append)
+    assert stale.levels() == [] and stale.job(a2) is None and "the dataset changed" in " ".join(said)
+    # --fresh
+    SavedParts(kept, changed.spec, fresh=True, say=said.append)
+    assert list(kept.iterdir()) == [] and "--fresh: dropped" in said[-1]
+
+
+# ------------------------------------------------------------------------------- before measuring
+def test_a_bad_output_path_fails_before_measuring(tmp_path, shm_dir):
+    _spec(tmp_path, samples=10)
+    (tmp_path / "adir").mkdir()
+    for out, expected in (("adir", "is a directory; give a file path, e.g. -o adir/scenario.toml"),
+                          ("no/such/scenario.toml", "does not exist; create it (mkdir -p")):
+        t0 = time.monotonic()
+        res = run_cli("calibrate", "--spec", "spec.toml", "--budget", "10", "-o", out, env=_env(shm_dir),
+                      cwd=tmp_path, timeout=60)
+        assert res.returncode == 1 and expected in res.stderr, res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr, res.stderr
+        assert time.monotonic() - t0 < 8 and _launches(tmp_path, "a") == 0
+        assert not (tmp_path / "work" / "calibrate").exists()   # nothing measured, no reports
+
+
+def test_a_job_that_never_calls_session_loader_is_named(tmp_path, shm_dir):
+    _spec(tmp_path, b_args="--no-loader --epochs 1", samples=300)
+    res = run_cli("calibrate", "--spec", "spec.toml", "--budget", "8", "-o", "scenario.toml", env=_env(shm_dir),
+                  cwd=tmp_path, timeout=120)
+    assert res.returncode == 1, res.stderr[-3000:]
+    line = res.stderr.strip().splitlines()[-1]
+    assert "job(s) b never called session.loader(...)" in line and \
+        "'for batch in session.loader(loader):'" in line, line
+    assert "calibrate: job b ended without calling session.loader(...)" in res.stderr
+    # job a was measured and is kept: fixing b and running again measures b alone
+    assert (tmp_path / "scenario.toml.partial" / "job.a.json").exists()
+    assert "other measurements are kept in" in line
+
+
+# ------------------------------------------------------------------------------- the scenario's comments
+def _meas(overhead: float) -> dict:
+    job = {"route": "command", "ranks": 1, "workers": 0, "batch": 8, "prefetch": None, "handoff": 0.0012,
+           "prep_time": 0.0003, "startup": 1.25, "epoch_start": 0.0, "order": "", "batches": 20,
+           "sample_time": 0.00042, "miss_overhead": overhead, "hits": 10, "misses": 90, "stopped": "enough",
+           "samples_seen": True}
+    levels = [{"readers": 1, "bandwidth": 14.3e6, "window_s": 1.0, "elapsed_s": 1.2},
+              {"readers": 1, "bandwidth": 13.9e6, "window_s": 1.0, "elapsed_s": 1.2},
+              {"readers": 2, "bandwidth": 20.0e6, "window_s": 1.0, "elapsed_s": 1.2},
+              {"readers": 2, "bandwidth": 26.0e6, "window_s": 1.0, "elapsed_s": 1.2},
+              {"readers": 2, "bandwidth": 21.0e6, "window_s": 1.0, "elapsed_s": 1.2}]
+    return {"sample_bytes": 65536.0, "samples": 1000, "preloaded": 64, "source": levels, "jobs": {"a": job},
+            "page_cache": {"holds": False, "source": "hdf5", "emulated": True}, "hits": {"hit_bandwidth": 1e9,
+            "how": "ShmCache.get"}, "cores": 2, "cores_how": "the CPUs", "fetchers": 2}
+
+
+def comment_mismatches(text: str, sc: Scenario) -> list[str]:
+    """Every figure a comment of the scenario file states for the value it describes, where it
+    differs from the value the file holds."""
+    bad = []
+    lines = text.splitlines()
+    for line in lines:
+        key, _, rest = line.partition(" = ")
+        value, _, note = rest.partition("  # ")
+        if not note:
+            continue
+        if key == "bandwidth":
+            stated = re.match(r"holds ([\d., ]+) MB/s", note)
+            held = ", ".join(f"{b / 1e6:.1f}" for b in sc.storage.bandwidth)
+            if not stated or stated.group(1) != held:
+                bad.append(f"bandwidth holds {held} MB/s: {note}")
+        if key == "spread":
+            held = ", ".join(f"{s * 100:.0f}%" for s in sc.storage.spread)
+            if f"(max - min) / median: {held}" not in note:
+                bad.append(f"spread holds {held}: {note}")
+    for job in sc.jobs:
+        note = next((ln for ln in lines if ln.startswith("# measured from its command:")
+                     and f"{job.sample_time * 1e3:.3f} ms/sample" in ln), None)
+        if note is None:
+            bad.append(f"job {job.name}: no comment states its {job.sample_time * 1e3:.3f} ms/sample")
+            continue
+        for figure in (f"handoff {job.handoff * 1e3:.2f} ms/batch", f"start-up {job.startup:.2f} s",
+                       f"prep {job.prep_time * 1e3:.3f} ms/sample", f"epoch restart {job.epoch_start:.2f} s"):
+            if figure not in note:
+                bad.append(f"job {job.name}: {figure!r} not in {note}")
+    return bad
+
+
+@pytest.mark.parametrize("overhead", [0.0, 0.004])
+def test_every_figure_in_a_comment_is_the_value_the_file_holds(tmp_path, overhead):
+    """The source's comment once said 14.3 MB/s (one reader, measured) where the file held 7.9 (the
+    curve with a miss's cost in the jobs folded in): a comment states what the file holds."""
+    from hpcstagger.colocated.calibrate_scenario import build_scenario
+    from hpcstagger.colocated.planning import fold_miss_overhead
+    from hpcstagger.model.calibrate import write_scenario
+
+    _spec(tmp_path, samples=10)
+    spec = Spec.from_toml(tmp_path / "spec.toml")
+    spec = dataclasses.replace(spec, jobs=spec.jobs[:1])
+    meas = _meas(overhead)
+    sc, comments = build_scenario(meas, spec, None, None, None)
+    assert sc.storage.bandwidth == pytest.approx(fold_miss_overhead([14.1e6, 21.0e6], 65536.0, overhead))
+    assert (sc.storage.bandwidth[0] < 8e6) is bool(overhead)
+    assert sc.storage.spread == pytest.approx((0.4 / 14.1, 6.0 / 21.0))
+    path = write_scenario(tmp_path / "s.toml", sc, comments, 1.0, notes=["a note"])
+    text = Path(path).read_text()
+    back = Scenario.from_toml(path)
+    assert back.storage.spread == sc.storage.spread and back.storage.bandwidth == sc.storage.bandwidth
+    assert comment_mismatches(text, back) == []
+    assert "14.3" not in text and "# a note\n" in text
+    assert "with 2 reader(s) they still disagree after measuring again" in comments["storage.spread"]
+    # the check itself fails on the old comment
+    old = re.sub(r"holds [\d.]+", "holds 14.3", text, count=1)
+    assert comment_mismatches(old, back), old
+
+
+def test_combine_levels_takes_each_levels_median_and_spread():
+    from hpcstagger.model.calibrate_source import combine_levels, disagreeing
+
+    levels = [{"readers": 1, "bandwidth": 10.0, "window_s": 1.0}, {"readers": 2, "bandwidth": 16.0, "window_s": 1.0},
+              {"readers": 1, "bandwidth": 11.0, "window_s": 1.0}, {"readers": 2, "bandwidth": 18.0, "window_s": 1.0},
+              {"readers": 3, "bandwidth": 99.0, "window_s": 0.001, "elapsed_s": 1.0}]
+    curve, spread, note = combine_levels(levels)
+    assert curve == [10.5, 17.0, 17.0] and spread == pytest.approx([1 / 10.5, 2 / 17.0, 2 / 17.0])
+    assert "3 reader(s) (0.0 MB/s over 0.001 s)" in note
+    assert disagreeing(levels) == [2, 3] and disagreeing(levels, limit=0.2) == []
