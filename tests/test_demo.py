@@ -138,3 +138,32 @@ def test_check_node_warns_with_the_figures_while_another_process_spins(capfd):
     assert f"of {node['cores']} usable cores" in node["warning"] and "the demo measures slower jobs" in node["warning"]
     assert f"demo: warning: {node['warning']}" in capfd.readouterr().err
     json.dumps(node)  # as demo.json records it
+
+
+def test_every_stated_duration_of_the_demo_is_the_measured_one():
+    """The README's Quick start, docs/demo.md, ``hpcstagger --help`` and ``hpcstagger demo --help``
+    state one duration: cli.demo.DURATION, the range measured on 2 cores."""
+    import argparse
+    from pathlib import Path
+
+    from hpcstagger.cli import build_parser
+    from hpcstagger.cli.demo import DURATION
+
+    repo = Path(__file__).resolve().parents[1]
+
+    def flat(text: str) -> str:
+        return " ".join(text.split())
+
+    quick = (repo / "README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    demo_page = (repo / "docs" / "demo.md").read_text().split("## Examples", 1)[0]
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    stated = {"README Quick start": (flat(quick), f"The demo takes {DURATION} on 2 cores"),
+              "docs/demo.md": (flat(demo_page), f"It takes {DURATION} on 2 cores"),
+              "hpcstagger --help": (flat(parser.format_help()), f"run the end-to-end demo ({DURATION} on 2 cores)"),
+              "hpcstagger demo --help": (flat(sub.choices["demo"].format_help()), f"It takes {DURATION} on 2 cores")}
+    for where, (text, sentence) in stated.items():
+        assert sentence in text, f"{where} does not say {sentence!r}"
+    # and no other figure for the demo's whole run
+    assert "a minute and a half" not in flat(quick)
+    assert "a few minutes" not in flat(parser.format_help()) + flat(demo_page)

@@ -7,14 +7,21 @@ import json
 import sys
 from typing import Any
 
+# How long the demo takes with its defaults on 2 cores: 106 to 144 s measured (three runs, each on a
+# node where other work used 1.3 to 2 of the cores), 161 s on a node with a load average of 3. The
+# README's Quick start and docs/demo.md state the same figure (tests/test_demo.py checks it).
+DURATION = "1.5 to 3 minutes"
+
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("demo", help="run the end-to-end demo (a few minutes on 2 cores)",
+    p = sub.add_parser("demo", help=f"run the end-to-end demo ({DURATION} on 2 cores)",
                        description="Generate a synthetic image-like dataset, serve it through an emulated slow "
                                    "shared source, calibrate and plan, then run two co-located training jobs "
                                    "(two small models, one MPI rank each) at the planned stagger, "
                                    "simultaneously and sequentially, checkpointing asynchronously. Prints "
-                                   "predicted and measured makespans and writes demo.json and demo.png.")
+                                   "predicted and measured makespans and writes demo.json and demo.png. It takes "
+                                   f"{DURATION} on 2 cores, longer when other work keeps the node busy "
+                                   "(it says so before it measures).")
     p.add_argument("--workdir", default="hpcstagger-demo",
                    help="where data, runs and plots go (default ./hpcstagger-demo)")
     p.add_argument("--samples", type=int, default=6000, help="dataset size in samples (default 6000, 12 KB each)")
