@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -18,7 +20,7 @@ from hpcstagger.checkpoint.gates import GATE_PREFIX, gate_owner
 from hpcstagger.colocated import preflight
 from hpcstagger.colocated.spec import Spec
 from hpcstagger.errors import ConfigError, DependencyError, LaunchError
-from support.cli import cli_env, run_cli
+from support.cli import REPO, cli_env, run_cli
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -244,9 +246,8 @@ def test_failed_ranks_leave_dev_shm_as_found(tmp_path, shm, fail):
     gates_before = _gates()
     if fail == "backend":  # the check would refuse it: start it as a run whose backend breaks later
         code = ("import sys; from hpcstagger.colocated.launch import launch; from hpcstagger.colocated.spec import "
-                f"Spec; r = launch(Spec.from_toml({spec!r}), check=False); print(r.failures()); sys.exit(0 if r.ok else 1)")
-        import subprocess
-
+                f"Spec; r = launch(Spec.from_toml({spec!r}), check=False); print(r.failures()); "
+                "sys.exit(0 if r.ok else 1)")
         out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
                              timeout=100)
         assert "DependencyError: horovod.torch cannot be imported" in out.stdout + out.stderr, out.stderr
@@ -261,8 +262,6 @@ def test_failed_ranks_leave_dev_shm_as_found(tmp_path, shm, fail):
 
 
 def test_a_dead_owners_gate_goes_when_the_next_gate_is_made(tmp_path):
-    import subprocess
-
     code = ("import os; from hpcstagger.checkpoint import SharedActivityGate; g = SharedActivityGate(); "
             "print(g.path, flush=True); os._exit(0)")
     path = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout.strip()
@@ -271,3 +270,56 @@ def test_a_dead_owners_gate_goes_when_the_next_gate_is_made(tmp_path):
 
     with SharedActivityGate():
         assert not os.path.exists(path)
+
+
+# ---------------------------------------------------------------------------- the README's example
+EXAMPLES = REPO / "examples"
+
+
+def test_the_readme_launches_an_example_a_fresh_install_can_run():
+    lines = [ln for ln in (REPO / "README.md").read_text().splitlines() if ln.startswith("hpcstagger launch examples/")]
+    first = Spec.from_toml(REPO / lines[0].split()[2])
+    assert {j.backend for j in first.jobs} <= {"ddp", "none"}, lines[0]  # scripts/install brings torch, not Horovod
+    for line in lines:
+        needs_horovod = any(j.backend == "horovod" for j in Spec.from_toml(REPO / line.split()[2]).jobs)
+        assert not needs_horovod or "scripts/install-horovod" in line, line
+    assert "scripts/install-horovod" in lines[0]  # and it says what the Horovod example needs
+
+
+@pytest.fixture
+def examples(tmp_path, shm):
+    """The examples and their dataset in a fresh directory; Horovod hidden as on a fresh install."""
+    for f in ("make_dataset.py", "train_ddp.py", "train_horovod.py", "colocated.toml", "colocated-ddp.toml"):
+        shutil.copy(EXAMPLES / f, tmp_path / f)
+    subprocess.run([sys.executable, "make_dataset.py", "data.h5", "--samples", "128"], cwd=tmp_path, check=True,
+                   timeout=60, capture_output=True)
+    root, env = shm
+    return tmp_path, root, {**env, "PYTHONPATH": _shadow_horovod(tmp_path)}
+
+
+def test_the_horovod_example_without_horovod_says_what_to_run(examples):
+    cwd, root, env = examples
+    before = set(os.listdir("/dev/shm"))
+    t0 = time.monotonic()
+    out = run_cli("launch", "colocated.toml", env=env, cwd=cwd, timeout=60)
+    took = time.monotonic() - t0
+    assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith("hpcstagger launch: error: job mlp: backend horovod is not importable "
+                                 "(No module named 'horovod.torch'): run scripts/install-horovod")
+    assert took < 5 and not os.path.exists(root)
+    assert not {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("hpcstagger")}
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.timeout(400)
+def test_the_ddp_example_runs_without_horovod(examples):
+    cwd, root, env = examples
+    gates = _gates()
+    out = run_cli("launch", "colocated-ddp.toml", "--json", env=env, cwd=cwd, timeout=380)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert {n: j["state"] for n, j in result["jobs"].items()} == {"cnn": "done", "cnn-lr": "done"}
+    assert _gates() - gates == set()  # the examples' gates went with their processes
+    run_cli("cache", "clear", "examples", env=env)
+    assert not os.path.exists(root)
