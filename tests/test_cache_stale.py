@@ -181,3 +181,124 @@ def test_a_refused_insert_is_logged_once(tmp_path, shm_root, caplog, monkeypatch
         assert len(msgs) == 1 and "hpcstagger cache clear small" in msgs[0]
     finally:
         cache.close()
+
+
+# ---- one listing per run, shared through a file ------------------------------------------------
+def test_listing_file_round_trip_and_rejections(tmp_path):
+    from array import array
+
+    from hpcstagger.cache._listing import read_listing, write_listing
+
+    names = ["a.jpg", "sub/b c.jpg", "line\nbreak.jpg", "bytes-\udcff.jpg", "ü.jpg"]
+    tokens = array("Q", [1, 2**64 - 1, 3, 0, 42])
+    path = str(tmp_path / "dataset-1.listing")
+    write_listing(path, "/data", "**/*", names, tokens)
+    files, toks = read_listing(path, "/data", "**/*")
+    assert files == names and list(toks) == list(tokens)
+    assert read_listing(path, "/other", "**/*") is None and read_listing(path, "/data", "*.jpg") is None
+    raw = open(path, "rb").read()
+    for bad in (raw[:-3], raw[:-8] + b"\1" * 8, b"junk", b"", raw.replace(b"hpcstagger-listing", b"x")):
+        open(path, "wb").write(bad)
+        assert read_listing(path, "/data", "**/*") is None
+    assert read_listing(str(tmp_path / "missing"), "/data", "**/*") is None
+    write_listing(path, "/data", "**/*", [], array("Q"))
+    assert read_listing(path, "/data", "**/*") == ([], array("Q"))
+
+
+def test_a_source_built_with_a_run_listing_reads_it_instead_of_listing(tmp_path):
+    B.make_dir(tmp_path / "d")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "dataset-old.listing").write_bytes(b"an earlier run's")
+    listing = str(run / "dataset-new.listing")
+    first = DirectorySource(tmp_path / "d", listing=listing)
+    assert sorted(os.listdir(run)) == ["dataset-new.listing"]  # written, the earlier run's removed
+    os.unlink(tmp_path / "d" / first.files[0])  # a later process of the run does not list again
+    second = DirectorySource(tmp_path / "d", listing=listing)
+    assert second.files == first.files and [second.key(i) for i in range(3)] == [first.key(i) for i in range(3)]
+    fresh = DirectorySource(tmp_path / "d")  # without the run's listing: the directory as it is
+    assert len(fresh) == len(first) - 1
+
+
+def _list_counted(root: str, listing: str, count_dir: str, barrier) -> None:
+    from hpcstagger.cache import _listing
+
+    real = _listing.list_files
+
+    def counted(*a):
+        open(os.path.join(count_dir, str(os.getpid())), "w").close()
+        return real(*a)
+
+    _listing.list_files = counted
+    barrier.wait()
+    src = DirectorySource(root, listing=listing)
+    assert len(src) == B.N_FILES
+
+
+def test_concurrent_processes_of_a_run_list_once(tmp_path):
+    import multiprocessing as mp
+
+    B.make_dir(tmp_path / "d")
+    (tmp_path / "counts").mkdir()
+    ctx = mp.get_context("fork")
+    barrier = ctx.Barrier(4)
+    procs = [ctx.Process(target=_list_counted, args=(str(tmp_path / "d"), str(tmp_path / "dataset-x.listing"),
+                                                     str(tmp_path / "counts"), barrier)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0, 0]
+    assert len(os.listdir(tmp_path / "counts")) == 1
+
+
+SOURCE_JOB = """
+import json, os
+from hpcstagger import init
+s = init()
+src = s.source()
+out = os.path.join(os.environ["OUT_DIR"], f"{s.job}.{s.rank}.json")
+json.dump({"n": len(src), "keys": [src.key(i) for i in range(len(src))], "run_dir": s.run_dir}, open(out, "w"))
+s.finish()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_launched_run_lists_its_directory_dataset_once(tmp_path, shm_root):
+    """hpcstagger launch: every job's session.source() has the same listing, made once and kept
+    in the run's directory."""
+    import json
+    import textwrap
+
+    from support.cli import cli_env, run_cli
+
+    B.make_dir(tmp_path / "data")
+    (tmp_path / "job.py").write_text(SOURCE_JOB)
+    (tmp_path / "out").mkdir()
+    spec = tmp_path / "spec.toml"
+    spec.write_text(textwrap.dedent(f"""
+        [run]
+        name = "listing"
+        timeout = 120
+        [dataset]
+        path = "data"
+        [cache]
+        capacity = 1048576
+        root = "{shm_root}"
+        [plan]
+        mode = "simultaneous"
+        [[job]]
+        name = "a"
+        command = "python job.py"
+        ranks = 2
+        [[job]]
+        name = "b"
+        command = "python job.py"
+    """))
+    out = run_cli("launch", str(spec), env=cli_env(OUT_DIR=str(tmp_path / "out")), cwd=tmp_path, timeout=150)
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(p.read_text()) for p in sorted((tmp_path / "out").iterdir())]
+    assert len(rows) == 3 and all(r["n"] == B.N_FILES and r["keys"] == rows[0]["keys"] for r in rows)
+    run_dir = rows[0]["run_dir"]
+    assert [f for f in os.listdir(run_dir) if f.endswith(".listing")] and \
+        len([f for f in os.listdir(run_dir) if f.startswith("dataset-")]) == 1

@@ -15,20 +15,28 @@ the new bytes instead of being served the old ones:
 :func:`list_files` walks the tree with ``os.scandir`` and one ``stat`` per matching file (the stat
 that tells a regular file from anything else anyway), and matches names with pathlib's glob rules,
 so the listing is the one ``Path.glob(pattern)`` gives, filtered to regular files.
+:func:`shared_listing` lets the processes of one run share one listing through a file.
 """
 
 from __future__ import annotations
 
+import fcntl
 import fnmatch
+import json
+import logging
 import os
 import re
 import stat
 import struct
+import sys
+import time
 from array import array
 
 import xxhash
 
-__all__ = ["list_files", "file_token", "stat_token", "glob_regex"]
+__all__ = ["list_files", "file_token", "stat_token", "glob_regex", "shared_listing", "read_listing", "write_listing"]
+
+log = logging.getLogger(__name__)
 
 _PACK = struct.Struct("<QQqq").pack
 
@@ -136,3 +144,120 @@ def list_files(root: str, pattern: str) -> tuple[list[str], array]:
                     found.append((name, stat_token(st)))
     found.sort()
     return [f for f, _ in found], array("Q", (t for _, t in found))
+
+
+# ---- a listing shared by the processes of one run -----------------------------------------------
+# One file: a JSON header line, then the names joined by NUL (never in a name) and the tokens as
+# little-endian uint64. The header carries the root, the pattern, the count and an xxh3-64 of the
+# body, so a file of another dataset, a torn write or a damaged file is never taken for the listing.
+_MAGIC = "hpcstagger-listing"
+
+
+def write_listing(path: str, root: str, pattern: str, files: list[str], tokens: array) -> None:
+    """Write a listing to ``path`` atomically (a temporary file, then a rename). Raises OSError."""
+    body = "\0".join(files).encode("utf-8", "surrogateescape") + b"\0" + _as_le(tokens).tobytes()
+    head = {"format": _MAGIC, "version": 1, "root": root, "pattern": pattern, "count": len(files),
+            "checksum": xxhash.xxh3_64_hexdigest(body)}
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(json.dumps(head).encode() + b"\n" + body)
+        os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+
+
+def read_listing(path: str, root: str, pattern: str) -> tuple[list[str], array] | None:
+    """The listing in ``path`` if it is one of ``root`` and ``pattern`` and intact, else None."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        line, _, body = data.partition(b"\n")
+        head = json.loads(line)
+        if not isinstance(head, dict) or head.get("format") != _MAGIC or head.get("version") != 1:
+            return None
+        if head.get("root") != root or head.get("pattern") != pattern:
+            return None
+        if xxhash.xxh3_64_hexdigest(body) != head.get("checksum"):
+            return None
+        n = int(head["count"])
+        names, tail = body[:len(body) - 8 * n - 1], body[len(body) - 8 * n:]
+        files = names.decode("utf-8", "surrogateescape").split("\0") if n else []
+        tokens = array("Q")
+        tokens.frombytes(tail)
+        tokens = _as_le(tokens)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return (files, tokens) if len(files) == n == len(tokens) else None
+
+
+def _as_le(a: array) -> array:
+    """``a`` in little-endian byte order (a copy on a big-endian machine)."""
+    if sys.byteorder == "little":
+        return a
+    b = array("Q", a)
+    b.byteswap()
+    return b
+
+
+def shared_listing(path: str, root: str, pattern: str, wait: float = 600.0) -> tuple[list[str], array]:
+    """The listing of ``root`` and ``pattern`` through the file ``path``: read when another process
+    of the run wrote it, else made here (:func:`list_files`) and written for the others. The
+    directory of ``path`` is locked while one process lists (best effort: on a file system without
+    ``flock``, or after ``wait`` seconds, each process lists for itself)."""
+    got = read_listing(path, root, pattern)
+    if got is not None:
+        return got
+    lock = _lock(os.path.dirname(path) or ".", wait)
+    try:
+        got = read_listing(path, root, pattern)  # written while we waited for the lock
+        if got is not None:
+            return got
+        files, tokens = list_files(root, pattern)
+        try:
+            write_listing(path, root, pattern, files, tokens)
+            _prune_siblings(path)
+        except OSError as exc:
+            log.debug("cannot write the dataset listing %s: %s", path, exc)
+        return files, tokens
+    finally:
+        if lock >= 0:
+            os.close(lock)
+
+
+def _prune_siblings(path: str) -> None:
+    """Remove the older listings beside ``path``: files named as it is up to its last ``-`` with
+    its extension (``dataset-<run>.listing``), left by earlier runs that shared the directory."""
+    directory, name = os.path.split(path)
+    stem, ext = os.path.splitext(name)
+    prefix = stem.rpartition("-")[0] + "-"
+    if prefix == "-":
+        return
+    for other in os.listdir(directory or "."):
+        if other != name and other.startswith(prefix) and other.endswith(ext):
+            try:
+                os.unlink(os.path.join(directory, other))
+            except OSError:
+                pass
+
+
+def _lock(directory: str, wait: float) -> int:
+    """An fd holding ``flock`` on ``directory``, or -1 when it cannot be had within ``wait`` seconds."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return -1
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        except OSError:
+            break
+    os.close(fd)
+    return -1

@@ -20,7 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 import xxhash
 
 from ..errors import ConfigError
-from ._listing import list_files, stat_token
+from ._listing import list_files, shared_listing, stat_token
 
 __all__ = ["Source", "DirectorySource", "HDF5Source", "read_file"]
 
@@ -79,18 +79,20 @@ class DirectorySource:
     file's real absolute path with that identity: a file replaced, rewritten or grown since another
     job cached it is a miss here, read from the file. A file that changes after this source was
     built is read as it is now (and logged once); build a new source, or restart the job, to key
-    it by its new identity. Raises ConfigError if ``root`` does not exist, is not a directory, or
-    nothing matches.
+    it by its new identity. ``listing`` names a file through which the processes of one run share
+    one listing (:func:`~hpcstagger.cache._listing.shared_listing`): the first lists and writes it,
+    the others read it; ``session.source()`` passes one in the run's directory. Raises ConfigError
+    if ``root`` does not exist, is not a directory, or nothing matches.
     """
 
-    def __init__(self, root: str | os.PathLike[str], pattern: str = "**/*"):
+    def __init__(self, root: str | os.PathLike[str], pattern: str = "**/*", *, listing: str | None = None):
         if not os.path.exists(root):
             raise ConfigError(f"DirectorySource: {root} does not exist (check the dataset path)")
         if not os.path.isdir(root):
             raise ConfigError(f"DirectorySource: {root} is not a directory (an HDF5 file takes HDF5Source)")
         self.root = os.path.realpath(root)
         self.pattern = pattern
-        files, tokens = list_files(self.root, pattern)
+        files, tokens = shared_listing(listing, self.root, pattern) if listing else list_files(self.root, pattern)
         if not files:
             raise ConfigError(f"DirectorySource: no files match {pattern!r} under {root}")
         self.files: list[str] = files

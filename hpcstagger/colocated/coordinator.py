@@ -11,15 +11,13 @@ holds every job's ranks (MPMD ``mpiexec -n 2 python a.py : -n 2 python b.py``, `
    never started is reported by name instead of hanging the others, and splits the world into one
    communicator per job;
 3. gathers each job's calibration (its leader's per-sample time) at world rank 0, which plans the
-   start delays with the performance model (or takes them from the spec's mode) and sends them
-   back;
+   start delays with the performance model (or takes them from the spec's mode) and sends them back;
 4. waits out this job's delay, running the given idle work meanwhile, then starts the job's data-
    parallel backend on its own communicator: Horovod (``hvd.init(comm=...)``) or torch.distributed
    with gloo, the rendezvous address sent over MPI.
 
-Every step records its time; :attr:`Session.overhead` is the coordinator's own cost (split,
-gather, plan, broadcast). Each rank writes a small status file (``<workdir>/status``) at every
-stage, so ``hpcstagger launch`` can say which job failed and how long each one took.
+Every step records its time; :attr:`Session.overhead` is the coordinator's own cost. Each rank writes
+a status file (``<workdir>/status``) at every stage, for ``hpcstagger launch`` and ``status``.
 """
 
 from __future__ import annotations
@@ -43,11 +41,10 @@ from .identity import resolve_job
 from .calibration import calibration_dir, calibration_spec, no_plan, wrap_loader
 from .cachestate import describe_start, observe_cache, run_partition
 from .planning import plan_delays
-from .progress import plain_metrics, status_path
 from .history import describe as describe_history, plan_history
 from .idle import flush_root, flusher_for
 from .prefetch import prefetcher_for
-from .progress import ProgressMeter
+from .progress import ProgressMeter, plain_metrics, status_path
 from .release import set_host, wait_for_release
 from .spec import Spec
 
@@ -125,8 +122,10 @@ class Session:
         return self.spec
 
     def source(self) -> Any:
-        """The spec's ``[dataset]`` as a source (see :meth:`hpcstagger.colocated.spec.Spec.make_source`)."""
-        return self._need_spec("source").make_source()
+        """The spec's ``[dataset]`` as a source (:meth:`Spec.make_source`); a directory listed once per run."""
+        rid = self.plan.get("run_id")
+        listing = os.path.join(self.run_dir, f"dataset-{rid}.listing") if self.run_dir and rid else None
+        return self._need_spec("source").make_source(listing=listing)
 
     def cache(self) -> Any:
         """The spec's ``[cache]`` as the node's ShmCache (partitioned across this job's nodes, collectively,
@@ -461,6 +460,7 @@ def _exchange_plan(world: Comm, comm: Comm, spec: Spec | None, name: str, order:
                               steer_interval=float(config.get("steer_interval")),
                               steer_min_gain=float(config.get("steer_min_gain")), history=plan_history(spec, mode),
                               learned=learn.resolve(spec, mode), partition=partition)
+        decided["run_id"] = os.urandom(8).hex()  # names what the run's processes share (the dataset's listing)
         return {r: decided for r in range(len(hellos))}
 
     t = time.perf_counter()

@@ -400,16 +400,17 @@ class Spec:
             self.job(n)
         return replace(self, jobs=tuple(j for j in self.jobs if j.name in set(names)))
 
-    def make_source(self, shared_name: str | None = None) -> Any:
+    def make_source(self, shared_name: str | None = None, *, listing: str | None = None) -> Any:
         """The ``[dataset]`` as a source: HDF5Source or DirectorySource, wrapped in a ThrottledSource
         (``shared_name``, default "<run name>-source", shared by every job) when ``throttle`` is set.
+        ``listing``: a file through which a run's processes share a directory's listing.
         Raises ConfigError when the spec has no dataset path."""
         ds = self.dataset
         if not ds.path:
             raise ConfigError("the spec has no [dataset] path; set it, or build your own source")
         from ..cache import ThrottledSource
 
-        base = self._base_source()
+        base = self._base_source(listing)
         if ds.throttle:
             return ThrottledSource(base, list(ds.throttle), shared_name=shared_name or f"{self.run.name}-source",
                                    latency=ds.latency)
@@ -466,12 +467,14 @@ class Spec:
         ConfigError when the dataset cannot be opened)."""
         return self._base_source()
 
-    def _base_source(self) -> Any:
+    def _base_source(self, listing: str | None = None) -> Any:
         """The ``[dataset]``'s files as a source, unthrottled: an HDF5Source or a DirectorySource."""
         from ..cache import DirectorySource, HDF5Source
 
         ds = self.dataset
-        return HDF5Source(ds.path, ds.name) if ds.format == "hdf5" else DirectorySource(ds.path, ds.pattern)
+        if ds.format == "hdf5":
+            return HDF5Source(ds.path, ds.name)
+        return DirectorySource(ds.path, ds.pattern, listing=listing)
 
     def layout(self) -> list[tuple[JobSpec, int]]:
         """Each job with its first world rank, in launch order (MPMD places jobs consecutively)."""
