@@ -273,3 +273,31 @@ def test_combine_levels_takes_each_levels_median_and_spread():
     assert curve == [10.5, 17.0, 17.0] and spread == pytest.approx([1 / 10.5, 2 / 17.0, 2 / 17.0])
     assert "3 reader(s) (0.0 MB/s over 0.001 s)" in note
     assert disagreeing(levels) == [2, 3] and disagreeing(levels, limit=0.2) == []
+
+
+# ------------------------------------------------------------------------------- the batch template
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_calibrate_template_ignores_a_callers_generic_variables(tmp_path, shm_dir):
+    """slurm/calibrate.sbatch run as a plain script (its #SBATCH lines are comments) from a shell
+    whose OUT names a directory and whose SPEC and BUDGET mean something else: it reads only its
+    argument and HPCSTAGGER_* variables, writes the scenario beside the spec and prints the plan."""
+    from support.cli import REPO
+
+    _spec(tmp_path, samples=600)
+    (tmp_path / "elsewhere").mkdir()
+    env = _env(shm_dir)
+    env.update(OUT=str(tmp_path / "elsewhere"), SPEC="/no/such/spec.toml", BUDGET="not-a-number",
+               JOBS="x=no.such:module", HPCSTAGGER_CALIBRATE_BUDGET="10")
+    res = subprocess.run(["bash", str(REPO / "slurm" / "calibrate.sbatch"), str(tmp_path / "spec.toml")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    sc = Scenario.from_toml(tmp_path / "scenario.toml")
+    assert [j.name for j in sc.jobs] == ["a", "b"] and list((tmp_path / "elsewhere").iterdir()) == []
+    assert "predicted makespan" in res.stdout
+    # a bad output path fails at once, in one line, before measuring
+    env["HPCSTAGGER_SCENARIO"] = str(tmp_path / "elsewhere")
+    res = subprocess.run(["bash", str(REPO / "slurm" / "calibrate.sbatch"), str(tmp_path / "spec.toml")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1 and "is a directory; give a file path" in res.stderr, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and _launches(tmp_path, "a") == 1

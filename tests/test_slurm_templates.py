@@ -15,6 +15,19 @@ pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
 TEMPLATES = REPO / "slurm"
 
 WORK = RANK_PROBE
+# What the templates read from the environment, and the generic names they once read: a test
+# scrubs them from the submitting environment (the cluster's, taken when it started) so that
+# nothing of its caller's leaks into the job, then sets what it means to set.
+TEMPLATE_VARS = ("HPCSTAGGER_SPEC", "HPCSTAGGER_PLAN_MODE", "HPCSTAGGER_LAUNCHER", "HPCSTAGGER_VENV",
+                 "HPCSTAGGER_SCENARIO", "HPCSTAGGER_CALIBRATE_BUDGET", "HPCSTAGGER_STEP_JOBS",
+                 "HPCSTAGGER_TEMPLATE", "HPCSTAGGER_VALUES", "HPCSTAGGER_RUN_DIR", "HPCSTAGGER_SHM_ROOT")
+GENERIC_VARS = ("SPEC", "OUT", "BUDGET", "JOBS", "VENV", "MODE", "LAUNCHER", "TEMPLATE", "VALUES", "DIR")
+
+
+def _scrub(monkeypatch, cluster) -> None:
+    for name in TEMPLATE_VARS + GENERIC_VARS:
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delitem(cluster.env, name, raising=False)
 
 
 def _spec(tmp_path: Path, name="tpl", a_args="", b_args="", mode="fixed") -> Path:
@@ -45,7 +58,27 @@ def test_every_template_documents_its_sbatch_lines_and_variables():
         assert "#SBATCH --time=" in text and "#SBATCH --output=" in text, path
 
 
-def test_colocated_template(slurm_cluster, batch_job, tmp_path):
+def test_every_template_reads_only_hpcstagger_variables():
+    """A template reads its arguments, SLURM_* and HPCSTAGGER_* variables, and its own locals: a
+    generic name (OUT, SPEC, DIR) would take whatever the submitting shell happens to hold."""
+    import re
+
+    for path in TEMPLATES.glob("*.sbatch"):
+        body = "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith("#"))
+        assigned = set(re.findall(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=", body, re.M))
+        assigned |= set(re.findall(r"read -r -a ([a-z_]+)", body)) | {"job"}
+        read = set(re.findall(r"\$\{?#?([A-Za-z_][A-Za-z0-9_]*)", body))
+        foreign = sorted(n for n in read - assigned if not n.startswith(("HPCSTAGGER_", "SLURM_")))
+        assert foreign == [], f"{path.name} reads {foreign} from the environment: name it HPCSTAGGER_*"
+        generic = sorted(n for n in assigned if n.isupper() and not n.startswith(("HPCSTAGGER_", "SLURM_", "MPIR_")))
+        assert generic == [], f"{path.name} assigns generic names {generic}"
+        documented = path.read_text().split("# Variables", 1)[1].split("#SBATCH", 1)[0]
+        for name in sorted(n for n in read if n.startswith("HPCSTAGGER_") and n != "HPCSTAGGER_RUN_DIR"):
+            assert name in documented, f"{path.name} reads {name} without documenting it in its header"
+
+
+def test_colocated_template(slurm_cluster, batch_job, tmp_path, monkeypatch):
+    _scrub(monkeypatch, slurm_cluster)
     spec = _spec(tmp_path, a_args="'two words'")
     body = (TEMPLATES / "colocated.sbatch").read_text().split("\n", 1)[1]
     _, record, text = batch_job(body, "--ntasks=3", name="colocated", script_args=(str(spec),))
@@ -56,14 +89,17 @@ def test_colocated_template(slurm_cluster, batch_job, tmp_path):
     assert "mode fixed, makespan" in text  # the final table
 
 
-def test_colocated_template_without_a_spec_fails_clearly(slurm_cluster, batch_job):
+def test_colocated_template_without_a_spec_fails_clearly(slurm_cluster, batch_job, monkeypatch):
+    _scrub(monkeypatch, slurm_cluster)
+    monkeypatch.setitem(slurm_cluster.env, "SPEC", "/not/read.toml")   # a generic name is never read
     body = (TEMPLATES / "colocated.sbatch").read_text().split("\n", 1)[1]
     _, record, text = batch_job(body, name="nospec")
     assert record["JobState"] == "FAILED" and record["ExitCode"] == "2:0"
     assert "give the job spec" in text
 
 
-def test_hetjob_template(slurm_two_nodes, batch_job_on, tmp_path):
+def test_hetjob_template(slurm_two_nodes, batch_job_on, tmp_path, monkeypatch):
+    _scrub(monkeypatch, slurm_two_nodes)
     spec = _spec(tmp_path)
     body = (TEMPLATES / "hetjob.sbatch").read_text().split("\n", 1)[1]
     body = body.replace("set -euo pipefail", "set -euo pipefail\n" + MULTI_NODE_MPI_ENV, 1)
@@ -79,13 +115,14 @@ def test_hetjob_template(slurm_two_nodes, batch_job_on, tmp_path):
     assert f"run {run_dir}" in text
 
 
-def test_sweep_array_template(slurm_cluster, batch_job, tmp_path):
+def test_sweep_array_template(slurm_cluster, batch_job, tmp_path, monkeypatch):
+    _scrub(monkeypatch, slurm_cluster)
     spec = _spec(tmp_path, name="sweep-@TASK@", a_args="--lr @A@", b_args="--lr @B@")
     template = spec.rename(tmp_path / "sweep.toml.in")
     body = (TEMPLATES / "sweep-array.sbatch").read_text().split("\n", 1)[1]
     body = body.replace("#SBATCH --ntasks=2", "#SBATCH --ntasks=3")
     # after the #SBATCH block: sbatch stops reading directives at the first command
-    body = body.replace("set -euo pipefail", "set -euo pipefail\nexport VALUES='1 2 3 4'", 1)
+    body = body.replace("set -euo pipefail", "set -euo pipefail\nexport HPCSTAGGER_VALUES='1 2 3 4'", 1)
     job_id, record, _ = batch_job(body, "--array=0-1", "--output",
                                   str(tmp_path / "task-%a.out"), name="sweep", script_args=(str(template),))
     assert record["JobState"] == "COMPLETED"
@@ -115,7 +152,7 @@ def examples_dir(tmp_path):
 
 
 @pytest.mark.slow
-def test_colocated_template_trains_the_examples(slurm_cluster, batch_job, examples_dir):
+def test_colocated_template_trains_the_examples(slurm_cluster, batch_job, examples_dir, monkeypatch):
     """The full path a user takes: the examples' spec through colocated.sbatch on Slurm, DDP and
     Horovod jobs in one allocation, the planned delays in the log, and checkpoints that verify."""
     from support.cli import cli_env, run_cli
@@ -125,6 +162,7 @@ def test_colocated_template_trains_the_examples(slurm_cluster, batch_job, exampl
     cwd, root = examples_dir
     if subprocess.run([sys.executable, "-c", "import horovod.torch"], capture_output=True).returncode:
         pytest.skip("Horovod is not installed; scripts/install-horovod builds it")
+    _scrub(monkeypatch, slurm_cluster)
     spec = cwd / "colocated.toml"
     spec.write_text(spec.read_text().replace('mode = "simultaneous"', 'mode = "fixed"\ndelays = { mlp = 1.0 }'))
     body = (TEMPLATES / "colocated.sbatch").read_text().split("\n", 1)[1]
@@ -140,7 +178,8 @@ def test_colocated_template_trains_the_examples(slurm_cluster, batch_job, exampl
 
 
 @pytest.mark.slow
-def test_calibrate_template_writes_a_scenario_and_prints_the_plan(slurm_cluster, batch_job, examples_dir):
+def test_calibrate_template_writes_a_scenario_and_prints_the_plan(slurm_cluster, batch_job, examples_dir,
+                                                                  monkeypatch):
     import subprocess
     import sys
 
@@ -168,7 +207,11 @@ def test_calibrate_template_writes_a_scenario_and_prints_the_plan(slurm_cluster,
     if subprocess.run([sys.executable, "-c", "import horovod.torch"], capture_output=True).returncode:
         pytest.skip("Horovod is not installed; scripts/install-horovod builds it")
     body = (TEMPLATES / "calibrate.sbatch").read_text().split("\n", 1)[1]
-    body = body.replace("set -euo pipefail", f"set -euo pipefail\nexport HPCSTAGGER_SHM_ROOT={root} BUDGET=20", 1)
+    _scrub(monkeypatch, slurm_cluster)
+    # a caller's generic OUT naming a directory once became the output path: it is never read now
+    monkeypatch.setitem(slurm_cluster.env, "OUT", str(cwd))
+    body = body.replace("set -euo pipefail",
+                        f"set -euo pipefail\nexport HPCSTAGGER_SHM_ROOT={root} HPCSTAGGER_CALIBRATE_BUDGET=20", 1)
     _, record, text = batch_job(body, name="calibrate", timeout=240, script_args=(str(spec),))
     assert record["JobState"] == "COMPLETED", text
     sc = Scenario.from_toml(cwd / "scenario.toml")
