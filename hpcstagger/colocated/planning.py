@@ -68,9 +68,7 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
     ``remote_bandwidth``, the default for a remote hit) makes the plan's scenario partitioned as
     :func:`scenario_for` says; it is returned as ``partition``, for the run's watcher.
 
-    A plan (modes ``"plan"``, ``"open"``) that starts every job at once says why, in one line, as
-    ``simultaneous_reason`` (:func:`simultaneous_reason`, with the ``plan_min_gain`` knob). Mode
-    ``"sequential"`` is accepted for a world of one job (one launch of a sequential run).
+    A plan of all zeros says why (:func:`simultaneous_reason`); mode "sequential" runs one job (one launch).
     """
     out: dict[str, Any] = {"mode": mode, "delays": _mode_delays(spec, order, mode, fixed),
                            "calibrations": {n: dict(c) for n, c in calibrations.items()}}
@@ -87,7 +85,7 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
         if mode in PLANNED_MODES and len(order) > 1:
             raise _needs_scenario()
         return out
-    from ..model import optimal_plan, predict
+    from ..model import optimal_plan
 
     full_order, given, rep = list(order), dict(out["delays"]), loader_representatives(spec, order, calibrations)
     order = [n for n in order if rep[n] == n]
@@ -101,16 +99,10 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
     if cache_state is not None:
         out["cache"].update(fraction=scenario.cache.initial, samples=scenario.dataset.samples,
                             initial_samples=scenario.initial_samples)
-    min_gain = float(config.get("plan_min_gain"))
-    p = optimal_plan(scenario, max_delay=spec.plan.max_delay, min_gain=min_gain, jitter=spec.plan.jitter)
+    p = optimal_plan(scenario, max_delay=spec.plan.max_delay, jitter=spec.plan.jitter)  # plan_min_gain: the knob's
     if mode in PLANNED_MODES:
         out["delays"] = {n: float(p.delays.get(n, 0.0)) for n in order}
-    out["predicted"] = {"plan": float(p.makespan), "simultaneous": float(p.simultaneous),
-                        "sequential": float(p.sequential),
-                        mode: float(p.makespan) if mode in PLANNED_MODES
-                        else float(predict(scenario, out["delays"]).makespan)}
-    if mode == "sequential":  # one job of a sequential run: its own part, not the other modes' makespans
-        out["predicted"] = {mode: out["predicted"][mode]}
+    out["predicted"] = _predicted(p, scenario, mode, out["delays"])
     out["delays"] = {n: out["delays"][rep[n]] for n in full_order} if mode in PLANNED_MODES else given
     order = full_order
     if mode == "plan":
@@ -118,12 +110,28 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
     out["scenario"] = scenario.to_dict()
     out["curve"] = p.to_dict()["curve"]
     out["jitter"] = float(p.jitter)  # the start-time spread the plan was made for (seconds)
-    if mode in PLANNED_MODES:
-        reason = simultaneous_reason(out["delays"], out["predicted"], out["curve"], min_gain=min_gain,
-                                     max_delay=spec.plan.max_delay, jitter=float(p.jitter))
-        if reason:
-            out["simultaneous_reason"] = reason
+    return _with_reason(out, spec) if mode in PLANNED_MODES else out
+
+
+def _with_reason(out: dict[str, Any], spec: Spec) -> dict[str, Any]:
+    """A plan record ``out``, with its ``simultaneous_reason`` when the plan starts every job at once."""
+    reason = simultaneous_reason(out["delays"], out["predicted"], out["curve"], max_delay=spec.plan.max_delay,
+                                 min_gain=float(config.get("plan_min_gain")), jitter=float(out["jitter"]))
+    if reason:
+        out["simultaneous_reason"] = reason
     return out
+
+
+def _predicted(p: Any, scenario: Any, mode: str, delays: Mapping[str, float]) -> dict[str, float]:
+    """A plan record's predicted makespans: the plan's, a simultaneous start's, sequential runs' and
+    ``mode``'s own (its ``delays``); one launch of a sequential run (one job) reports only its own."""
+    from ..model import predict
+
+    own = float(p.makespan) if mode in PLANNED_MODES else float(predict(scenario, delays).makespan)
+    if mode == "sequential":
+        return {mode: own}
+    return {"plan": float(p.makespan), "simultaneous": float(p.simultaneous), "sequential": float(p.sequential),
+            mode: own}
 
 
 def simultaneous_reason(delays: Mapping[str, float], predicted: Mapping[str, float] | None,
