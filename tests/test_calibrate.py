@@ -23,6 +23,12 @@ ROW = 262144
 BW = [4.0e7, 2.4e7]
 
 
+@pytest.fixture(autouse=True)
+def _scrubbed(monkeypatch):
+    """The budget knob's variable: a caller's value never reaches these tests."""
+    monkeypatch.delenv("HPCSTAGGER_CALIBRATE_BUDGET", raising=False)
+
+
 @pytest.fixture(scope="module")
 def h5file(tmp_path_factory):
     import h5py
@@ -57,10 +63,12 @@ def test_calibrate_measures_source_hits_and_jobs(h5file, tmp_path):
     assert sc.cache.capacity == pytest.approx(0.5 * 48 * ROW) and sc.cache.policy == "lru"
     assert sc.cache.hit_bandwidth > 10 * bw1
     assert cal.measurements["hits"]["how"] == "DictCache.get"
-    assert [m["readers"] for m in cal.measurements["source"]] == [1, 2]
+    assert [m["readers"] for m in cal.measurements["source"]] == [1, 2, 1, 2]   # every level twice
+    assert len(sc.storage.spread) == 2 and all(0 <= s < 1 for s in sc.storage.spread)
     # the file is the scenario, with how each number was measured
     text = out.read_text()
-    assert "measured with 1 reader(s)" in text and "in-memory batches" in text
+    assert f"holds {bw1 / 1e6:.1f}, {bw2 / 1e6:.1f} MB/s with 1 .. 2 readers" in text and "in-memory batches" in text
+    assert "(max - min) / median: " in text
     assert Scenario.from_toml(out) == sc
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no temp file left
 

@@ -22,6 +22,7 @@ import pytest
 from hpcstagger.colocated.calibrate_state import SavedParts, partial_dir
 from hpcstagger.colocated.spec import Spec
 from hpcstagger.model import Scenario
+from support.calib_checks import comment_mismatches
 from support.cli import cli_env, run_cli
 
 JOB = Path(__file__).resolve().parent / "support" / "calib_job.py"
@@ -203,38 +204,6 @@ def _meas(overhead: float) -> dict:
             "how": "ShmCache.get"}, "cores": 2, "cores_how": "the CPUs", "fetchers": 2}
 
 
-def comment_mismatches(text: str, sc: Scenario) -> list[str]:
-    """Every figure a comment of the scenario file states for the value it describes, where it
-    differs from the value the file holds."""
-    bad = []
-    lines = text.splitlines()
-    for line in lines:
-        key, _, rest = line.partition(" = ")
-        value, _, note = rest.partition("  # ")
-        if not note:
-            continue
-        if key == "bandwidth":
-            stated = re.match(r"holds ([\d., ]+) MB/s", note)
-            held = ", ".join(f"{b / 1e6:.1f}" for b in sc.storage.bandwidth)
-            if not stated or stated.group(1) != held:
-                bad.append(f"bandwidth holds {held} MB/s: {note}")
-        if key == "spread":
-            held = ", ".join(f"{s * 100:.0f}%" for s in sc.storage.spread)
-            if f"(max - min) / median: {held}" not in note:
-                bad.append(f"spread holds {held}: {note}")
-    for job in sc.jobs:
-        note = next((ln for ln in lines if ln.startswith("# measured from its command:")
-                     and f"{job.sample_time * 1e3:.3f} ms/sample" in ln), None)
-        if note is None:
-            bad.append(f"job {job.name}: no comment states its {job.sample_time * 1e3:.3f} ms/sample")
-            continue
-        for figure in (f"handoff {job.handoff * 1e3:.2f} ms/batch", f"start-up {job.startup:.2f} s",
-                       f"prep {job.prep_time * 1e3:.3f} ms/sample", f"epoch restart {job.epoch_start:.2f} s"):
-            if figure not in note:
-                bad.append(f"job {job.name}: {figure!r} not in {note}")
-    return bad
-
-
 @pytest.mark.parametrize("overhead", [0.0, 0.004])
 def test_every_figure_in_a_comment_is_the_value_the_file_holds(tmp_path, overhead):
     """The source's comment once said 14.3 MB/s (one reader, measured) where the file held 7.9 (the
@@ -301,3 +270,28 @@ def test_the_calibrate_template_ignores_a_callers_generic_variables(tmp_path, sh
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode == 1 and "is a directory; give a file path" in res.stderr, res.stderr[-2000:]
     assert "Traceback" not in res.stderr and _launches(tmp_path, "a") == 1
+
+
+def test_a_busy_node_is_warned_about_with_its_figures():
+    """Before measuring, calibrate samples the node: with other processes spinning on every usable
+    core it warns with the figures, and the summary line says busy."""
+    import os
+
+    from hpcstagger.colocated.calibrate_spec import _node_load, load_line
+
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(len(os.sched_getaffinity(0)))]
+    try:
+        time.sleep(0.3)
+        said: list[str] = []
+        load = _node_load(said.append)
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    assert load["busy"] and load["others_cores"] > 0.5, load
+    assert len(said) == 1 and said[0].startswith("calibrate: the node is busy (other processes used "), said
+    assert f"of {load['cores']} usable cores" in said[0] and "expect its figures to be off" in said[0]
+    line = load_line(load)
+    assert line.startswith("the node before measuring: other processes used ") and line.endswith("(busy: the figures "
+                                                                                                "may be slow)")

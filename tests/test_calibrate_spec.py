@@ -23,6 +23,7 @@ from hpcstagger.errors import ModelError
 from hpcstagger.model import Scenario
 from hpcstagger.model.calibrate_source import (SamplePool, drop_pages, page_cache_holds, parse_meminfo,
                                                source_files)
+from support.calib_checks import comment_mismatches
 from support.cli import BIN, cli_env, run_cli
 
 JOB = Path(__file__).resolve().parent / "support" / "calib_job.py"
@@ -35,6 +36,15 @@ def _dataset(path: Path, samples: int) -> None:
     rows = np.random.default_rng(0).integers(0, 255, size=(samples, ROW), dtype=np.uint8)
     with h5py.File(path, "w") as f:
         f.create_dataset("samples", data=rows, chunks=(1, ROW))
+
+
+@pytest.fixture(autouse=True)
+def _scrubbed(monkeypatch):
+    """Calibration reads these from the environment: a caller's values never reach these tests."""
+    for name in ("HPCSTAGGER_SPEC", "HPCSTAGGER_JOB", "HPCSTAGGER_CALIBRATE", "HPCSTAGGER_CALIBRATE_UNTIL",
+                 "HPCSTAGGER_RUN_DIR", "HPCSTAGGER_ONLY_JOBS", "HPCSTAGGER_PLAN_MODE", "HPCSTAGGER_DELAYS",
+                 "HPCSTAGGER_CALIBRATE_BUDGET"):
+        monkeypatch.delenv(name, raising=False)
 
 
 @pytest.fixture
@@ -114,6 +124,10 @@ def test_calibrate_spec_measures_every_job_from_its_own_command(tmp_path, shm_di
     assert sc.storage.fit_baseline == meas["fit_baseline"] and 0.5 <= sc.storage.fit_baseline <= 2.0
     text = (tmp_path / "scenario.toml").read_text()
     assert text.count("measured from its command") == 2 and "page cache dropped before each level" in text
+    assert comment_mismatches(text, sc) == []                    # every comment states the value held
+    assert "\n# the node before measuring: " in text and meas["node_load"]["cores"] >= 1
+    assert len(sc.storage.spread) == 4                          # every level measured at least twice
+    assert all(sum(m["readers"] == k for m in meas["source"]) >= 2 for k in (1, 2, 3, 4))
     assert "fit_baseline = " in text and "counted in flight while each ran alone" in text
     assert "job ddp: " in res.stderr and "calibrate" in res.stderr          # progress on stderr
     reports = Path(meas["reports"])

@@ -1,6 +1,8 @@
 """``hpcstagger calibrate --spec SPEC``: a scenario measured from the spec's jobs as users wrote them.
 
-Within the budget (knob ``calibrate_budget``, 60 s, for the whole spec), with progress on stderr:
+Within the budget (knob ``calibrate_budget``, 60 s, for the whole spec), with progress on stderr,
+after a look at how busy the node is (:mod:`hpcstagger.nodeload`: warned about, and recorded in
+the summary and the scenario):
 
 1. **Samples.** A few samples read into memory (the mean sample size); the cache's hit bandwidth,
    against the run's private calibration cache; whether the node's page cache holds the dataset
@@ -15,7 +17,9 @@ Within the budget (knob ``calibrate_budget``, 60 s, for the whole spec), with pr
    source reads in flight meanwhile (:func:`fit_baseline`). Jobs given a step factory (``--job``)
    are timed on samples in memory instead (:func:`~hpcstagger.model.calibrate.time_steps`).
 4. **The source with 2 .. K readers**, K being the most reads the jobs can have in flight (the sum
-   over jobs of ranks x max(workers, 1)), at most :data:`~hpcstagger.model.calibrate_source.MAX_READERS`.
+   over jobs of ranks x max(workers, 1)), at most :data:`~hpcstagger.model.calibrate_source.MAX_READERS`;
+   then every level 1 .. K again, and once more each level whose two measurements differ by more
+   than :data:`~hpcstagger.model.calibrate_source.SPREAD_LIMIT`.
 5. **The scenario**: each job's loader shape and costs, the source curve (with the cost a miss adds
    in the jobs, its lookup and insert, folded in as ``scenario_for`` does), and the cache; when the
    page cache holds the dataset, the cache is the page cache: the whole dataset, hit at the slower
@@ -26,7 +30,11 @@ Within the budget (knob ``calibrate_budget``, 60 s, for the whole spec), with pr
    read another node's cache, so no remote hit is measured. ``[storage] fit_baseline`` is what the
    jobs' counted reads got of the source curve; the closed-loop watcher's fits are relative to it.
    Every value is commented with how it
-   was measured, and the reports stay in ``<workdir>/calibrate/<time>/``.
+   was measured (:mod:`.calibrate_scenario`), and the reports stay in ``<workdir>/calibrate/<time>/``.
+
+Each job's measurement and each source level is kept the moment it is taken, in ``<out>.partial/``
+(:mod:`.calibrate_state`): the same call after a failure or an interrupt measures only what is
+missing or changed.
 """
 
 from __future__ import annotations
@@ -401,6 +409,10 @@ def calibrate_spec(spec: Spec, *, steps: Mapping[str, Callable[[list[bytes]], An
         if kept is not None and kept.exists():
             print(f"calibrate: interrupted; what was measured is kept in {kept}: the same command goes on from it",
                   file=sys.stderr)
+        raise
+    except (ModelError, LaunchError, CacheError) as exc:
+        if kept is not None and any(kept.glob("*.json")):
+            raise type(exc)(f"{exc}; what was measured is kept in {kept}: the same command goes on from it") from exc
         raise
     finally:
         bar.close()
