@@ -295,3 +295,20 @@ def test_a_busy_node_is_warned_about_with_its_figures():
     line = load_line(load)
     assert line.startswith("the node before measuring: other processes used ") and line.endswith("(busy: the figures "
                                                                                                 "may be slow)")
+
+
+def test_a_command_is_stopped_once_stop_when_says_so(tmp_path):
+    """How calibrate stops a job that never reaches session.loader before its share and grace end:
+    run_group asks stop_when every half second and stops the whole process group (status 124)."""
+    import os
+
+    from hpcstagger.colocated.launch import run_group
+
+    t0 = time.monotonic()
+    rc = run_group(["bash", "-c", "sleep 60 & echo $! > child; wait"], dict(os.environ), str(tmp_path), 120,
+                   stop_when=lambda: time.monotonic() - t0 > 1.0)
+    assert rc == 124 and time.monotonic() - t0 < 10
+    child = int((tmp_path / "child").read_text())
+    time.sleep(0.2)
+    assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+    assert run_group(["true"], dict(os.environ), str(tmp_path), 10, stop_when=lambda: False) == 0
