@@ -5,4 +5,5 @@ simultaneous and sequential, with predicted and measured makespans.
 - :mod:`.models`: two small models
 - :mod:`.job`: the training job each rank runs (``python -m hpcstagger.demo.job``)
 - :mod:`.run`: the driver behind ``hpcstagger demo``
+- :mod:`.report`: its table, the notes under it (a busy node, a simultaneous plan's reason) and the plot
 """
