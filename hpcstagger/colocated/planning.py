@@ -99,7 +99,7 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
     if cache_state is not None:
         out["cache"].update(fraction=scenario.cache.initial, samples=scenario.dataset.samples,
                             initial_samples=scenario.initial_samples)
-    p = optimal_plan(scenario, max_delay=spec.plan.max_delay, jitter=spec.plan.jitter)  # plan_min_gain: the knob's
+    p = optimal_plan(scenario, max_delay=spec.plan.max_delay, jitter=spec.plan.jitter)  # min_gain: plan_min_gain
     if mode in PLANNED_MODES:
         out["delays"] = {n: float(p.delays.get(n, 0.0)) for n in order}
     out["predicted"] = _predicted(p, scenario, mode, out["delays"])
