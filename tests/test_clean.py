@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 
 import pytest
 
@@ -124,4 +125,37 @@ def test_cache_clear_leaves_no_empty_root_or_folders(box):
     assert out.returncode == 0, out.stderr
     assert sorted(os.listdir(root)) == ["c2"]  # the empty folders went; the root holds another cache
     assert run_cli("cache", "clear", "c2", "--root", root, env=cli_env()).returncode == 0
+    assert not os.path.exists(root)
+
+
+RING = textwrap.dedent("""
+    import os, sys
+    import torch
+    from hpcstagger.loader import SharedLoader
+
+    rows = [torch.full((4,), float(i)) for i in range(32)]
+    batches = iter(SharedLoader(rows, 4, name="ring1", num_workers=0, root=sys.argv[1]))
+    next(batches)
+    print(os.getpid(), flush=True)
+    sys.stdin.read()
+""")
+
+
+def test_clean_waits_for_a_live_loader_ring(box):
+    root, gates = box
+    proc = subprocess.Popen([sys.executable, "-c", RING, root], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=cli_env())
+    try:
+        pid = int(proc.stdout.readline())
+        out = _clean(root, gates)
+        assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
+        assert out.stderr.startswith(f"hpcstagger clean: error: loader ring {root}/.loader/ring1.")
+        assert "(in use by pid " in out.stderr and os.path.isdir(os.path.join(root, ".loader"))
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=60)
+    assert proc.returncode == 0 and pid == proc.pid
+    deadline = time.monotonic() + 30  # the producer lingers a moment after its last consumer
+    while _clean(root, gates).returncode != 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert not os.path.exists(root)
