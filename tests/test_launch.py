@@ -139,3 +139,40 @@ def test_exec_job_errors(tmp_path):
         exec_job(spec, {})
     with pytest.raises(ConfigError, match="rank 3 is beyond the spec's 3 rank"):
         exec_job(spec, {"SLURM_PROCID": "3"})
+
+
+def test_the_plan_line_says_why_a_plan_starts_together_and_sequential_runs_say_sequential(tmp_path, monkeypatch):
+    """A plan of all zeros says why in each job's plan line; a sequential run's one-job launches say
+    mode sequential (not simultaneous) in their lines and status files."""
+    monkeypatch.delenv("HPCSTAGGER_PLAN_MIN_GAIN", raising=False)
+    (tmp_path / "s.toml").write_text(textwrap.dedent("""
+        [dataset]
+        samples = 200
+        sample_bytes = 1000
+        [storage]
+        bandwidth = [1.0e6, 1.5e6]
+        [cache]
+        capacity = 2.0e5
+        initial = 1.0
+        [[job]]
+        name = "a"
+        sample_time = 0.0005
+        [[job]]
+        name = "b"
+        sample_time = 0.001
+    """))
+    spec = _spec(tmp_path, mode="plan", extra='scenario = "s.toml"')
+    out = run_cli("launch", str(spec), cwd=tmp_path, timeout=150)
+    assert out.returncode == 0, out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if "] mode plan: delays a +0.0s, b +0.0s;" in ln]
+    assert len(lines) == 2, out.stderr  # each job's leader
+    assert all("a simultaneous start: the model predicts that no stagger shortens the makespan" in ln
+               for ln in lines), lines
+
+    seq = run_cli("launch", str(spec), "--mode", "sequential", "--json", cwd=tmp_path, timeout=150)
+    assert seq.returncode == 0, seq.stderr
+    announced = [ln for ln in seq.stderr.splitlines() if "] mode " in ln]
+    assert [ln.split("] ", 1)[1].split(";")[0] for ln in announced] == [
+        "mode sequential: delays a +0.0s", "mode sequential: delays b +0.0s"]
+    run_dir = json.loads(seq.stdout)["run_dir"]
+    assert json.loads((tmp_path / run_dir / "b" / "b.0.json").read_text())["mode"] == "sequential"
