@@ -242,6 +242,12 @@ def test_simultaneous_reason_names_why_and_the_figures():
     near = {"stagger": [0.0, 0.03, 1.0], "makespan": [10.9, 10.88, 11.5]}
     assert "best stagger b +0.03 s: predicted makespan 10.9 s" in simultaneous_reason(
         {"a": 0.0, "b": 0.0}, {"simultaneous": 10.9}, near, min_gain=0.01)
+    # the staggers are compared with the curve's own simultaneous point; without one, the predicted
+    no_zero = {"stagger": [1.0, 2.0], "makespan": [15.85, 15.8]}
+    assert "against 16.0 s simultaneous" in simultaneous_reason(
+        {"a": 0.0, "b": 0.0}, {"simultaneous": 16.0}, no_zero, min_gain=0.02)
+    assert "against 15.9 s simultaneous" in simultaneous_reason(
+        {"a": 0.0, "b": 0.0}, {"simultaneous": 16.0}, CURVE, min_gain=0.02)
     assert "max_delay is 0 s" in simultaneous_reason({"a": 0.0, "b": 0.0}, sim, CURVE, min_gain=0.01, max_delay=0.0)
     three = simultaneous_reason({"a": 0.0, "b": 0.0, "c": 0.0}, {"simultaneous": 15.9}, CURVE, min_gain=0.01)
     assert "gains more than 1% (best stagger largest delay +2.0 s" in three

@@ -139,7 +139,8 @@ def simultaneous_reason(delays: Mapping[str, float], predicted: Mapping[str, flo
                         jitter: float = 0.0) -> str | None:
     """Why a plan starts every job at once, in one line; None when some job waits (or only one runs).
 
-    ``delays`` are the plan's, ``predicted`` its predicted makespans (``simultaneous``), ``curve``
+    ``delays`` are the plan's, ``predicted`` its predicted makespans (``simultaneous``, used when
+    the curve lacks a stagger of 0), ``curve``
     the model's makespan-versus-stagger curve (``stagger``, ``makespan``: a signed stagger of the
     second job for 2 jobs, else the largest delay), ``min_gain`` the least gain for which a stagger
     is planned, ``max_delay`` the spec's bound on a delay and ``jitter`` the start-time spread (s).
@@ -151,9 +152,8 @@ def simultaneous_reason(delays: Mapping[str, float], predicted: Mapping[str, flo
         return "a simultaneous start: [plan] max_delay is 0 s, which allows no stagger"
     points = list(zip((curve or {}).get("stagger") or (), (curve or {}).get("makespan") or (), strict=True))
     staggered = [(float(x), float(m)) for x, m in points if x != 0]
-    sim = (predicted or {}).get("simultaneous")
-    if sim is None:
-        sim = next((float(m) for x, m in points if x == 0), None)
+    # the curve's own simultaneous point first: the staggers are compared at the curve's accuracy
+    sim = next((float(m) for x, m in points if x == 0), (predicted or {}).get("simultaneous"))
     if sim is None or not staggered:
         return (f"a simultaneous start: the model predicts no stagger gains more than {100 * min_gain:g}% "
                 "over it" + (f" (predicted makespan {sim:.1f} s)" if sim is not None else ""))
