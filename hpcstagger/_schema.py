@@ -7,6 +7,7 @@ checker, naming it by its dotted path (``job[1].ranks must be an integer >= 1, g
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -19,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from .errors import ConfigError
 
 __all__ = ["REQUIRED", "Field", "Table", "number", "integer", "string", "choice", "boolean", "size",
-           "command", "str_map", "number_list", "table", "load_toml", "check_tables"]
+           "command", "str_map", "number_list", "table", "load_toml", "check_tables", "toml_value"]
 
 
 class _Required:
@@ -302,3 +303,20 @@ def optional(check: Checker) -> Checker:
         return None if value is None or value == "" else check(where, value)
 
     return wrapped
+
+
+def toml_value(value: Any) -> str:
+    """``value`` (bool, int, float with inf, str, or a list of them) as a TOML value."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string: JSON's escapes are TOML escapes
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")

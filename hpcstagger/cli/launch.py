@@ -128,6 +128,8 @@ def format_result(result: Any) -> str:
         if j.release:
             why.append(f"{j.name} released at +{j.release.get('at', 0.0):.1f} s (planned "
                        f"+{j.release.get('planned', j.delay):.1f} s): {j.release.get('reason', '')}")
+        if j.blind():
+            why.append(j.blind())
     return "\n".join(lines) + "\n" + table(rows) + "".join("\n" + w for w in why)
 
 

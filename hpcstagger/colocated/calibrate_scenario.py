@@ -94,10 +94,11 @@ def _partitioned(spec: Spec, cache: Cache, notes: dict[str, str]) -> Cache:
 
 
 def scenario_job(name: str, m: Mapping[str, Any], epochs: int) -> Job:
-    """A job of the scenario from its measurement (a step factory's keeps the loader defaults)."""
+    """A job of the scenario from its measurement (a step factory's keeps the loader defaults, and
+    ``loader_seen = false``)."""
     sample_time = max(float(m["sample_time"]), 1e-9)
-    if m["route"] == "step":
-        return Job(name=name, sample_time=sample_time, epochs=epochs)
+    if m["route"] == "step":  # its loader unseen: a plan makes no job wait on it
+        return Job(name=name, sample_time=sample_time, epochs=epochs, loader_seen=False)
     return Job(name=name, sample_time=sample_time, epochs=epochs, ranks=m["ranks"], workers=m["workers"],
                batch=m["batch"], prefetch=m["prefetch"], handoff=m["handoff"], prep_time=m["prep_time"],
                startup=m["startup"], epoch_start=m["epoch_start"], order=m.get("order", ""))

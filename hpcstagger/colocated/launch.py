@@ -28,6 +28,7 @@ from . import env as E
 from . import leftovers, preflight
 from .. import config
 from ..errors import CacheError, ConfigError, LaunchError
+from .progress import progress_path
 from .spec import PLAN_MODES, JobSpec, Spec
 
 __all__ = ["JobResult", "RunResult", "mpmd_command", "launch", "collect_results", "parse_delays", "exec_job",
@@ -49,6 +50,14 @@ class JobResult:
     error: str = ""
     metrics: dict[str, Any] = field(default_factory=dict)
     release: dict[str, Any] = field(default_factory=dict)  # closed loop: when and why it was released
+    loader_seen: bool | None = None  # whether its leader's loop ran under session.loader (a progress record)
+
+    def blind(self) -> str:
+        """One line when the job finished without ever calling ``session.loader``, else ""."""
+        if self.state != "done" or self.loader_seen is not False:
+            return ""
+        return (f"{self.name} never called session.loader: calibration cannot measure its loop and the closed "
+                f"loop cannot see its progress; write its loop 'for batch in session.loader(loader):'")
 
 
 @dataclass
@@ -225,7 +234,7 @@ def collect_results(spec: Spec, run_dir: str | os.PathLike[str], *, jobs: Sequen
             states = [r["state"] for r in recs]
             state = ("done" if all(s == "done" for s in states) else "failed" if "failed" in states else
                      "exited" if "exited" in states else next(s for s in states if s != "done"))
-        jr = JobResult(job.name, job.ranks, state)
+        jr = JobResult(job.name, job.ranks, state, loader_seen=os.path.exists(progress_path(str(run_dir), job.name)))
         for r in recs:
             jr.delay = float(r.get("delay", 0.0))
             delays[job.name] = jr.delay

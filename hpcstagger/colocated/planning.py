@@ -115,8 +115,12 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
 
 def _with_reason(out: dict[str, Any], spec: Spec) -> dict[str, Any]:
     """A plan record ``out``, with its ``simultaneous_reason`` when the plan starts every job at once."""
-    reason = simultaneous_reason(out["delays"], out["predicted"], out["curve"], max_delay=spec.plan.max_delay,
-                                 min_gain=float(config.get("plan_min_gain")), jitter=float(out["jitter"]))
+    from ..model.plan import unseen_reason  # numpy and scipy load with the model, only where it plans
+
+    unseen = [j["name"] for j in out["scenario"]["job"] if j.get("loader_seen") is False]
+    reason = unseen_reason(unseen) if unseen and len(out["delays"]) > 1 else simultaneous_reason(
+        out["delays"], out["predicted"], out["curve"], max_delay=spec.plan.max_delay,
+        min_gain=float(config.get("plan_min_gain")), jitter=float(out["jitter"]))
     if reason:
         out["simultaneous_reason"] = reason
     return out

@@ -202,7 +202,7 @@ def _build_scenario(meas: dict[str, Any], jobs: Mapping[str, Any], known: dict[s
         dataset=Dataset(samples=n, sample_bytes=sample_bytes),
         storage=Storage(tuple(bandwidth), spread=tuple(spread)),
         jobs=tuple(Job(name=name, sample_time=meas["jobs"][name]["sample_time"] if name in jobs else float(known[name]),
-                       epochs=int(epoch_map[name])) for name in epoch_map),
+                       epochs=int(epoch_map[name]), loader_seen=False) for name in epoch_map),
         cache=Cache(capacity=capacity_bytes(capacity, n, sample_bytes), policy=policy,
                     hit_bandwidth=hit_bw if math.isfinite(hit_bw) and hit_bw > 0 else math.inf),
         loader=Loader(prefetch=int(prefetch)))

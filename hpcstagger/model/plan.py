@@ -52,7 +52,7 @@ from ._search import CUTOFF, Evaluator, grid, line_search
 from ._spread import OFFSETS_MANY, OFFSETS_TWO, Spread, robust_two, start_jitter
 from .scenario import Scenario
 
-__all__ = ["Plan", "optimal_plan"]
+__all__ = ["Plan", "optimal_plan", "unseen_loaders", "unseen_reason"]
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,19 @@ def _sequential(sc: Scenario) -> float:
 _SIMULTANEOUS_ONLY = "simultaneous start only"
 
 
+def unseen_loaders(scenario: Scenario) -> list[str]:
+    """The jobs whose loader was not measured (``loader_seen = false``: timed as step factories)."""
+    return [j.name for j in scenario.jobs if not j.loader_seen]
+
+
+def unseen_reason(names: list[str]) -> str:
+    """Why a plan with jobs whose loader was not measured starts every job at once, in one line."""
+    return (f"a simultaneous start: the loader of {', '.join(names)} was not measured (timed as a step factory, "
+            "which cannot see workers, batches or prefetching), so no job is planned to wait without evidence; "
+            "calibrate from the job's own command (hpcstagger calibrate SPEC), its loop written "
+            "'for batch in session.loader(loader):'")
+
+
 def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain: float | None = None,
                  grid: int | None = None, budget: float = 0.45, jitter: float | None = None) -> Plan:
     """The start delays that minimise the predicted makespan (see the module docstring).
@@ -127,7 +140,9 @@ def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain
     ``max_delay`` bounds every job's delay (default: the sum of the other jobs' solo run times,
     enough to run them all first). ``min_gain`` is the least relative gain over a simultaneous
     start for which a stagger is recommended (default: the ``plan_min_gain`` knob, 0.01).
-    ``grid`` sets the grid points of the 1-D searches. For 3 or more jobs the search (after the
+    ``grid`` sets the grid points of the 1-D searches. A scenario with a job whose loader was not
+    measured (``loader_seen = false``) is planned as a simultaneous start, its curve labelled with
+    why. For 3 or more jobs the search (after the
     jobs' solo runs) keeps to ``budget`` seconds of its thread's CPU time: the scan of start points
     is as fine as a quarter of it affords, coordinate descent stops at 70% of it (its first sweep
     visits every job on the full grid whatever the time, without Brent once late), and a last search along
@@ -148,11 +163,13 @@ def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain
     else:  # the spread only checks the plan against a simultaneous start, at the scan's accuracy
         spread = Spread(Evaluator(sc, _engine.SEARCH) if spread_s > 0 else ev, spread_s, OFFSETS_MANY)
     simultaneous_coarse = ev([0.0] * J)
-    if J >= 2:
+    unseen = unseen_loaders(sc)
+    if J >= 2 and not unseen:
         best_d, curve, label = _search(sc, ev, spread, simultaneous_coarse, max_delay=max_delay,
                                        min_gain=min_gain, grid=grid, budget=budget)
-    else:
-        best_d, curve, label = [0.0] * J, [(0.0, simultaneous_coarse)], _SIMULTANEOUS_ONLY
+    else:  # one job; or a loader the model cannot see, whose stagger would rest on no evidence
+        label = unseen_reason(unseen) if J >= 2 else _SIMULTANEOUS_ONLY
+        best_d, curve = [0.0] * J, [(0.0, simultaneous_coarse)]
     return _final_plan(sc, best_d, curve, label, min_gain, evaluations=ev.count, t0=t0,
                        jitter=spread.jitter)
 

@@ -35,6 +35,7 @@ valid keys with their defaults. The format::
     startup = 1.5              # seconds from the job's start to its loop's first batch request
     epoch_start = 0.0          # seconds each later epoch's loader takes to start (workers not persistent)
     order = ""                 # jobs with the same order read the same permutation each epoch ("": its own)
+    loader_seen = true         # false: the loader was not measured (a step factory); no job is planned to wait
 
 The semantics every model of a scenario follows are stated in :mod:`hpcstagger.model`.
 """
@@ -142,7 +143,8 @@ class Job:
     Jobs with the same non-empty ``order`` read the same permutation in each epoch (samplers with
     the same seed, PyTorch's default); "" gives the job an order of its own. The defaults (one
     worker, batches of one, no start-up, an order of its own) are one prefetching reader fetching
-    one sample at a time.
+    one sample at a time. ``loader_seen`` False: the loader's shape was not measured (a step factory
+    timed on samples in memory), so a plan starts no job later than a simultaneous start would.
     """
 
     name: str
@@ -157,6 +159,7 @@ class Job:
     startup: float = 0.0
     epoch_start: float = 0.0
     order: str = ""
+    loader_seen: bool = True
 
     def fetchers(self) -> int:
         """How many reads the job can have in flight: one per worker (or per rank without workers)."""
@@ -198,7 +201,8 @@ _JOB = S.Table("job", [S.Field("name", _job_name), S.Field("sample_time", _POSIT
                                shown="[loader] prefetch"),
                        S.Field("handoff", _DELAY, 0.0), S.Field("prep_time", _DELAY, 0.0),
                        S.Field("startup", _DELAY, 0.0), S.Field("epoch_start", _DELAY, 0.0),
-                       S.Field("order", S.string(allow_empty=True), "", shown='"" (its own)')])
+                       S.Field("order", S.string(allow_empty=True), "", shown='"" (its own)'),
+                       S.Field("loader_seen", S.boolean(), True)])
 _TOP = {"dataset": "required", "storage": "required", "cache": "optional (no cache)",
         "loader": "optional", "node": "optional (CPU not shared)", "job": "required, one [[job]] table per job"}
 
@@ -396,7 +400,7 @@ class Scenario:
             out.append(f"[{table}]")
             for key, value in d[table].items():
                 note = comments.get(f"{table}.{key}")
-                out.append(f"{key} = {_toml_value(value)}" + (f"  # {note}" if note else ""))
+                out.append(f"{key} = {S.toml_value(value)}" + (f"  # {note}" if note else ""))
             out.append("")
         for job in d["job"]:
             out.append("[[job]]")
@@ -404,7 +408,7 @@ class Scenario:
             if note:
                 out.append(f"# {note}")
             for key, value in job.items():
-                out.append(f"{key} = {_toml_value(value)}")
+                out.append(f"{key} = {S.toml_value(value)}")
             out.append("")
         return "\n".join(out)
 
@@ -412,29 +416,12 @@ class Scenario:
 def _job_dict(j: Job) -> dict[str, Any]:
     """A job as a dict, its loader fields only where they differ from the defaults."""
     out: dict[str, Any] = {"name": j.name, "sample_time": j.sample_time, "epochs": j.epochs}
-    for key in ("ranks", "workers", "batch", "prefetch", "handoff", "prep_time", "startup", "epoch_start", "order"):
+    for key in ("ranks", "workers", "batch", "prefetch", "handoff", "prep_time", "startup", "epoch_start", "order",
+                "loader_seen"):
         value = getattr(j, key)
         if value != _JOB.fields[key].default:
             out[key] = value
     return out
-
-
-def _toml_value(value: Any) -> str:
-    import json
-
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a TOML basic string: JSON's escapes are TOML escapes
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"cannot write {value!r} as TOML")
 
 
 def _validate_partition(s: Scenario) -> None:
@@ -495,6 +482,6 @@ def _validate(s: Scenario) -> None:
     slowest = max(max(reads), s.hit_time)  # a hit slower than a miss (a remote one) bounds it too
     total = sum(float(j.epochs) * (s.dataset.samples * (j.sample_time + j.prep_time + j.handoff + slowest)
                                    + j.epoch_start) + j.startup for j in s.jobs)
-    if not math.isfinite(total):
-        raise ConfigError("the scenario's run time overflows (samples x epochs x seconds per sample is "
-                          "infinite); check the units: seconds, bytes and bytes/s")
+    if not total < 1e15:  # 30 million years: past it the model's squares of times overflow (OverflowError)
+        raise ConfigError(f"the scenario's run time overflows: {total:.3g} s (samples x epochs x seconds per sample) "
+                          "is beyond any run; check the units: seconds, bytes and bytes/s")
