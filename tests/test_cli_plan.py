@@ -181,3 +181,18 @@ def test_a_printed_stagger_pays_over_the_spread_at_full_accuracy(tmp_path, text,
     gain = f"{1 - mean / together:.1%} below a simultaneous start's"
     assert f"over starts within {d['jitter']:.2g} s its mean" in out.stdout and gain in out.stdout
     assert ("no gain if starts were exact" in out.stdout) == (d["makespan"] >= d["simultaneous"])
+
+
+def test_a_huge_max_delay_or_jitter_plans_in_the_jobs_time(scenario_file):
+    # delays past running the others first cannot help; a max_delay of 1e9 s used to make the model
+    # crawl over empty time for minutes, 1e308 s to fail with "no progress"; so did a jitter of 1e308 s
+    from hpcstagger.model import Scenario, optimal_plan
+
+    sc = Scenario.from_toml(scenario_file)
+    plan = optimal_plan(sc)
+    for huge in (1e9, 1e308):
+        far = optimal_plan(sc, max_delay=huge)
+        assert far.delays == pytest.approx(plan.delays) and far.makespan == pytest.approx(plan.makespan)
+        assert far.seconds < 10 * plan.seconds + 5
+    wide = optimal_plan(sc, jitter=1e308)
+    assert wide.jitter < 2 * plan.sequential and wide.seconds < 10 * plan.seconds + 5

@@ -83,6 +83,9 @@ def remove_broken(name: str, root: str | None = None) -> bool:
     root = os.path.abspath(root or config.get("shm_root"))
     try:
         _fs.validate_name(name)
+    except CacheError:  # no cache has such a name; '.' or '..' would name the root or above it
+        return False
+    try:
         ShmCache(name, None, root=root).close()
         return False  # healthy
     except CacheError:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any
 
@@ -42,16 +43,16 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--samples must be at least 100, got {args.samples}")
     if args.epochs < 1:
         raise ConfigError(f"--epochs must be at least 1, got {args.epochs}")
-    if not args.calibrate_budget > 0:
-        raise ConfigError(f"--calibrate-budget must be > 0 seconds, got {args.calibrate_budget}")
+    if not (math.isfinite(args.calibrate_budget) and args.calibrate_budget > 0):
+        raise ConfigError(f"--calibrate-budget must be a finite number of seconds > 0, got {args.calibrate_budget}")
     sweep: tuple[float, ...] = ()
     if args.sweep:
         try:
             sweep = tuple(float(v) for v in args.sweep.split(",") if v.strip())
         except ValueError:
             raise ConfigError(f"--sweep takes comma-separated seconds, e.g. 0,2,4,6,8; got {args.sweep!r}") from None
-        if any(v < 0 for v in sweep):
-            raise ConfigError("--sweep delays must be >= 0")
+        if not all(math.isfinite(v) and v >= 0 for v in sweep):
+            raise ConfigError(f"--sweep delays must be finite numbers of seconds >= 0, got {args.sweep!r}")
     cfg = DemoConfig(workdir=args.workdir, samples=args.samples, epochs={"convnet": args.epochs, "mlp": args.epochs},
                      sweep=sweep, calibrate_budget=args.calibrate_budget)
     result = run_demo(cfg)

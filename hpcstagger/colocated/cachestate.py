@@ -217,6 +217,13 @@ def describe_cold(cold: Mapping[str, Any] | None) -> str:
     """What ``--cold-cache`` did, in one line; "" when it was not asked for."""
     if not cold:
         return ""
+    try:
+        return _describe_cold(cold)
+    except (AttributeError, KeyError, TypeError, ValueError):  # a record damaged on disk, or another version's
+        return "cold cache: (its record in the run directory is damaged)"
+
+
+def _describe_cold(cold: Mapping[str, Any]) -> str:
     parts = []
     cache = cold.get("cache")
     if cache:

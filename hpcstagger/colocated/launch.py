@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from ._shm import remove_stale_mpich_segments
 from . import env as E
 from . import leftovers, preflight
+from .progress import misshapen_status
 from .. import config
 from ..errors import CacheError, ConfigError, LaunchError
 from .progress import progress_path
@@ -218,7 +219,11 @@ def collect_results(spec: Spec, run_dir: str | os.PathLike[str], *, jobs: Sequen
         except (OSError, ValueError):
             continue
         if isinstance(rec, dict) and "job" in rec and "state" in rec:  # a rank's status file
-            statuses.setdefault(rec["job"], []).append(rec)
+            bad = misshapen_status(rec)
+            if bad:
+                log.warning("status file %s is damaged (%s); its rank counts as missing", p, bad)
+            else:
+                statuses.setdefault(rec["job"], []).append(rec)
     results: dict[str, JobResult] = {}
     delays: dict[str, float] = {}
     predicted: dict[str, float] = {}

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import time
 from typing import Any
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 from .. import _io, config
 from ..errors import ConfigError
@@ -32,7 +32,7 @@ from ..errors import ConfigError
 HISTORY = 500
 
 __all__ = ["Counted", "ProgressMeter", "progress_path", "read_progress", "fraction_done", "throughput",
-           "plain_metrics"]
+           "plain_metrics", "misshapen_status"]
 
 
 def progress_path(run_dir: str, job: str) -> str:
@@ -159,6 +159,24 @@ def read_progress(run_dir: str, job: str) -> dict[str, Any] | None:
 def read_status(run_dir: str, job: str) -> dict[str, Any] | None:
     """Job ``job``'s leader's latest status record (:func:`status_path`), or None (none yet, or unreadable)."""
     return _read_record(status_path(run_dir, job))
+
+
+def misshapen_status(rec: Mapping[str, Any]) -> str:
+    """The fields of a rank's status record (with ``job`` and ``state``) whose values have not the
+    types its writer gives them, comma-separated; "" for a sound record. Readers skip a damaged one."""
+    def number(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    timings, release, plan = rec.get("timings", {}), rec.get("release") or {}, rec.get("plan") or {}
+    checks = {"job": isinstance(rec.get("job"), str) and isinstance(rec.get("state"), str),
+              "rank": number(rec.get("rank", 0)), "delay": number(rec.get("delay", 0.0)),
+              "mode": isinstance(rec.get("mode", ""), str), "metrics": isinstance(rec.get("metrics", {}), dict),
+              "timings": isinstance(timings, dict) and all(number(v) for v in timings.values()),
+              "release": isinstance(release, dict) and all(number(release.get(k, 0.0)) for k in ("at", "planned")),
+              "plan": isinstance(plan, dict)
+              and all(isinstance(plan.get(k) or {}, dict) for k in ("predicted", "scenario", "curve", "cache", "learn"))
+              and all(number(v) for v in (plan.get("predicted") or {}).values())}
+    return ", ".join(k for k, ok in checks.items() if not ok)
 
 
 def throughput(record: dict[str, Any] | None, start: float, end: float) -> float | None:

@@ -137,15 +137,15 @@ def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain
                  grid: int | None = None, budget: float = 0.45, jitter: float | None = None) -> Plan:
     """The start delays that minimise the predicted makespan (see the module docstring).
 
-    ``max_delay`` bounds every job's delay (default: the sum of the other jobs' solo run times,
-    enough to run them all first). ``min_gain`` is the least relative gain over a simultaneous
-    start for which a stagger is recommended (default: the ``plan_min_gain`` knob, 0.01).
-    ``grid`` sets the grid points of the 1-D searches. A scenario with a job whose loader was not
-    measured (``loader_seen = false``) is planned as a simultaneous start, its curve labelled with
-    why. For 3 or more jobs the search (after the
-    jobs' solo runs) keeps to ``budget`` seconds of its thread's CPU time: the scan of start points
-    is as fine as a quarter of it affords, coordinate descent stops at 70% of it (its first sweep
-    visits every job on the full grid whatever the time, without Brent once late), and a last search along
+    ``max_delay`` bounds every job's delay (which is at most the sum of the other jobs' solo run
+    times, enough to run them all first, and the jitter: a longer wait cannot help). ``min_gain``
+    is the least relative gain over a simultaneous start for which a stagger is recommended
+    (default: the ``plan_min_gain`` knob, 0.01). ``grid`` sets the grid points of the 1-D searches.
+    A scenario with a job whose loader was not measured (``loader_seen = false``) is planned as a
+    simultaneous start, its curve labelled with why. For 3 or more jobs the search (after the jobs'
+    solo runs) keeps to ``budget`` seconds of its thread's CPU time: the scan of start points is as
+    fine as a quarter of it affords, coordinate descent stops at 70% of it (its first sweep visits
+    every job on the full grid whatever the time, without Brent once late), and a last search along
     the plan's delays scaled together uses the rest; this bounds the time on slow scenarios (lru,
     many epochs). ``jitter`` is how far, in seconds, a job's real start may stray from its
     planned delay (default: the ``plan_jitter`` knob times the jobs' mean start-up; 0 plans for
@@ -202,8 +202,13 @@ def _search(sc: Scenario, ev: Evaluator, spread: Spread, simultaneous: float, *,
     J = len(sc.jobs)
     names = sc.job_names
     solo = _solo_times(sc)
-    # enough to run the others first (and the jitter beyond, so that such a wait can be padded)
-    bound = [float(max_delay) if max_delay is not None else sum(solo) - solo[j] + spread.jitter for j in range(J)]
+    # a start that strays by more than every job's solo run together misses the others whichever way it
+    # strays: the spread is capped there (a jitter of 1e308 s otherwise made the model crawl over empty time)
+    spread.jitter = min(spread.jitter, sum(solo))
+    # enough to run the others first (and the jitter beyond, so that such a wait can be padded); a longer
+    # wait cannot help, and a max_delay far past it (1e9 s) only made the model crawl over empty time
+    bound = [min(float(max_delay) if max_delay is not None else math.inf, sum(solo) - solo[j] + spread.jitter)
+             for j in range(J)]
     if J == 2:
         best_d, best, curve = _plan_two(ev, spread, bound, grid or 24)
         label = f"stagger of {names[1]} after {names[0]} (s; negative: {names[0]} starts later)"
