@@ -23,7 +23,8 @@ def add_spec(p: argparse.ArgumentParser, help: str = SPEC_HELP, *, required: boo
     ``--spec``, a single positional is that one."""
     p.add_argument("spec", nargs="?", metavar="SPEC", help=help)
     p.add_argument("--spec", dest="spec_option", metavar="SPEC", default=None,
-                   help="the same as SPEC, as an option")
+                   help="the same as SPEC, as an option" + (f"; then a single positional argument is {then.upper()}"
+                                                            if then else ""))
     p.set_defaults(spec_parser=(p, required, then))
 
 
