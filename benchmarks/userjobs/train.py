@@ -3,7 +3,8 @@
 Nothing here is shaped to fit the model: a DataLoader with worker processes and batches, a
 DistributedSampler, DDP or Horovod, SGD, and no timing code. The only hpcstagger calls are the
 ones a user makes: ``hpcstagger.init()``, ``CachedDataset`` and ``session.finish()``, plus the
-one wrapper ``session.loader(loader)`` that lets ``hpcstagger calibrate --spec`` measure the job.
+one wrapper ``session.loader(loader)`` that lets ``hpcstagger calibrate --spec`` measure the job
+(``--no-wrapper`` leaves it out). ``steps.py`` beside it gives the same models as step factories.
 
     python benchmarks/userjobs/train.py --model cnn --batch 64 --workers 2   (from a job spec)
 """
@@ -54,6 +55,8 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0, help="the sampler's seed (DistributedSampler's default: 0)")
+    p.add_argument("--no-wrapper", action="store_true",
+                   help="iterate the DataLoader itself, without session.loader (as many users first write it)")
     args = p.parse_args()
     torch.set_num_threads(1)
 
@@ -82,7 +85,7 @@ def main() -> None:
     steps = 0
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
-        for images, labels in session.loader(loader):
+        for images, labels in (loader if args.no_wrapper else session.loader(loader)):
             opt.zero_grad()
             loss = nn.functional.cross_entropy(net(images), labels)
             loss.backward()
