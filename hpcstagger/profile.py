@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import time
 from typing import Any
 from collections.abc import Callable, Iterable, Iterator
@@ -56,6 +57,14 @@ def batch_size_of(item: Any) -> int:
     return 1
 
 
+def _count(label: str, v: Any) -> int:
+    """``v`` as a whole number >= 0 (numpy's integers too); ConfigError naming ``label`` otherwise."""
+    if (isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v != int(v)
+            or v < 0):
+        raise ConfigError(f"{label} must be a whole number >= 0, got {v!r}")
+    return int(v)
+
+
 class StallProfiler:
     """Records, per iteration, seconds waiting for data, preparing it (marked) and computing.
 
@@ -66,10 +75,8 @@ class StallProfiler:
     def __init__(self, name: str = "job", *, warmup: int = 1):
         if not isinstance(name, str) or not name:
             raise ConfigError(f"the profile's name must be a non-empty string, got {name!r}")
-        if int(warmup) < 0:
-            raise ConfigError(f"warmup must be >= 0, got {warmup!r}")
         self.name = name
-        self.warmup = int(warmup)
+        self.warmup = _count("warmup", warmup)
         self.wait: list[float] = []
         self.prep_time: list[float] = []
         self.compute: list[float] = []
@@ -82,10 +89,11 @@ class StallProfiler:
         for label, v in (("wait", wait), ("compute", compute), ("prep", prep)):
             if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
                 raise ConfigError(f"{label} must be a finite number of seconds >= 0, got {v!r}")
+        n = _count("samples", samples)
         self.wait.append(float(wait))
         self.compute.append(float(compute))
         self.prep_time.append(float(prep))
-        self.samples.append(int(samples))
+        self.samples.append(n)
 
     @contextlib.contextmanager
     def prep(self) -> Iterator[None]:
@@ -170,7 +178,7 @@ class StallProfiler:
                               "StallProfiler.save")
         if data.get("version") != 1:
             raise ConfigError(f"stall profile version {data.get('version')!r} is not supported (1 is)")
-        prof = cls(str(data.get("name") or "job"), warmup=int(data.get("warmup", 1)))
+        prof = cls(str(data.get("name") or "job"), warmup=data.get("warmup", 1))
         it = data.get("iterations")
         if not isinstance(it, dict):
             raise ConfigError("stall profile: missing \"iterations\"")

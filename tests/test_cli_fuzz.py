@@ -232,6 +232,8 @@ class World:
         os.mkdir(self.gates)
         self.missing = str(tmp / "missing.toml")
         self.profile = self._profile()
+        profile = json.loads(Path(self.profile).read_text())
+        self.profiles = [self._write(f"prof-{i}.json", mutate_json(rng, profile)) for i in range(20)]
         self.ckpt = self._ckpts()
         self.runs = [self._run_dir(i) for i in range(8)]
         fill(shm_root, 2)  # cache "warm", for cache stats/clear
@@ -338,6 +340,7 @@ def command_line(w: World) -> tuple[list[str], bool]:
         (["slurm", "submit", spec], True),
         (["profile", anyf], False),
         (["profile", w.profile, "--scenario", scen], False),
+        (["profile", r.choice(w.profiles), *r.choice([[], ["--json"], ["--scenario", w.scenario]])], False),
         (["profile", w.profile, "--jobs", num], False),
         (["profile", w.profile, "--scenario", w.scenario, "--job", "zz"], False),
         (["cache", "ls", *root], False),
