@@ -236,6 +236,8 @@ class World:
         self.profiles = [self._write(f"prof-{i}.json", mutate_json(rng, profile)) for i in range(20)]
         self.ckpt = self._ckpts()
         self.runs = [self._run_dir(i) for i in range(8)]
+        self.unplanned = self._write("unplanned.toml", Path(self.spec).read_text().replace('scenario = "s.toml"', ""))
+        self._history()
         fill(shm_root, 2)  # cache "warm", for cache stats/clear
         self.loadable = {p for p in [self.spec, *self.specs, *self.scenarios, *self.junk] if _loads(p)}
 
@@ -271,6 +273,25 @@ class World:
         (path / "steer.json").write_text(self.rng.choice(["[1]", "{}", "x", '{"decisions": 3}']))
         (path / "cold-cache.json").write_text(self.rng.choice(["[1]", "{}", "x", '{"cache": 3}', '{"cache": {}}']))
         return str(path)
+
+    def _history(self) -> None:
+        """The spec's run history with damaged records and observed runs, as the watcher writes them."""
+        from hpcstagger.colocated import history as H
+
+        spec = Spec.from_toml(self.spec)
+        node = H.node_identity()
+        record = {"version": 1, "time": 4e9, "date": "2096-01-01 00:00:00", "source": 0.9, "jobs": {"a": 1.1},
+                  "startup": {"a": 0.5}, "node": node, "run_jobs": ["a", "b"], "run_dir": self.runs[0], "seen": {},
+                  "scenario": {"sha256": H.scenario_digest(spec.plan.scenario)}}
+        meta = {"time": 1.0, "node": node, "mode": "plan", "planned_from": None}
+        top = Path(H.history_dir(spec.run.workdir))
+        for i in range(6):
+            obs = top / f"obs-{i}"
+            (obs / "a").mkdir(parents=True)
+            (obs / "a" / "job.json").write_text("{}")
+            (obs / "source.a.json").write_text("{}")
+            (obs / "meta.json").write_text(mutate_json(self.rng, meta))
+            (top / f"rec-{i}.json").write_text(mutate_json(self.rng, record))
 
     def _ckpts(self) -> str:
         top = self.tmp / "ckpt"
@@ -328,6 +349,7 @@ def command_line(w: World) -> tuple[list[str], bool]:
         (["sweep", spec], True),
         (["sweep", spec, "--staggers", "1,x"], True),
         (["history", anyf], False),
+        (["history", r.choice([w.spec, w.unplanned]), *r.choice([[], ["--json"]])], False),
         (["history", r.choice(w.specs), "--json"], False),
         (["calibrate", spec], True),
         (["calibrate", "--spec", anyf, "--budget", num], True),

@@ -103,14 +103,22 @@ def why_unrecorded(spec: Any) -> str:
             "--mode')")
 
 
-def _print_learning(learned: dict[str, Any]) -> None:
-    """The runs a spec without a scenario learns from."""
+def _date(t: float) -> str:
+    """Local date and time of ``t`` (seconds since the epoch); "?" for one no clock has (a damaged record)."""
     import time
 
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+    except (OverflowError, OSError, ValueError):
+        return "?"
+
+
+def _print_learning(learned: dict[str, Any]) -> None:
+    """The runs a spec without a scenario learns from."""
     runs = learned["observed"]
     if runs:
         rows = [("OBSERVED RUN", "DATE", "MODE", "PLANNED FROM")]
-        rows += [(r["dir"].rsplit("/", 1)[-1], time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["time"])),
+        rows += [(r["dir"].rsplit("/", 1)[-1], _date(r["time"]),
                   str(r.get("mode") or ""), str(r.get("planned_from") or "(first run: learn_stagger)"))
                  for r in runs]
         print(table(rows))

@@ -75,8 +75,11 @@ def node_identity() -> dict[str, Any]:
 
 
 def node_kind(node: Mapping[str, Any]) -> tuple[str, int, str]:
-    """What makes two nodes the same kind: CPU model, CPU count, GPU model."""
-    return (str(node.get("cpu") or ""), int(node.get("cores") or 0), str(node.get("gpu") or ""))
+    """What makes two nodes the same kind: CPU model, CPU count, GPU model (a count that is no
+    finite number, in a damaged record, is 0: no node's)."""
+    cores = node.get("cores") or 0
+    count = int(cores) if isinstance(cores, (int, float)) and math.isfinite(cores) else 0
+    return (str(node.get("cpu") or ""), count, str(node.get("gpu") or ""))
 
 
 def scenario_digest(path: str) -> str:
@@ -113,10 +116,22 @@ def read_history(workdir: str) -> list[dict[str, Any]]:
             log.warning("skipping history record %s: %s", path, exc)
             continue
         if isinstance(rec, dict) and rec.get("version") == VERSION and isinstance(rec.get("time"), (int, float)):
+            if not _sound(rec):
+                log.warning("skipping history record %s: a field has the wrong type (damaged?)", path)
+                continue
             rec["path"] = path
             _fill_startups(rec)
             out.append(rec)
     return sorted(out, key=lambda r: r["time"])
+
+
+def _sound(rec: Mapping[str, Any]) -> bool:
+    """Whether a record's fields have the types a run's watcher writes them with."""
+    node = rec.get("node") or {}
+    return (isinstance(rec.get("scenario") or {}, dict) and isinstance(node, dict)
+            and isinstance(rec.get("run_jobs") or [], list)
+            and all(isinstance(rec.get(k) or {}, dict) for k in ("jobs", "startup", "seen"))
+            and (rec.get("source") is None or isinstance(rec["source"], (int, float))))
 
 
 def _fill_startups(rec: dict[str, Any]) -> None:

@@ -128,7 +128,9 @@ def observed_runs(workdir: str, kind: tuple[str, int, str] | None = None) -> lis
             meta = _io.read_json(os.path.join(directory, "meta.json"))
         except (OSError, ValueError):
             continue
-        if (not isinstance(meta, dict) or node_kind(meta.get("node") or {}) != kind
+        if (not isinstance(meta, dict) or not isinstance(meta.get("node") or {}, dict)
+                or not isinstance(meta.get("time") or 0.0, (int, float))
+                or node_kind(meta.get("node") or {}) != kind
                 or not glob.glob(os.path.join(directory, "source.*.json"))
                 or not glob.glob(os.path.join(directory, "*", "job.json"))):
             continue
