@@ -59,10 +59,10 @@ def batch_size_of(item: Any) -> int:
 
 def _count(label: str, v: Any) -> int:
     """``v`` as a whole number >= 0 (numpy's integers too); ConfigError naming ``label`` otherwise."""
-    if (isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v != int(v)
-            or v < 0):
+    x = float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else math.nan
+    if not (math.isfinite(x) and x == int(x) and x >= 0):
         raise ConfigError(f"{label} must be a whole number >= 0, got {v!r}")
-    return int(v)
+    return int(x)
 
 
 class StallProfiler:
