@@ -1,14 +1,15 @@
 """Bad input across every subcommand, never a traceback.
 
 Seeded (deterministic) random and mutated command lines over both TOML schemas (the job spec of
-colocated/spec.py and the scenario of model/scenario.py), a profile and checkpoint directories:
-unknown flags, missing values, bad numbers, paths that are directories or missing, empty files,
-binary junk, values of the wrong type, unknown tables and keys, negative, NaN and huge numbers.
+colocated/spec.py and the scenario of model/scenario.py), stall profiles, checkpoint and run
+directories and a run history with damaged files: unknown flags, missing values, bad numbers, paths
+that are directories or missing, empty files, binary junk, values of the wrong type, unknown tables
+and keys, negative, NaN and huge numbers.
 Each runs through ``hpcstagger.cli.main(argv)`` in this process (a handful through the console
 script in a subprocess) and must end with exit status 0, 1 or 2, no exception but SystemExit, no
 "Traceback", and an error of one line. Commands that would start long work when given valid
 input (launch, sweep, demo, calibrate, exec, slurm submit) get only input that fails validation,
-launch always with --dry-run.
+launch always with --dry-run; clean only on the fuzz's own shm root and gate directory.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import random
 import re
 import signal
 import subprocess
-import tomllib
+import sys
 import traceback
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,11 @@ from hpcstagger.errors import HpcstaggerError
 from hpcstagger.model import Scenario
 from support.cli import BIN, cli_env
 from support.spec_util import fill, write_spec
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 SEED = 20261126
 CASES = 4000  # command lines drawn (repeats and unsafe ones skipped); about 20 s on 2 busy cores
