@@ -131,24 +131,28 @@ def test_the_cache_state_at_the_start_reaches_the_scenario(tmp_path):
     assert "cache" not in plan_delays(spec, ["a", "b"], calib, "simultaneous")  # no cache, no state
 
 
+# Two I/O-bound jobs whose cache holds the whole dataset: cold, the second waits for the first.
+IO_SCENARIO = textwrap.dedent("""
+    [dataset]
+    samples = 2000
+    sample_bytes = 100000
+    [storage]
+    bandwidth = [2.0e7, 8.0e6]
+    [cache]
+    capacity = 2.0e8
+    [[job]]
+    name = "a"
+    sample_time = 0.001
+    [[job]]
+    name = "b"
+    sample_time = 0.0005
+""")
+
+
 def test_a_fully_warm_cache_plans_a_simultaneous_start(tmp_path):
     """Cold, the second job waits for the first to fill the cache; with every sample already
     cached there is nothing to wait for, and the plan starts both at once."""
-    (tmp_path / "io.toml").write_text(textwrap.dedent("""
-        [dataset]
-        samples = 2000
-        sample_bytes = 100000
-        [storage]
-        bandwidth = [2.0e7, 8.0e6]
-        [cache]
-        capacity = 2.0e8
-        [[job]]
-        name = "a"
-        sample_time = 0.001
-        [[job]]
-        name = "b"
-        sample_time = 0.0005
-    """))
+    (tmp_path / "io.toml").write_text(IO_SCENARIO)
     jobs = [{"name": n, "command": "x", "epochs": 3} for n in ("a", "b")]
     spec = Spec.from_dict({"plan": {"mode": "plan", "scenario": "io.toml"}, "job": jobs}, base_dir=tmp_path)
     cold = plan_delays(spec, ["a", "b"], {}, "plan", cache_state={"entries": 0, "bytes": 0})
@@ -256,21 +260,7 @@ def test_simultaneous_reason_names_why_and_the_figures():
 def test_a_simultaneous_plan_carries_its_reason_and_a_staggered_one_none(tmp_path, monkeypatch):
     monkeypatch.delenv("HPCSTAGGER_PLAN_MIN_GAIN", raising=False)
     monkeypatch.delenv("HPCSTAGGER_PLAN_JITTER", raising=False)
-    (tmp_path / "io.toml").write_text(textwrap.dedent("""
-        [dataset]
-        samples = 2000
-        sample_bytes = 100000
-        [storage]
-        bandwidth = [2.0e7, 8.0e6]
-        [cache]
-        capacity = 2.0e8
-        [[job]]
-        name = "a"
-        sample_time = 0.001
-        [[job]]
-        name = "b"
-        sample_time = 0.0005
-    """))
+    (tmp_path / "io.toml").write_text(IO_SCENARIO)
     jobs = [{"name": n, "command": "x", "epochs": 3} for n in ("a", "b")]
 
     def plan(cache_entries, **pl):
