@@ -15,7 +15,7 @@ cost of listing a large directory. All measurements come from one run.
     per file, identities) against ``pathlib.Path.glob`` with ``is_file()``, the listing before
     identities, and against ``os.walk`` with no stat at all (the floor), page cache warm.
 
-Usage: python benchmarks/bench_stale.py [--parts abc] [--inproc] [--files N] [--json PATH]
+Usage: python benchmarks/bench_stale.py [--parts abc] [--inproc] [--path-keys] [--files N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -148,10 +148,23 @@ CASES: list[tuple[str, str, Callable[[Path], None]]] = [
     ("hdf5: grown (rows appended, row 0 changed)", "h5", _h5_grow),
 ]
 
+def path_keys() -> None:
+    """Key samples as sources did before identities (the path, the dataset and row), to show what
+    this benchmark sees when a cache serves stale data (``--path-keys``)."""
+    from hpcstagger.cache import sources
+
+    sources.DirectorySource.key = lambda self, i: "file:" + self.path(i)  # type: ignore[method-assign]
+    sources.HDF5Source.key = lambda self, i: f"h5:{self.path}:{self.dataset}:{i}"  # type: ignore[method-assign]
+
+
 _JOB = r"""
-import hashlib, json, sys
+import hashlib, json, os, sys
 import torch.utils.data
 from hpcstagger.cache import CachedDataset, DirectorySource, HDF5Source, ShmCache
+if os.environ.get("BENCH_STALE_PATH_KEYS"):
+    sys.path.insert(0, os.environ["BENCH_STALE_PATH_KEYS"])
+    import bench_stale
+    bench_stale.path_keys()
 kind, path, root, out = sys.argv[1:5]
 source = DirectorySource(path) if kind == "dir" else HDF5Source(path, "x")
 cache = ShmCache("stale-bench", 64 << 20, root=root)
@@ -306,12 +319,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--parts", default="abc", help="which parts to run (default: abc)")
     ap.add_argument("--inproc", action="store_true", help="(a): run both jobs in this process")
+    ap.add_argument("--path-keys", action="store_true",
+                    help="(a): key samples by path alone, as before identities (the cache then serves stale data)")
     ap.add_argument("--files", type=int, default=100_000, help="(c): files to list (default 100000)")
     ap.add_argument("--json", default=str(HERE / "out" / "bench_stale.json"), help="where to write the results")
     args = ap.parse_args()
     out: dict[str, Any] = {"machine": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()}
+    if args.path_keys:
+        path_keys()
+        os.environ["BENCH_STALE_PATH_KEYS"] = str(HERE)
     if "a" in args.parts:
-        print("(a) stale samples after a change, new job with the same cache name")
+        print("(a) stale samples after a change, new job with the same cache name"
+              + (", samples keyed by path alone" if args.path_keys else ""))
         out["a"] = part_a(args.inproc)
         print(f"  total stale: {sum(r['stale'] for r in out['a'])} of {sum(r['samples'] for r in out['a'])} samples "
               f"({sum(r['changed'] for r in out['a'])} changed on disk)")
