@@ -233,7 +233,6 @@ FAILING = textwrap.dedent("""
 """)
 
 
-@pytest.mark.mpi
 @pytest.mark.parametrize("fail", ["raise", "backend"])
 def test_failed_ranks_leave_dev_shm_as_found(tmp_path, shm, fail):
     root, env = shm
@@ -311,7 +310,6 @@ def test_the_horovod_example_without_horovod_says_what_to_run(examples):
 
 
 @pytest.mark.slow
-@pytest.mark.mpi
 @pytest.mark.timeout(400)
 def test_the_ddp_example_runs_without_horovod(examples):
     cwd, root, env = examples

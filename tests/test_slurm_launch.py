@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -64,6 +65,10 @@ def test_sequential_batch_script_runs_jobs_one_after_another(slurm_cluster, tmp_
     status = json.loads(run_cli("status", str(spec), "--json").stdout)
     a, b = status["jobs"]["a"], status["jobs"]["b"]
     assert a["state"] == b["state"] == "done" and b["start"] >= a["finish"]
+    # each job's own launch is labelled sequential in its ranks' status files
+    modes = {json.loads(p.read_text())["mode"] for p in Path(status["run_dir"]).glob("*/*.json")
+             if p.name[:2] in ("a.", "b.")}
+    assert modes == {"sequential"}, modes
 
 
 @pytest.mark.parametrize("how, state", [("raise RuntimeError('boom')", "failed"), ("sys.exit('boom')", "exited")])

@@ -86,7 +86,7 @@ def render_batch(spec: Spec, *, python_bin: str | None = None, version: str = ""
                       job_wrapper(job, workdir).rstrip("\n"), _EOF]
     if spec.plan.mode == "sequential":
         for job in spec.jobs:
-            env = f'env {E.ONLY}={job.name} {E.MODE}=simultaneous {E.RUN_DIR}="$run_dir/{job.name}"'
+            env = f'env {E.ONLY}={job.name} {E.MODE}=sequential {E.RUN_DIR}="$run_dir/{job.name}"'
             lines.append(f'mkdir -p "$run_dir/{job.name}"')
             if sl.launcher == "srun":
                 lines.append(f'step {env} {srun} --ntasks={job.ranks} bash "$run_dir/job-{job.name}.sh"')
