@@ -384,17 +384,6 @@ def test_sample_pool_hands_out_fresh_disjoint_samples():
     assert not pool.fresh and sorted(i for s in again for i in s) == list(range(100))
 
 
-def test_a_repeated_level_reads_the_samples_of_its_first_measurement():
-    """Measuring every level twice costs no fresh samples: each level keeps the share it had with
-    one measurement (a small dataset's windows halved, and 2 readers measured over 5 ms were not
-    trusted), and a repeat reads what its first measurement read."""
-    pool = SamplePool(120, seed=1)
-    one, two = pool.take(1, levels_left=2), pool.take(2, levels_left=1)
-    assert [len(s) for s in one] == [60] and [len(s) for s in two] == [30, 30] and pool.left == 0
-    assert pool.seen(1) and pool.seen(2) and not pool.seen(3)
-    assert pool.take(1, levels_left=5) == one and pool.take(2) == two and pool.fresh
-
-
 def test_drop_pages_on_file_sources(tmp_path, shm_root):
     from hpcstagger.cache import DirectorySource, HDF5Source, ThrottledSource
 

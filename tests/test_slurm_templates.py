@@ -186,6 +186,10 @@ def test_calibrate_template_writes_a_scenario_and_prints_the_plan(slurm_cluster,
     from hpcstagger.model import Scenario
 
     cwd, root = examples_dir
+    # every source level is measured twice on fresh samples: 1024 samples of 3 KB give each
+    # measurement with 2 readers a window of a few tenths of a second behind the emulated 2 MB/s
+    subprocess.run([sys.executable, "make_dataset.py", "data.h5", "--samples", "1024"], cwd=cwd, check=True,
+                   timeout=60, capture_output=True)
     spec = cwd / "thr.toml"
     spec.write_text(textwrap.dedent("""
         [run]

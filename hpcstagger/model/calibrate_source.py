@@ -45,12 +45,9 @@ class SamplePool:
     """Sample indices of ``n`` that no reader has read yet, in a random order (``exclude`` counts as read).
 
     :meth:`take` hands out disjoint subsets; :attr:`fresh` turns False once samples had to be read
-    again because the fresh ones ran out. A reader count asked for again (a repeated measurement)
-    gets the subsets it got the first time (:meth:`seen`): repeating a level then costs no fresh
-    samples, so each level's window is as long as with one measurement (the pages are dropped
-    before each level). With ``in_order`` each reader gets a contiguous run of indices instead,
-    read in file order: what the kernel reads ahead is then read, not wasted, as it is over a job's
-    whole pass of a file that the page cache keeps.
+    again because the fresh ones ran out. With ``in_order`` each reader gets a contiguous run of
+    indices instead, read in file order: what the kernel reads ahead is then read, not wasted, as
+    it is over a job's whole pass of a file that the page cache keeps.
     """
 
     def __init__(self, n: int, seed: int = 0, exclude: Sequence[int] = (), in_order: bool = False):
@@ -63,28 +60,16 @@ class SamplePool:
         self._left = [i for i in order if i not in skip]
         self._rng = random.Random(seed + 1)
         self.fresh = True
-        self._given: dict[int, list[list[int]]] = {}
 
     @property
     def left(self) -> int:
         """How many samples no reader has read yet."""
         return len(self._left)
 
-    def seen(self, readers: int) -> bool:
-        """Whether a level of ``readers`` readers was handed its samples already."""
-        return readers in self._given
-
     def take(self, readers: int, levels_left: int = 1, least: int = 4) -> list[list[int]]:
-        """``readers`` disjoint subsets for one level: the ones it got before when this reader count
-        was measured already; else its share (1 / ``levels_left``, the reader counts still to come
-        counted once) of the fresh samples, or, when that gives a reader fewer than ``least``, a
-        fresh permutation of all of them (samples read again: :attr:`fresh` becomes False)."""
-        if readers in self._given:
-            return [list(s) for s in self._given[readers]]
-        self._given[readers] = out = self._take(readers, levels_left, least)
-        return [list(s) for s in out]
-
-    def _take(self, readers: int, levels_left: int, least: int) -> list[list[int]]:
+        """``readers`` disjoint subsets for one level: its share (1 / ``levels_left``) of the fresh
+        samples, or, when that gives a reader fewer than ``least``, a fresh permutation of all of
+        them (samples read again: :attr:`fresh` becomes False)."""
         count = len(self._left) // max(1, levels_left)
         if count >= least * readers:
             chosen, self._left = self._left[:count], self._left[count:]
@@ -416,11 +401,9 @@ def measure_levels(source: Any, pool: SamplePool, levels: Sequence[int], seconds
     out: list[dict[str, Any]] = []
     for pos, k in enumerate(levels):
         left = len(levels) - pos
-        again = pool.seen(k)
-        subsets = pool.take(k, len({j for j in levels[pos:] if not pool.seen(j)}) + later_levels)
+        subsets = pool.take(k, left + later_levels)
         dropped = drop_pages(source, [i for s in subsets for i in s])
-        how = ("the samples of its first measurement" if again else
-               "fresh samples" if pool.fresh else "samples read again (the dataset is too small)")
+        how = "fresh samples" if pool.fresh else "samples read again (the dataset is too small)"
         if dropped:
             how += ", page cache dropped"
         bar.set_postfix_str(f"source with {k} reader(s): {how}")
