@@ -11,7 +11,7 @@ from typing import Any
 # How long the demo takes with its defaults on 2 cores: 106 to 144 s measured (four runs, each on a
 # node where other work used 1.3 to 2 of the cores), 161 s on a node with a load average of 3. The
 # README's Quick start and docs/demo.md state the same figure (tests/test_demo.py checks it).
-DURATION = "1.5 to 3 minutes"
+DURATION = "1 to 3 minutes"
 
 
 def register(sub: Any) -> None:

@@ -48,7 +48,7 @@ _MALLOC_ENV = 'MALLOC_MMAP_THRESHOLD_ = "67108864", MALLOC_TRIM_THRESHOLD_ = "26
 
 @dataclass(frozen=True)
 class DemoConfig:
-    """The demo's knobs; the defaults finish in 1.5 to 3 minutes on 2 cores (``cli.demo.DURATION``)."""
+    """The demo's knobs; the defaults finish in 1 to 3 minutes on 2 cores (``cli.demo.DURATION``)."""
 
     workdir: str = "hpcstagger-demo"
     samples: int = 6000
