@@ -92,8 +92,9 @@ def test_calibrate_spec_measures_every_job_from_its_own_command(tmp_path, shm_di
     (tmp_path / "spec.toml").write_text(SPEC)
     budget = 40.0
     t0 = time.monotonic()
+    root = os.path.join(shm_dir, "root")  # not there yet: calibration makes it, and removes it emptied
     res = run_cli("calibrate", "--spec", "spec.toml", "--budget", str(budget), "-o", "scenario.toml", "--json",
-                  env=cli_env(HPCSTAGGER_SHM_ROOT=shm_dir), cwd=tmp_path, timeout=240)
+                  env=cli_env(HPCSTAGGER_SHM_ROOT=root), cwd=tmp_path, timeout=240)
     wall = time.monotonic() - t0
     assert res.returncode == 0, res.stderr[-3000:]
     d = json.loads(res.stdout)
@@ -132,7 +133,7 @@ def test_calibrate_spec_measures_every_job_from_its_own_command(tmp_path, shm_di
     assert "job ddp: " in res.stderr and "calibrate" in res.stderr          # progress on stderr
     reports = Path(meas["reports"])
     assert {p.name for p in reports.iterdir()} >= {"ddp", "plain", "measurements.json"}
-    assert _leftovers(shm_dir) == []                                          # private cache and throttle removed
+    assert _leftovers(shm_dir) == [] and not os.path.exists(root)            # private cache, throttle, root removed
 
 
 def test_fit_baseline_pools_the_jobs_counted_reads():

@@ -39,6 +39,7 @@ missing or changed.
 
 from __future__ import annotations
 
+import logging
 import math
 import multiprocessing
 import os
@@ -50,6 +51,7 @@ from typing import Any
 from collections.abc import Callable, Mapping
 
 from .. import _io, config, nodeload
+from ..cache.admin import remove_empty_dirs
 from ..errors import CacheError, ConfigError, LaunchError, ModelError
 from ..model.calibrate import Calibration, check_out, reader_levels, source_length, time_steps, write_scenario
 from ..model.calibrate_source import (MAX_READERS, SPREAD_LIMIT, SamplePool, disagreeing, hit_bandwidth,
@@ -64,6 +66,8 @@ from .calibration import GRACE_S, calibration_spec
 from .jobfields import job_fields, read_reports
 from .launch import mpmd_command, run_group
 from .spec import JobSpec, Spec
+
+log = logging.getLogger(__name__)
 
 # fit_baseline, scenario_cache, scenario_job and usable_cores live in .calibrate_scenario and
 # hpcstagger.nodeload; they are named here too for the callers that import them from this module
@@ -93,6 +97,8 @@ class _Run:
         self.twin = calibration_spec(spec, str(self.reports))
         self.source = self.twin.make_source()
         self.n = source_length(self.source)
+        self.shm_root = os.path.abspath(self.twin.cache.root or config.get("shm_root"))
+        self.root_existed = os.path.lexists(self.shm_root)  # an shm root made here goes when emptied
         self.cache = _fresh_cache(self.twin)
         self.ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods()
                                                else "spawn")
@@ -115,6 +121,11 @@ class _Run:
             if hasattr(self.source, name):
                 getattr(self.source, name)()
                 break
+        if not self.root_existed:
+            try:
+                remove_empty_dirs(self.shm_root)
+            except CacheError as exc:
+                log.debug("cannot tidy the shm root %s: %s", self.shm_root, exc)
 
     def measure(self) -> dict[str, Any]:
         """Steps 1-4 of the module docstring: the raw measurements."""
