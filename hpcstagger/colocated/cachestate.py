@@ -130,7 +130,13 @@ def dataset_files(spec: Spec) -> list[str]:
         return []
     base = Path(ds.path)
     if base.is_dir():
-        return sorted(str(p) for p in base.glob(ds.pattern) if p.is_file())
+        from ..cache import DirectorySource  # its listing: the files every job reads, with pathlib's glob rules
+
+        try:
+            source = DirectorySource(base, ds.pattern)
+        except ConfigError:  # nothing matches
+            return []
+        return [source.path(i) for i in range(len(source))]
     return [ds.path] if base.exists() else []
 
 

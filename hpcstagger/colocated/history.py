@@ -38,6 +38,7 @@ from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
 from .. import _io
+from ..nodeload import usable_cores
 from . import env as E
 from .progress import startups
 
@@ -67,11 +68,7 @@ def node_identity() -> dict[str, Any]:
             continue
         if gpu:
             break
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return {"host": socket.gethostname(), "cpu": cpu, "cores": cores, "gpu": gpu}
+    return {"host": socket.gethostname(), "cpu": cpu, "cores": usable_cores(), "gpu": gpu}
 
 
 def node_kind(node: Mapping[str, Any]) -> tuple[str, int, str]:
