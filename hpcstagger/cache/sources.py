@@ -155,9 +155,9 @@ class HDF5Source:
         if not shape:
             raise ConfigError(f"HDF5Source: dataset {dataset!r} in {path} is a scalar; it needs a sample axis")
         self._len = int(shape[0])
-        ident = f"{stat_token(st):016x}:{dataset}:{tuple(shape)}:{dtype}".encode("utf-8", "surrogatepass")
-        self.token = xxhash.xxh3_64_intdigest(ident)
         self._file_token = stat_token(st)
+        ident = f"{self._file_token:016x}:{dataset}:{tuple(shape)}:{dtype}".encode("utf-8", "surrogatepass")
+        self.token = xxhash.xxh3_64_intdigest(ident)
         self._prefix = f"h5:{self.path}:{self.dataset}:"
         self._suffix = f"@{self.token:016x}"
         self._file: Any = None
