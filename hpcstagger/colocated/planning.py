@@ -86,6 +86,7 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
             raise _needs_scenario()
         return out
     from ..model import optimal_plan
+    from ..model.plan import unseen_loaders
 
     full_order, given, rep = list(order), dict(out["delays"]), loader_representatives(spec, order, calibrations)
     order = [n for n in order if rep[n] == n]
@@ -110,14 +111,13 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
     out["scenario"] = scenario.to_dict()
     out["curve"] = p.to_dict()["curve"]
     out["jitter"] = float(p.jitter)  # the start-time spread the plan was made for (seconds)
-    return _with_reason(out, spec) if mode in PLANNED_MODES else out
+    return _with_reason(out, spec, unseen_loaders(scenario)) if mode in PLANNED_MODES else out
 
 
-def _with_reason(out: dict[str, Any], spec: Spec) -> dict[str, Any]:
+def _with_reason(out: dict[str, Any], spec: Spec, unseen: list[str]) -> dict[str, Any]:
     """A plan record ``out``, with its ``simultaneous_reason`` when the plan starts every job at once."""
     from ..model.plan import unseen_reason  # numpy and scipy load with the model, only where it plans
 
-    unseen = [j["name"] for j in out["scenario"]["job"] if j.get("loader_seen") is False]
     reason = unseen_reason(unseen) if unseen and len(out["delays"]) > 1 else simultaneous_reason(
         out["delays"], out["predicted"], out["curve"], max_delay=spec.plan.max_delay,
         min_gain=float(config.get("plan_min_gain")), jitter=float(out["jitter"]))
