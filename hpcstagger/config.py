@@ -92,7 +92,7 @@ _KNOB_LIST: list[Knob] = [
     Knob("cache_remote_bandwidth", float, 2.0e9,
          "bytes/s one reader gets for a remote hit, where the planner has no measured one and the scenario "
          "gives no [cache] remote_bandwidth (the default: about what 100 KB remote hits measured over UCX "
-         "loopback on the development VM, benchmarks/RESULTS.md issue 15; not a real network's)"),
+         "loopback on a 2-core x86 VM, benchmarks/RESULTS.md, section Partitioned cache; not a real network's)"),
     # --- shared loader (hpcstagger.loader) ---
     Knob("loader_window", int, 8,
          "batches a shared loader's producer keeps in shared memory (the most a consumer can run ahead of "

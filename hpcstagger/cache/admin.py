@@ -1,4 +1,4 @@
-"""Cache administration helpers behind ``hpcstagger cache``: list caches, look into one without
+"""Cache administration behind ``hpcstagger cache``: list caches, look into one without
 creating it, empty or remove one, remove a damaged one. A partitioned cache's per-process stats
 files (``<root>/.partition/<name>/``) go with the cache when it is removed."""
 

@@ -2,7 +2,7 @@
 
 It wraps any source and makes each read take as long as it would on a shared file system whose
 bandwidth every reading process on the node shares. It is an emulator, not a production rate
-limiter: it exists so that the cache, the performance model (issue 5, whose ``[storage]
+limiter: it exists so that the cache, the performance model (whose ``[storage]
 bandwidth`` list is exactly ``bytes_per_second``) and the demo can be exercised without a real
 parallel file system.
 

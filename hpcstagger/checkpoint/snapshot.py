@@ -18,7 +18,7 @@ once more). With CUDA sources it is page-locked with ``cudaHostRegister`` and un
 released. It does not come from torch's pinned allocator (``pin_memory=True``), which rounds every
 block up to a power of two (a 1.2 GB snapshot took 2 GiB there) and keeps a freed block cached,
 still pinned, until the process ends, so that a layout change would leave the old buffer pinned
-beside the new one (benchmarks/RESULTS.md, issue 16).
+beside the new one (benchmarks/RESULTS.md, section Checkpoints).
 """
 
 from __future__ import annotations

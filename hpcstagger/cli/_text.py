@@ -1,4 +1,4 @@
-"""Small text helpers shared by the CLI and the demo: byte counts and aligned tables."""
+"""Small text utilities shared by the CLI and the demo: byte counts and aligned tables."""
 
 from __future__ import annotations
 

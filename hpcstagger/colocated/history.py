@@ -1,4 +1,4 @@
-"""What each run of a spec measured, kept for the next plan (closed loop, part 2).
+"""What each run of a spec measured, kept for the next plan.
 
 When the closed-loop watcher (:mod:`.release`) ends, it writes one record of what it fitted into
 ``<workdir>/history/<time>-<pid>-<ns>.json`` (one writer per file, written atomically, so concurrent

@@ -1,4 +1,4 @@
-"""Flushing in the wait: a waiting job copies the running jobs' staged checkpoints (closed loop, part 4).
+"""Flushing in the wait: a waiting job copies the running jobs' staged checkpoints.
 
 With ``[checkpoint] flush = "queue"`` (and a ``staging_dir``), every job's checkpointer built from
 :meth:`~.coordinator.Session.checkpoint_options` posts the copy of its staged shards to the durable

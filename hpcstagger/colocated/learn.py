@@ -1,4 +1,4 @@
-"""Learning a spec that was never calibrated, from its own runs (closed loop, part 2).
+"""Learning a spec that was never calibrated, from its own runs.
 
 A spec in mode ``plan`` or ``open`` without ``[plan] scenario`` (and with its history on) plans
 from what its earlier runs on this kind of node measured:

@@ -1,5 +1,5 @@
 """Prefetching in the wait: a waiting job fills the shared cache with what nobody has read yet,
-in the source bandwidth the running jobs leave idle (closed loop, part 4).
+in the source bandwidth the running jobs leave idle.
 
 With ``[plan] prefetch = true``, the leader of the job planned to start last (the watcher's host
 in mode ``plan``) runs a :class:`Prefetcher` as idle work while it waits. It walks the dataset

@@ -210,7 +210,7 @@ def repetition_order(runs: Sequence[SweepRun], repetition: int) -> list[SweepRun
     reversed in even ones, so that with two or more repetitions no mode always runs first or
     always after the same run. A run's place in the sequence moves its makespan: with the plan
     always first, steered runs lost to open-loop runs by 13 to 17% on a 2-core machine, and won by
-    2% with the open run first (benchmarks/RESULTS.md, issue 13)."""
+    2% with the open run first (benchmarks/RESULTS.md, section Closed loop)."""
     return list(runs) if repetition % 2 else list(runs)[::-1]
 
 

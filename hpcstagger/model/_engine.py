@@ -1,4 +1,4 @@
-"""The fluid model's integrator (private to :mod:`hpcstagger.model`; see :mod:`.fluid` for the model).
+"""The fluid model's time-stepping engine (private to :mod:`hpcstagger.model`; see :mod:`.fluid` for the model).
 
 State. Samples are counted by class. A class is the set of running jobs that have yet to read the
 sample this epoch, plus whether, and in which block, it is cached. ``Nu`` counts uncached samples
