@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""Benchmark of the shared /dev/shm sample cache (issue 3). All measurements come from one run.
+"""Benchmark of the shared /dev/shm sample cache. All measurements come from one run.
+
+Results: benchmarks/RESULTS.md, section Shared cache.
 
 (a) Hit path: the throughput of ``ShmCache.get`` hits against two baselines over the same samples
     in the same random order: reading them as separate files already in the OS page cache (with

@@ -1,4 +1,6 @@
-"""Where does the training lose time while a checkpoint save is in flight? (issue 16, CPU part)
+"""Where does the training lose time while a checkpoint save is in flight? (CPU only)
+
+Results: benchmarks/RESULTS.md, section Checkpoints.
 
     python benchmarks/bench_ckpt_attrib.py [--quick] [--ranks 1,2,4] [--mb 200] [--rounds 6]
         [--gate auto|none|allreduce] [--switchinterval S] [--nice N] [--chunk-mb M] [--max-wait S]

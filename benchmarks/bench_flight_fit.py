@@ -1,6 +1,6 @@
 """Does the counted source factor read 1.0 for a source that delivers its calibrated curve?
 
-Issue 13's steering fits a factor on the source's bandwidth: the bytes read over what the
+The closed loop's steering fits a factor on the source's bandwidth: the bytes read over what the
 calibrated curve ``B(k)`` delivers in the seconds the node spent with ``k`` reads in flight
 (``bytes / sum_k T_k B(k)``, the cache's exact count). This checks that estimator against
 ``ThrottledSource`` directly, with no model, no jobs and no DataLoader: ``P`` processes read

@@ -1,4 +1,6 @@
-"""Learning a spec that was never calibrated (issue 13, part 2): three runs, then the best fixed stagger.
+"""Learning a spec that was never calibrated: three runs, then the best fixed stagger.
+
+Results: benchmarks/RESULTS.md, section Closed loop.
 
 For each configuration (bench_userjobs' jobs: DataLoader workers and batches, DDP, no timing
 code) it writes the spec without ``[plan] scenario`` and never calibrates it. Then, for each of

@@ -1,4 +1,6 @@
-"""The shared loader (issue 14): co-located prep-bound jobs on one node, one prep instead of one per job.
+"""The shared loader: co-located prep-bound jobs on one node, one prep instead of one per job.
+
+Results: benchmarks/RESULTS.md, section Shared loader.
 
     python benchmarks/bench_loader.py [--quick] [--workers 2] [--batches 150] [--repeat 3] [--out PATH]
 

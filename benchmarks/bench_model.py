@@ -1,4 +1,4 @@
-"""Benchmark of the makespan model against the issue-5 Targets.
+"""Benchmark of the makespan model against its targets (benchmarks/RESULTS.md, section Makespan model).
 
     python benchmarks/bench_model.py [--quick] [--scenarios N] [--workers W] [--out PATH]
 
@@ -13,11 +13,11 @@ averages them. The generator was written before the figures were looked at and i
   hit bandwidth 10 to 50 times the source's;
 - each job's sample time log-uniform in 1/6 to 6 times the single-reader miss time (compute-bound
   to I/O-bound), 1 to 4 epochs; prefetch depth 2 (the default);
-- each job's loader shape (issue 12), drawn from a second stream (``[SEED_BASE, i, 7]``) so the
+- each job's loader shape (workers, batches, ranks), drawn from a second stream (``[SEED_BASE, i, 7]``) so the
   rest of scenario i does not change with it: workers 0, 1, 2 or 4; batch 1, 8, 16, 32, 64 or
   128; 1 or 2 ranks; prefetch 1, 2 or 4 batches per worker; a hand-off of 0 to 30% of the step's
   compute; and for half the jobs a worker-side prep time of up to half a miss. ``--legacy-loaders``
-  gives every job the one-sample prefetching reader of earlier issues instead;
+  gives every job the one-sample prefetching reader (the scenarios before loader shapes were modelled) instead;
 - with ``--contention``, from a third stream (``[SEED_BASE, i, 11]``): the node's cores, 1, 2 or
   4 (``[node] cores``), shared by the jobs' steps, worker preps and start-ups; each job's start-up,
   0 to 0.5 s; and each job's order, shared with the others that draw it (probability 1/2) or its
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contention", action="store_true",
                     help="also random node cores, start-ups and shared sample orders (see the docstring)")
     ap.add_argument("--legacy-loaders", action="store_true",
-                    help="every job a one-sample prefetching reader (the scenarios of earlier issues)")
+                    help="every job a one-sample prefetching reader (the scenarios before loader shapes were modelled)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out",
                                                   "bench_model.json"))
     args = ap.parse_args(argv)

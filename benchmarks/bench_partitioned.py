@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""Benchmark of the partitioned cache across nodes (issue 15). All measurements come from one run.
+"""Benchmark of the partitioned cache across nodes. All measurements come from one run.
+
+Results: benchmarks/RESULTS.md, section Partitioned cache.
 
 (a) Epochs on M emulated nodes (M = 2 and 4, one rank per node by default), each node with a cache
     of 1/M of the dataset (x ``--slack``), behind one ``ThrottledSource`` that every rank shares (the

@@ -1,4 +1,6 @@
-"""Prefetching in the wait (issue 13, part 4): the makespan gain, and what it costs the running job.
+"""Prefetching in the wait: the makespan gain, and what it costs the running job.
+
+Results: benchmarks/RESULTS.md, section Closed loop.
 
 A compute-bound first job (``wide``: a wide CNN, batch 16, DataLoader with 2 workers, DDP, no
 timing code) runs alone while the second (``mlp``: light, reading-bound, 2 epochs) waits a fixed
@@ -37,7 +39,7 @@ CONFIG: dict[str, Any] = {
 
 
 def one_launch(spec: Path, work: Path, log: Path, tag: str, mode: str, delay: float) -> dict[str, Any]:
-    from hpcstagger.colocated.progress import read_progress, throughput
+    from hpcstagger.spec.records import read_progress, throughput
 
     hs = [sys.executable, "-m", "hpcstagger", "launch", str(spec), "--mode", mode, "--cold-cache", "--no-history"]
     if mode == "fixed":

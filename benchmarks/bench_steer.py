@@ -1,4 +1,6 @@
-"""Closed-loop staggering against a calibration that is off (issue 13): steered, open loop, fixed.
+"""Closed-loop staggering against a calibration that is off: steered, open loop, fixed.
+
+Results: benchmarks/RESULTS.md, section Closed loop.
 
 For each configuration (bench_userjobs' jobs: DataLoader workers and batches, DDP, no timing
 code) it calibrates the spec once, the documented way (``hpcstagger calibrate --spec``), then
@@ -129,7 +131,7 @@ def run_config(name: str, cfg: dict[str, Any], data: Path, work: Path, cases: li
 
 def overhead_pairs(name: str, cfg: dict[str, Any], data: Path, work: Path, pairs: int, budget: float) -> dict[str, Any]:
     """``pairs`` launches each of mode open and of mode plan with steer = false, alternating."""
-    from hpcstagger.colocated.progress import read_progress, throughput
+    from hpcstagger.spec.records import read_progress, throughput
 
     work.mkdir(parents=True)
     log = work / "log.txt"

@@ -1,4 +1,6 @@
-"""The planner on jobs written as users write them (issue 12): calibrate, sweep, compare.
+"""The planner on jobs written as users write them: calibrate, sweep, compare.
+
+Results: benchmarks/RESULTS.md, section Jobs as users write them.
 
 For each configuration it writes a job spec whose jobs run ``benchmarks/userjobs/train.py`` (a
 DataLoader with workers and batches, a DistributedSampler, DDP or Horovod, SGD, no timing code),

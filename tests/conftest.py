@@ -1,5 +1,5 @@
 """What must live in a conftest: the session hooks, the hypothesis profile, and the registration
-of the suite's fixtures (support/fixtures.py). Helpers live in support/ and tests import them
+of the suite's fixtures (support/fixtures.py). Utilities live in support/ and tests import them
 from there (``from support.cli import run_cli``), never from this file.
 
 pytest puts tests/ on sys.path before it imports this file (tests/ is no package, so the default

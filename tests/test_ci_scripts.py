@@ -1,4 +1,4 @@
-"""The CI helpers: scripts/check-tree (the suite leaves the checkout as it found it) and the
+"""The CI scripts: scripts/check-tree (the suite leaves the checkout as it found it) and the
 PYTHON handling of scripts/install-horovod, each run on a throwaway git repository."""
 
 from __future__ import annotations

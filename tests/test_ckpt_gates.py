@@ -91,7 +91,7 @@ def test_polled_wait_idle_backs_off_and_stops_at_the_deadline(monkeypatch):
 
 
 class SourceStandIn(torch.utils.data.Dataset):
-    """Stands in for issue 3's CachedDataset: calls source_read_hook.enter()/exit() around every
+    """Stands in for CachedDataset: calls source_read_hook.enter()/exit() around every
     read that goes to the source (here: a slow read every third item)."""
 
     def __init__(self, hook, n=24, slow=0.05):

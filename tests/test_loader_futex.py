@@ -52,7 +52,7 @@ def _advance_and_wake(path: str, delay: float, woken) -> None:
     mm.close()
 
 
-# ------------------------------------------------------------------------------------- the helper
+# -------------------------------------------------------------------------------- the futex calls
 @needs_futex
 def test_a_wait_is_woken_by_another_process(tmp_path):
     path = str(tmp_path / "words")

@@ -1,6 +1,6 @@
 """optimal_plan: the limiting cases, exactly, and the plan's structure.
 
-The issue lists "with no cache, or no concurrency loss, simultaneous start is optimal". Under the
+The design states "with no cache, or no concurrency loss, simultaneous start is optimal". Under the
 semantics (a read shares the source equally with the other reads in flight) that holds for
 identical jobs, which is what these tests pin down. For different jobs it does not: a short
 I/O-bound job then takes bandwidth from a long, compute-bound one, and starting it later shortens

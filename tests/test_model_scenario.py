@@ -1,4 +1,4 @@
-"""Scenario: the issue's TOML format, validation by dotted field path, round trips."""
+"""Scenario: the documented TOML format, validation by dotted field path, round trips."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hpcstagger.errors import ConfigError
 from hpcstagger.model import Scenario
 
-ISSUE_TOML = """
+DOC_TOML = """
 [dataset]
 samples = 10000            # n
 sample_bytes = 131072      # mean bytes per sample
@@ -37,9 +37,9 @@ def base() -> dict:
             "job": [{"name": "a", "sample_time": 0.01, "epochs": 2}, {"name": "b", "sample_time": 0.02}]}
 
 
-def test_reads_the_issue_format(tmp_path):
+def test_reads_the_documented_format(tmp_path):
     path = tmp_path / "s.toml"
-    path.write_text(ISSUE_TOML)
+    path.write_text(DOC_TOML)
     sc = Scenario.from_toml(path)
     assert sc.dataset.samples == 10000 and sc.dataset.sample_bytes == 131072
     assert sc.storage.bandwidth == (2.0e8, 1.2e8)
@@ -170,7 +170,7 @@ def test_file_errors_name_the_file(tmp_path):
     bad.write_text("[dataset\nsamples = 1")
     with pytest.raises(ConfigError, match="is not valid TOML"):
         Scenario.from_toml(bad)
-    bad.write_text(textwrap.dedent(ISSUE_TOML).replace("sample_time = 0.004", "sample_time = -0.004"))
+    bad.write_text(textwrap.dedent(DOC_TOML).replace("sample_time = 0.004", "sample_time = -0.004"))
     with pytest.raises(ConfigError, match=r"bad.toml: job\[1\]\.sample_time must be > 0"):
         Scenario.from_toml(bad)
 

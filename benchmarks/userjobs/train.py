@@ -1,4 +1,4 @@
-"""A training job written the way PyTorch users write them, for the planner benchmark (issue 12).
+"""A training job written the way PyTorch users write them, for the planner benchmark (benchmarks/bench_userjobs.py).
 
 Nothing here is shaped to fit the model: a DataLoader with worker processes and batches, a
 DistributedSampler, DDP or Horovod, SGD, and no timing code. The only hpcstagger calls are the

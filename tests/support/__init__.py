@@ -1,4 +1,4 @@
-"""Helpers of the test suite (importable as ``support.*``: pytest puts tests/ on sys.path).
+"""Support code of the test suite (importable as ``support.*``: pytest puts tests/ on sys.path).
 
 - fixtures.py      every shared fixture; registered as a plugin by tests/conftest.py
 - cli.py           REPO, BIN, in_ci(), cli_env(), run_cli(): this checkout's CLI from this venv

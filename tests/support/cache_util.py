@@ -1,4 +1,4 @@
-"""Helpers for the cache tests: sample data, invariant checks, and worker functions that child
+"""Utilities for the cache tests: sample data, invariant checks, and worker functions that child
 processes (fork or spawn) import by name. The private shm root is the ``shm_root`` fixture
 (fixtures.py)."""
 

@@ -1,4 +1,4 @@
-"""Helpers shared by the checkpoint tests: a small deterministic model, training, and comparisons."""
+"""Utilities shared by the checkpoint tests: a small deterministic model, training, and comparisons."""
 
 from __future__ import annotations
 
