@@ -12,8 +12,9 @@ from a cold cache, and measures in each repetition:
 - the coordinator's prediction for every run (with the calibration the jobs measured at start);
 - the coordinator's overhead (rendezvous, split, plan exchange, on the last rank to arrive).
 
-Targets (issue 6): the planned stagger's measured makespan within 5% of the best measured stagger
-of the sweep; prediction error at most 10%; coordinator overhead at most 1 s.
+Targets (benchmarks/RESULTS.md, section Co-located runs): the planned stagger's measured makespan
+within 5% of the best measured stagger of the sweep; prediction error at most 10%; coordinator
+overhead at most 1 s.
 
     python benchmarks/bench_colocated.py [--repeat 2] [--sweep 0,1,2,3,4,5,6,8] [--quick]
 """
@@ -68,7 +69,7 @@ def main() -> int:
 
     staggers = None if args.sweep == "auto" else parse_staggers(args.sweep)
     if staggers is not None and len(staggers) < 5:
-        print("bench_colocated: note: the issue's target asks for a sweep of at least 5 staggers", file=sys.stderr)
+        print("bench_colocated: note: the target asks for a sweep of at least 5 staggers", file=sys.stderr)
     work = Path(tempfile.mkdtemp(prefix="bench-colocated-"))
     root = tempfile.mkdtemp(prefix="bench-colocated-", dir="/dev/shm")
     os.environ["HPCSTAGGER_SHM_ROOT"] = root
