@@ -78,7 +78,7 @@ def main() -> None:
     start_epoch, step = 0, 0
     try:
         state = ckpt.load()
-        hpcstagger.restore(state, model=model, optimizer=opt)
+        hpcstagger.restore_checkpoint(state, model=model, optimizer=opt)
         start_epoch, step = state["epoch"] + 1, state["step"]
         session.say(f"resumed from step {step} (epoch {state['epoch']})")
     except CheckpointError:

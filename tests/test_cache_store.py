@@ -257,7 +257,8 @@ def test_importing_and_using_the_cache_imports_neither_torch_nor_h5py(shm_root):
     probe = f"""
 import json, sys
 import hpcstagger.cache as c
-from hpcstagger import ShmCache, DirectorySource, ThrottledSource
+from hpcstagger import ShmCache, DirectorySource
+from hpcstagger.cache import ThrottledSource
 cache = ShmCache("probe", 1 << 20, root={shm_root!r})
 cache.put("a", b"x"); cache.get("a"); cache.stats(); cache.close()
 print(json.dumps({{m: m in sys.modules for m in ("torch", "h5py", "numpy")}}))

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from hpcstagger import AsyncCheckpointer, load, restore
+from hpcstagger.checkpoint import AsyncCheckpointer, load, restore
 from hpcstagger.checkpoint import ActivityGate, capture_rng, restore_rng
 from support.ckpt_util import same
 

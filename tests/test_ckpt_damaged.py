@@ -13,7 +13,7 @@ import h5py
 import pytest
 import torch
 
-from hpcstagger import AsyncCheckpointer, load
+from hpcstagger.checkpoint import AsyncCheckpointer, load
 from hpcstagger.checkpoint.load import load_entry
 from hpcstagger.cli import build_parser
 from hpcstagger.cli import main as cli_main

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from hpcstagger import AsyncCheckpointer, config, load
+from hpcstagger import config
+from hpcstagger.checkpoint import AsyncCheckpointer, load
 from hpcstagger.checkpoint import probe
 from hpcstagger.checkpoint._direct import ALIGN, ALIGN_THRESHOLD, FileSink, aligned_buffer
 from hpcstagger.checkpoint.snapshot import SnapshotBuffers

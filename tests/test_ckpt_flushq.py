@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcstagger import AsyncCheckpointer, config, load
+from hpcstagger import config
+from hpcstagger.checkpoint import AsyncCheckpointer, load
 from hpcstagger.checkpoint import verify_checkpoint
 from hpcstagger.checkpoint.flusher import IdleFlusher, idle_flusher
 from hpcstagger.checkpoint.flushq import (FlushTask, live_flushers, open_queue, queue_path, register_flusher,

@@ -212,7 +212,8 @@ def test_step_gate_is_busy_from_forward_to_optimizer_step():
 
 
 def test_checkpointer_gates_on_training_steps_by_default(tmp_path):
-    from hpcstagger import AsyncCheckpointer, config, load
+    from hpcstagger import config
+    from hpcstagger.checkpoint import AsyncCheckpointer, load
 
     model = torch.nn.Linear(64, 64)
     opt = torch.optim.Adam(model.parameters())

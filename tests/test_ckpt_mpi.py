@@ -14,8 +14,9 @@ import warnings
 import pytest
 import torch
 
-from hpcstagger import AsyncCheckpointer, config, load
-from hpcstagger.checkpoint import ShardWriter, verify_checkpoint
+from hpcstagger import config
+from hpcstagger.checkpoint import AsyncCheckpointer, load, verify_checkpoint
+from hpcstagger.checkpoint.writer import ShardWriter
 from hpcstagger.comm import Comm
 from hpcstagger.errors import CheckpointError, CheckpointWarning
 from support.ckpt_util import plain, same

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcstagger import AsyncCheckpointer, load
+from hpcstagger.checkpoint import AsyncCheckpointer, load
 from hpcstagger.checkpoint import probe
 from support.ckpt_util import same, trained
 

@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from hpcstagger import AsyncCheckpointer, load, restore
+from hpcstagger.checkpoint import AsyncCheckpointer, load, restore
 from hpcstagger import comm as comm_module
 from hpcstagger import config
-from hpcstagger.checkpoint import ActivityGate, SaveHandle, ShardWriter, capture_rng, read_checkpoint, restore_rng
+from hpcstagger.checkpoint import ActivityGate, SaveHandle, capture_rng, restore_rng
+from hpcstagger.checkpoint.load import read_checkpoint
+from hpcstagger.checkpoint.writer import ShardWriter
 from hpcstagger.checkpoint.catalog import scan
 from hpcstagger.checkpoint.protocol import agree
 from hpcstagger.checkpoint.sharding import layout_signature, plan_shards

@@ -13,7 +13,7 @@ t = time.perf_counter()
 import hpcstagger
 elapsed = time.perf_counter() - t
 names = {n: n in sys.modules for n in ("torch", "mpi4py", "numpy", "h5py", "scipy", "matplotlib")}
-hpcstagger.Comm, hpcstagger.CollectiveError  # lazy names resolve without heavy imports
+hpcstagger.HpcstaggerError, hpcstagger.Spec  # lazy names resolve without heavy imports
 after = {n: n in sys.modules for n in ("torch", "mpi4py")}
 print(json.dumps({"elapsed": elapsed, "modules": names, "after_names": after,
                   "handlers_changed": logging.getLogger().handlers != handlers_before}))

@@ -7,25 +7,32 @@ Importing this package imports neither torch nor h5py; each name is loaded on fi
 - :class:`DirectorySource`, :class:`HDF5Source`: map-style sources of byte samples.
 - :class:`ThrottledSource`: an emulated shared remote repository, for tests, benchmarks and the demo.
 - :class:`CachedDataset`: a torch map-style Dataset reading through the cache.
+- :func:`list_caches`: the caches under the shm root; :class:`Policy`: the base of the insertion
+  policies; :class:`Source`: the protocol a source implements.
 """
 
 from __future__ import annotations
 
-from .._lazy import lazy_exports
+from hpcstagger._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
-    "ShmCache": "store",
-    "PartitionedCache": "partitioned",
-    "list_caches": "admin",
-    "key_hash": "store",
-    "Policy": "policy",
-    "Source": "sources",
-    "DirectorySource": "sources",
-    "HDF5Source": "sources",
-    "ThrottledSource": "throttle",
-    "CachedDataset": "dataset",
+    "ShmCache": "hpcstagger.cache.store",
+    "PartitionedCache": "hpcstagger.cache.partitioned",
+    "list_caches": "hpcstagger.cache.admin",
+    "Policy": "hpcstagger.cache.policy",
+    "Source": "hpcstagger.cache.sources",
+    "DirectorySource": "hpcstagger.cache.sources",
+    "HDF5Source": "hpcstagger.cache.sources",
+    "ThrottledSource": "hpcstagger.cache.throttle",
+    "CachedDataset": "hpcstagger.cache.dataset",
+}
+# Kept for one release: name -> (target, warning).
+_DEPRECATED: dict[str, tuple[str, str]] = {
+    "key_hash": ("hpcstagger.cache.store",
+                 "hpcstagger.cache.key_hash is deprecated; use hpcstagger.cache.store.key_hash"),
 }
 
-__all__ = list(_EXPORTS)
+__all__ = ["ShmCache", "PartitionedCache", "list_caches", "Policy", "Source", "DirectorySource", "HDF5Source",
+           "ThrottledSource", "CachedDataset"]
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals(), _DEPRECATED)

@@ -10,27 +10,47 @@ Modules, by concept:
 - :mod:`.checkpointer`: :class:`AsyncCheckpointer`: its API, the snapshot, the hand-over to the writer
 - :mod:`.protocol`: :class:`SaveHandle`, the writer thread and the ranks' protocol (snapshot
   agreement, gather, commit, broadcast of the outcome)
-- :mod:`.load`: :func:`load`, :func:`restore`, :func:`verify_checkpoint`
+- :mod:`.load`: :func:`load`, :func:`restore` (also exported as ``load_checkpoint`` and
+  ``restore_checkpoint``), :func:`verify_checkpoint`
 - :mod:`.gates`: what the writer asks before each chunk; :mod:`.rng`: generator states
 - :mod:`.probe`: optional timing of the writer's steps (off by default; for benchmarks)
 
 Names are imported lazily, so ``import hpcstagger.checkpoint.sharding`` does not import torch.
+``hpcstagger.checkpoint.load`` is the function, also after ``import hpcstagger.checkpoint.load``;
+``importlib.import_module("hpcstagger.checkpoint.load")`` gives the module.
 """
 
 from __future__ import annotations
 
-from .._lazy import lazy_exports
+from hpcstagger._lazy import lazy_exports
 
-_EXPORTS = {
-    "AsyncCheckpointer": "checkpointer", "SaveHandle": "checkpointer",
-    "load": "load", "restore": "load", "read_checkpoint": "load", "verify_checkpoint": "load",
-    "list_entries": "load", "load_entry": "load",
-    "Gate": "gates", "ActivityGate": "gates", "StepGate": "gates", "AnyGate": "gates", "SharedActivityGate": "gates",
-    "SourceReadHook": "gates",
-    "ShardWriter": "writer", "Pacer": "writer",
-    "capture_rng": "rng", "restore_rng": "rng",
+_EXPORTS: dict[str, str] = {
+    "AsyncCheckpointer": "hpcstagger.checkpoint.checkpointer",
+    "SaveHandle": "hpcstagger.checkpoint.checkpointer",
+    "load": "hpcstagger.checkpoint.load",
+    "restore": "hpcstagger.checkpoint.load",
+    "load_checkpoint": "hpcstagger.checkpoint.load:load",
+    "restore_checkpoint": "hpcstagger.checkpoint.load:restore",
+    "verify_checkpoint": "hpcstagger.checkpoint.load",
+    "Gate": "hpcstagger.checkpoint.gates",
+    "ActivityGate": "hpcstagger.checkpoint.gates",
+    "StepGate": "hpcstagger.checkpoint.gates",
+    "AnyGate": "hpcstagger.checkpoint.gates",
+    "SharedActivityGate": "hpcstagger.checkpoint.gates",
+    "SourceReadHook": "hpcstagger.checkpoint.gates",
+    "capture_rng": "hpcstagger.checkpoint.rng",
+    "restore_rng": "hpcstagger.checkpoint.rng",
+}
+# The writer's and the catalog's internals, exported for one release: name -> (target, warning).
+_DEPRECATED: dict[str, tuple[str, str]] = {
+    name: (module, f"hpcstagger.checkpoint.{name} is deprecated; use {module}.{name}")
+    for name, module in (("ShardWriter", "hpcstagger.checkpoint.writer"), ("Pacer", "hpcstagger.checkpoint.writer"),
+                         ("list_entries", "hpcstagger.checkpoint.load"), ("load_entry", "hpcstagger.checkpoint.load"),
+                         ("read_checkpoint", "hpcstagger.checkpoint.load"))
 }
 
-__all__ = list(_EXPORTS)
+__all__ = ["AsyncCheckpointer", "SaveHandle", "load", "restore", "load_checkpoint", "restore_checkpoint",
+           "verify_checkpoint", "Gate", "ActivityGate", "StepGate", "AnyGate", "SharedActivityGate", "SourceReadHook",
+           "capture_rng", "restore_rng"]
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals(), _DEPRECATED)

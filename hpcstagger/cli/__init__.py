@@ -15,10 +15,12 @@ import sys
 from typing import Any, NoReturn
 from collections.abc import Callable, Sequence
 
-from .._version import __version__
-from ._args import settle_spec
+from hpcstagger._version import __version__
+from hpcstagger.cli._args import settle_spec
 
-# Subcommand modules under hpcstagger.cli, in --help order. Each has register(subparsers).
+__all__ = ["build_parser", "main"]
+
+# Subcommands in --help order; each is the module hpcstagger.cli.cmd_<name>, with register(subparsers).
 SUBCOMMANDS: list[str] = ["demo", "info", "cache", "clean", "ckpt", "calibrate", "plan", "profile", "launch", "sweep",
                           "history", "slurm"]
 
@@ -48,7 +50,7 @@ def build_parser() -> Parser:
                         help="more log output (-v info, -vv debug)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for name in SUBCOMMANDS:
-        importlib.import_module(f"{__name__}.{name}").register(sub)
+        importlib.import_module(f"{__name__}.cmd_{name}").register(sub)
     return parser
 
 
@@ -78,7 +80,7 @@ def _abort_world(code: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
-    from ..errors import CollectiveError, HpcstaggerError
+    from hpcstagger.errors import CollectiveError, HpcstaggerError
 
     parser = build_parser()
     args = parser.parse_args(argv)

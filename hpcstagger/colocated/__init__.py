@@ -9,28 +9,33 @@
 - :mod:`.calibration`: calibration mode inside a job (``session.loader``) and its reports;
 - :mod:`.batch`: the sbatch script of a spec (pure rendering).
 
-``hpcstagger.init`` and ``hpcstagger.Spec`` are the usual way in.
+``hpcstagger.init`` and ``hpcstagger.Spec`` are the usual way in. This package exports those, the
+job spec's :class:`JobSpec`, and :func:`launch` with its :class:`RunResult` and :class:`JobResult`
+(``hpcstagger.colocated.launch`` is the function; ``importlib.import_module`` gives the module).
 """
 
 from __future__ import annotations
 
-from .._lazy import lazy_exports
+from hpcstagger._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
-    "Spec": "spec",
-    "JobSpec": "spec",
-    "PLAN_MODES": "spec",
-    "init": "coordinator",
-    "Session": "coordinator",
-    "resolve_job": "identity",
-    "plan_delays": "planning",
-    "launch": "launch",
-    "collect_results": "launch",
-    "RunResult": "launch",
-    "JobResult": "launch",
-    "render_batch": "batch",
+    "Spec": "hpcstagger.spec.jobspec",
+    "JobSpec": "hpcstagger.spec.jobspec",
+    "init": "hpcstagger.colocated.coordinator",
+    "Session": "hpcstagger.colocated.coordinator",
+    "launch": "hpcstagger.colocated.launch",
+    "RunResult": "hpcstagger.colocated.launch",
+    "JobResult": "hpcstagger.colocated.launch",
+}
+# Internals of the launcher and the planner, exported for one release: name -> (target, warning).
+_DEPRECATED: dict[str, tuple[str, str]] = {
+    name: (module, f"hpcstagger.colocated.{name} is deprecated; use {module}.{name}")
+    for name, module in (("PLAN_MODES", "hpcstagger.spec.jobspec"), ("resolve_job", "hpcstagger.spec.identity"),
+                         ("plan_delays", "hpcstagger.stagger.delays"),
+                         ("collect_results", "hpcstagger.colocated.launch"),
+                         ("render_batch", "hpcstagger.colocated.batch"))
 }
 
-__all__ = list(_EXPORTS)
+__all__ = ["Spec", "JobSpec", "init", "Session", "launch", "RunResult", "JobResult"]
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals(), _DEPRECATED)

@@ -7,3 +7,7 @@ simultaneous and sequential, with predicted and measured makespans.
 - :mod:`.run`: the driver behind ``hpcstagger demo``
 - :mod:`.report`: its table, the notes under it (a busy node, a simultaneous plan's reason) and the plot
 """
+
+from __future__ import annotations
+
+__all__: list[str] = []

@@ -7,3 +7,7 @@
 
 Neither module imports Horovod or torch until one of its functions is called.
 """
+
+from __future__ import annotations
+
+__all__: list[str] = []

@@ -10,15 +10,15 @@ Importing this package imports neither torch nor numpy; each name is loaded on f
 
 from __future__ import annotations
 
-from .._lazy import lazy_exports
+from hpcstagger._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
-    "SharedLoader": "consumer",
-    "StreamOrder": "_order",
-    "list_pipelines": "admin",
-    "to_device": "_cuda",
+    "SharedLoader": "hpcstagger.loader.consumer",
+    "StreamOrder": "hpcstagger.loader._order",
+    "list_pipelines": "hpcstagger.loader.pipelines",
+    "to_device": "hpcstagger.loader._cuda",
 }
 
-__all__ = list(_EXPORTS)
+__all__ = ["SharedLoader", "StreamOrder", "list_pipelines", "to_device"]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -3,6 +3,9 @@
 :class:`Scenario` describes the dataset, the shared source, the node-local cache and the jobs;
 :func:`predict` is the fast fluid model, :func:`simulate` the sample-level simulator that checks
 it, :func:`optimal_plan` picks the start delays, and :func:`calibrate` measures a scenario.
+Names are imported on first use, so ``import hpcstagger.model`` imports neither numpy nor scipy;
+``hpcstagger.model.simulate`` and ``.calibrate`` are the functions (``importlib.import_module``
+gives the modules of the same names).
 
 Semantics (followed by the model and the simulator alike; docs/model.md has them in full):
 
@@ -35,11 +38,27 @@ Semantics (followed by the model and the simulator alike; docs/model.md has them
 
 from __future__ import annotations
 
-from .calibrate import Calibration, calibrate
-from .fluid import Prediction, predict
-from .plan import Plan, optimal_plan
-from .scenario import Cache, Dataset, Job, Loader, Node, Scenario, Storage
-from .simulate import SimResult, simulate
+from hpcstagger._lazy import lazy_exports
+
+_EXPORTS: dict[str, str] = {
+    "Scenario": "hpcstagger.model.scenario",
+    "Dataset": "hpcstagger.model.scenario",
+    "Storage": "hpcstagger.model.scenario",
+    "Cache": "hpcstagger.model.scenario",
+    "Loader": "hpcstagger.model.scenario",
+    "Node": "hpcstagger.model.scenario",
+    "Job": "hpcstagger.model.scenario",
+    "Prediction": "hpcstagger.model.fluid",
+    "predict": "hpcstagger.model.fluid",
+    "SimResult": "hpcstagger.model.simulate",
+    "simulate": "hpcstagger.model.simulate",
+    "Plan": "hpcstagger.model.plan",
+    "optimal_plan": "hpcstagger.model.plan",
+    "Calibration": "hpcstagger.model.calibrate",
+    "calibrate": "hpcstagger.model.calibrate",
+}
 
 __all__ = ["Scenario", "Dataset", "Storage", "Cache", "Loader", "Node", "Job", "Prediction", "predict",
            "SimResult", "simulate", "Plan", "optimal_plan", "Calibration", "calibrate"]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

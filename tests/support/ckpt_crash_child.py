@@ -19,7 +19,7 @@ import xxhash
 
 import hpcstagger.checkpoint.checkpointer  # likewise
 import hpcstagger.checkpoint.load  # noqa: F401  (likewise: preloaded in the forkserver)
-from hpcstagger import AsyncCheckpointer, load, restore
+from hpcstagger.checkpoint import AsyncCheckpointer, load, restore
 from hpcstagger.errors import CheckpointError
 
 

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from hpcstagger import AsyncCheckpointer, load, restore
+from hpcstagger.checkpoint import AsyncCheckpointer, load, restore
 from hpcstagger.checkpoint import ActivityGate
 from hpcstagger.comm import Comm
 from hpcstagger.integrations import horovod as hh
