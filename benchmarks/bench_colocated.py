@@ -1,6 +1,6 @@
 """Co-located launch end to end: the planned stagger against a measured sweep of staggers.
 
-A thin user of ``hpcstagger sweep`` (:mod:`hpcstagger.colocated.sweep`) on the demo's jobs. It
+A thin user of ``hpcstagger sweep`` (:mod:`hpcstagger.measure.sweep`) on the demo's jobs. It
 prepares the demo's workflow once (:func:`hpcstagger.demo.run.prepare`: dataset, ThrottledSource
 with bandwidth degrading under concurrency, calibration, the spec of two co-located jobs under
 MPMD mpiexec with the shared cache and asynchronous checkpoints), then runs the sweep, every run
@@ -63,8 +63,8 @@ def main() -> int:
     if args.quick:
         args.repeat, args.samples, args.sweep = 1, 2000, "0,1,2,3,4"
 
-    from hpcstagger.cli.sweep import format_sweep, plot_sweep
-    from hpcstagger.colocated.sweep import parse_staggers, run_sweep
+    from hpcstagger.measure.sweep_report import format_sweep, plot_sweep
+    from hpcstagger.measure.sweep import parse_staggers, run_sweep
     from hpcstagger.demo.run import DemoConfig, prepare
 
     staggers = None if args.sweep == "auto" else parse_staggers(args.sweep)

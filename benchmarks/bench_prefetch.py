@@ -39,7 +39,7 @@ CONFIG: dict[str, Any] = {
 
 
 def one_launch(spec: Path, work: Path, log: Path, tag: str, mode: str, delay: float) -> dict[str, Any]:
-    from hpcstagger.colocated.progress import read_progress, throughput
+    from hpcstagger.spec.records import read_progress, throughput
 
     hs = [sys.executable, "-m", "hpcstagger", "launch", str(spec), "--mode", mode, "--cold-cache", "--no-history"]
     if mode == "fixed":

@@ -131,7 +131,7 @@ def run_config(name: str, cfg: dict[str, Any], data: Path, work: Path, cases: li
 
 def overhead_pairs(name: str, cfg: dict[str, Any], data: Path, work: Path, pairs: int, budget: float) -> dict[str, Any]:
     """``pairs`` launches each of mode open and of mode plan with steer = false, alternating."""
-    from hpcstagger.colocated.progress import read_progress, throughput
+    from hpcstagger.spec.records import read_progress, throughput
 
     work.mkdir(parents=True)
     log = work / "log.txt"

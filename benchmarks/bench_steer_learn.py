@@ -15,7 +15,7 @@ and the history table at the end.
 ``explain`` compares a sweep's measured makespans (medians per stagger) with the model's
 predictions for the same staggers, once with the scenario's jobs as calibrated and once with each
 job's start-up replaced by the median start-up measured in the sweep's runs (release to the loop's
-first batch request, :func:`hpcstagger.colocated.progress.startups`).
+first batch request, :func:`hpcstagger.spec.records.startups`).
 
 Writes benchmarks/out/bench_steer_learn.json.
 """
@@ -78,7 +78,7 @@ def learn(root: Path, case: str, rounds: int, fixed: str) -> dict[str, Any]:
 
 
 def explain(root: Path, sweep_path: Path) -> dict[str, Any]:
-    from hpcstagger.colocated.progress import startups
+    from hpcstagger.spec.records import startups
     from hpcstagger.model import Scenario, predict
 
     sweep = json.loads(sweep_path.read_text())

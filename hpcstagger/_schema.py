@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
-from .errors import ConfigError
+from hpcstagger.errors import ConfigError
 
 __all__ = ["REQUIRED", "Field", "Table", "number", "integer", "string", "choice", "boolean", "size",
            "command", "str_map", "number_list", "table", "load_toml", "check_tables", "toml_value"]

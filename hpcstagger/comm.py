@@ -31,8 +31,8 @@ import time
 from typing import Any, NoReturn, TypeVar
 from collections.abc import Callable, Iterator
 
-from . import config
-from .errors import (
+from hpcstagger import config
+from hpcstagger.errors import (
     CollectiveError,
     CollectiveTimeout,
     DependencyError,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 from collections.abc import Iterator, Mapping
 
-from .errors import ConfigError
+from hpcstagger.errors import ConfigError
 
 __all__ = ["Knob", "KNOBS", "get", "override", "describe", "register"]
 

@@ -33,8 +33,9 @@ import time
 from typing import Any
 from collections.abc import Callable, Iterable, Iterator
 
-from ._io import atomic_write_json, read_json
-from .errors import ConfigError
+from hpcstagger._io import atomic_write_json, read_json
+from hpcstagger.errors import ConfigError
+from hpcstagger.model import Cache, optimal_plan, predict
 
 __all__ = ["StallProfiler", "STALL_THRESHOLD", "batch_size_of", "shared_loader_gain"]
 
@@ -242,8 +243,6 @@ def estimate_gains(summary: dict[str, Any], scenario: Any = None, job: str | Non
     if scenario is None:
         return out
     from dataclasses import replace
-
-    from .model import Cache, optimal_plan, predict
 
     name = job or summary["name"]
     if name not in scenario.job_names:

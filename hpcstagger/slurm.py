@@ -19,7 +19,7 @@ import time
 from itertools import product
 from collections.abc import Mapping, Sequence
 
-from .errors import ConfigError, LaunchError
+from hpcstagger.errors import ConfigError, LaunchError
 
 __all__ = [
     "TERMINAL_STATES",

@@ -47,7 +47,7 @@ def test_loader_seen_round_trips_through_the_scenario_file(tmp_path):
 
 
 def test_the_step_factory_route_marks_its_jobs_unseen(tmp_path):
-    from hpcstagger.colocated.calibrate_scenario import scenario_job
+    from hpcstagger.stagger.scenario_build import scenario_job
 
     job = scenario_job("a", {"route": "step", "sample_time": 0.001}, 2)
     assert job.loader_seen is False and job.epochs == 2

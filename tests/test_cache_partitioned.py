@@ -280,7 +280,7 @@ def test_cache_stats_shows_local_remote_and_source_counts(tmp_path):
 
 def test_the_spec_turns_the_partitioned_mode_on(tmp_path, shm_root):
     from hpcstagger.cache import PartitionedCache, ShmCache
-    from hpcstagger.colocated.spec import Spec
+    from hpcstagger.spec.jobspec import Spec
     from hpcstagger import config
 
     def spec(extra):

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpcstagger.colocated.calibrate_state import SavedParts, partial_dir
-from hpcstagger.colocated.spec import Spec
+from hpcstagger.measure.saved_parts import SavedParts, partial_dir
+from hpcstagger.spec.jobspec import Spec
 from hpcstagger.model import Scenario
 from support.calib_checks import comment_mismatches
 from support.cli import cli_env, run_cli
@@ -208,8 +208,8 @@ def _meas(overhead: float) -> dict:
 def test_every_figure_in_a_comment_is_the_value_the_file_holds(tmp_path, overhead):
     """The source's comment once said 14.3 MB/s (one reader, measured) where the file held 7.9 (the
     curve with a miss's cost in the jobs folded in): a comment states what the file holds."""
-    from hpcstagger.colocated.calibrate_scenario import build_scenario
-    from hpcstagger.colocated.planning import fold_miss_overhead
+    from hpcstagger.stagger.scenario_build import build_scenario
+    from hpcstagger.stagger.scenario_build import fold_miss_overhead
     from hpcstagger.model.calibrate import write_scenario
 
     _spec(tmp_path, samples=10)
@@ -233,7 +233,7 @@ def test_every_figure_in_a_comment_is_the_value_the_file_holds(tmp_path, overhea
 
 
 def test_combine_levels_takes_each_levels_median_and_spread():
-    from hpcstagger.model.calibrate_source import combine_levels, disagreeing
+    from hpcstagger.model.source_probe import combine_levels, disagreeing
 
     levels = [{"readers": 1, "bandwidth": 10.0, "window_s": 1.0}, {"readers": 2, "bandwidth": 16.0, "window_s": 1.0},
               {"readers": 1, "bandwidth": 11.0, "window_s": 1.0}, {"readers": 2, "bandwidth": 18.0, "window_s": 1.0},
@@ -277,7 +277,7 @@ def test_a_busy_node_is_warned_about_with_its_figures():
     core it warns with the figures, and the summary line says busy."""
     import os
 
-    from hpcstagger.colocated.calibrate_spec import _node_load, load_line
+    from hpcstagger.measure.spec_calibration import _node_load, load_line
 
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                 for _ in range(len(os.sched_getaffinity(0)))]

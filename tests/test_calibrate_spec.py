@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpcstagger.colocated import calibration as C
-from hpcstagger.colocated import jobfields as F
+from hpcstagger.colocated import jobmeter as C
+from hpcstagger.stagger import jobfields as F
 from hpcstagger.errors import ModelError
 from hpcstagger.model import Scenario
-from hpcstagger.model.calibrate_source import (SamplePool, drop_pages, page_cache_holds, parse_meminfo,
+from hpcstagger.model.source_probe import (SamplePool, drop_pages, page_cache_holds, parse_meminfo,
                                                source_files)
 from support.calib_checks import comment_mismatches
 from support.cli import BIN, cli_env, run_cli
@@ -137,7 +137,7 @@ def test_calibrate_spec_measures_every_job_from_its_own_command(tmp_path, shm_di
 
 
 def test_fit_baseline_pools_the_jobs_counted_reads():
-    from hpcstagger.colocated.calibrate_spec import BASELINE_RANGE, fit_baseline
+    from hpcstagger.measure.spec_calibration import BASELINE_RANGE, fit_baseline
 
     curve, size = (4.0e6, 6.0e6), 4096.0
     # one job 1 s with one read in flight, the other 1 s with two: 10 MB expected, 8.5 MB read
@@ -403,7 +403,7 @@ def test_drop_pages_on_file_sources(tmp_path, shm_root):
 
 
 def test_a_level_read_over_too_short_a_window_is_not_trusted():
-    from hpcstagger.model.calibrate_source import trusted_bandwidth
+    from hpcstagger.model.source_probe import trusted_bandwidth
 
     levels = [{"readers": 1, "bandwidth": 3.1e6, "window_s": 0.98, "elapsed_s": 0.99},
               {"readers": 2, "bandwidth": 3.9e6, "window_s": 0.49, "elapsed_s": 0.86},
@@ -420,7 +420,7 @@ def test_a_level_read_over_too_short_a_window_is_not_trusted():
 def test_the_summary_line_names_the_fit_baseline_when_measured(monkeypatch, capsys):
     import argparse
 
-    from hpcstagger.cli import calibrate as cli_calibrate
+    from hpcstagger.cli import cmd_calibrate as cli_calibrate
     from hpcstagger.model.calibrate import Calibration
 
     d = {"dataset": {"samples": 100, "sample_bytes": 4096}, "storage": {"bandwidth": [4.0e6, 6.0e6]},
@@ -442,7 +442,7 @@ def test_readers_overlap_when_they_outnumber_the_cores():
     from the last reader's start); before, about a third of such levels failed."""
     import multiprocessing
 
-    from hpcstagger.model.calibrate_source import measure_readers
+    from hpcstagger.model.source_probe import measure_readers
     from support.calib_sources import BusySource
 
     readers = 4 * len(os.sched_getaffinity(0))
@@ -453,7 +453,7 @@ def test_readers_overlap_when_they_outnumber_the_cores():
 
 
 def test_readers_that_never_overlap_name_the_cause():
-    from hpcstagger.model.calibrate_source import aggregate
+    from hpcstagger.model.source_probe import aggregate
 
     # the first reader read its 3 samples and stopped before the second started
     results = [((0.0, 0.010), [(0.0, 0.004, 10), (0.004, 0.010, 10)]),

@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 from hpcstagger.cli import main
-from hpcstagger.colocated.spec import Spec
+from hpcstagger.spec.jobspec import Spec
 from hpcstagger.errors import HpcstaggerError
 from hpcstagger.model import Scenario
 from support.cli import BIN, cli_env
@@ -282,7 +282,7 @@ class World:
 
     def _history(self) -> None:
         """The spec's run history with damaged records and observed runs, as the watcher writes them."""
-        from hpcstagger.colocated import history as H
+        from hpcstagger.stagger import history as H
 
         spec = Spec.from_toml(self.spec)
         node = H.node_identity()

@@ -14,7 +14,7 @@ from support.shm import remove_stale_mpich_segments
 
 SCRIPT = textwrap.dedent("""
     import sys
-    import hpcstagger.cli.info as info
+    import hpcstagger.cli.cmd_info as info
     from hpcstagger import cli
     from hpcstagger.comm import Comm
     from hpcstagger.errors import ConfigError

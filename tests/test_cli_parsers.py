@@ -11,8 +11,8 @@ import pytest
 
 from hpcstagger.cli import SUBCOMMANDS, build_parser, main
 from hpcstagger.cli._args import settle_spec
-from hpcstagger.colocated import history as H
-from hpcstagger.colocated.spec import Spec
+from hpcstagger.stagger import history as H
+from hpcstagger.spec.jobspec import Spec
 from support.spec_util import fill, write_spec
 
 

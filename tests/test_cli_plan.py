@@ -158,7 +158,7 @@ def test_a_printed_stagger_pays_over_the_spread_at_full_accuracy(tmp_path, text,
     # spread" from the search's coarse check, where at full accuracy its mean over the spread was
     # 1.3% worse than a simultaneous start's. A stagger is printed only if it pays at full accuracy,
     # and the line says by how much.
-    from hpcstagger.model import Scenario, _engine
+    from hpcstagger.model import Scenario, _quality
     from hpcstagger.model._search import Evaluator
     from hpcstagger.model._spread import OFFSETS_MANY, OFFSETS_TWO, Spread
 
@@ -167,7 +167,7 @@ def test_a_printed_stagger_pays_over_the_spread_at_full_accuracy(tmp_path, text,
     extra = ["--jitter", jitter] if jitter else []
     d = json.loads(run_cli("plan", str(path), "--json", *extra).stdout)
     sc = Scenario.from_toml(path)
-    spread = Spread(Evaluator(sc, _engine.FINE), d["jitter"], OFFSETS_TWO if len(sc.jobs) == 2 else OFFSETS_MANY)
+    spread = Spread(Evaluator(sc, _quality.FINE), d["jitter"], OFFSETS_TWO if len(sc.jobs) == 2 else OFFSETS_MANY)
     delays = [d["delays"][n] for n in sc.job_names]
     assert d["jitter"] > 0
     out = run_cli("plan", str(path), *extra)

@@ -11,9 +11,9 @@ import pytest
 
 from hpcstagger import config
 from hpcstagger.cache import ShmCache, list_caches
-from hpcstagger.colocated.cachestate import (describe_cold, describe_start, drop_page_cache, make_cold,
+from hpcstagger.colocated.startcache import (describe_cold, describe_start, drop_page_cache, make_cold,
                                              observe_cache)
-from hpcstagger.colocated.spec import Spec
+from hpcstagger.spec.jobspec import Spec
 from hpcstagger.errors import CacheError
 from support.cli import run_cli
 from support.spec_util import CAPACITY, fill, fill_dataset, write_spec
@@ -133,7 +133,7 @@ def test_a_dataset_that_cannot_be_read_counts_as_cold(tmp_path, shm_root):
 
 
 def test_counting_a_large_dataset_probes_evenly(tmp_path, shm_root, monkeypatch):
-    from hpcstagger.colocated import cachestate
+    from hpcstagger.colocated import startcache as cachestate
 
     monkeypatch.setattr(cachestate, "PROBES", 20)
     path = write_spec(tmp_path, shm_root, files=100, size=100)

@@ -13,11 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hpcstagger.colocated import spec as spec_module
+from hpcstagger.spec import jobspec as spec_module
 from hpcstagger.errors import ConfigError
 from hpcstagger.model import Scenario
 from hpcstagger.model import scenario as scenario_module
-from hpcstagger.colocated.spec import Spec
+from hpcstagger.spec.jobspec import Spec
 
 from support.cli import run_cli
 

@@ -147,7 +147,7 @@ def test_every_stated_duration_of_the_demo_is_the_measured_one():
     from pathlib import Path
 
     from hpcstagger.cli import build_parser
-    from hpcstagger.cli.demo import DURATION
+    from hpcstagger.cli.cmd_demo import DURATION
 
     repo = Path(__file__).resolve().parents[1]
 

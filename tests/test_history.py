@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from hpcstagger.colocated import history as H
-from hpcstagger.colocated.planning import plan_delays
-from hpcstagger.colocated.spec import Spec
+from hpcstagger.stagger import history as H
+from hpcstagger.stagger.delays import plan_delays
+from hpcstagger.spec.jobspec import Spec
 from support.cli import run_cli
 from support.spec_util import write_spec
 
@@ -113,7 +113,7 @@ def test_the_watcher_fits_on_top_of_the_history_not_twice(tmp_path, shm_root):
     and records the product: a right history stays put instead of compounding run after run."""
     from types import SimpleNamespace
 
-    from hpcstagger.colocated.release import _record_history, _steering
+    from hpcstagger.colocated.watcher import _record_history, _steering
     from hpcstagger.model import Scenario
 
     spec = Spec.from_toml(write_spec(tmp_path, shm_root))
@@ -149,8 +149,8 @@ def test_start_ups_are_read_from_the_run_and_the_plan_starts_from_them(tmp_path,
     job whose loop began after the record was written; the next plan and the watcher use it."""
     from types import SimpleNamespace
 
-    from hpcstagger.colocated.progress import startups
-    from hpcstagger.colocated.release import _record_history, _steering
+    from hpcstagger.spec.records import startups
+    from hpcstagger.colocated.watcher import _record_history, _steering
 
     spec = Spec.from_toml(write_spec(tmp_path, shm_root))
     a, b = spec.job_names
@@ -188,7 +188,7 @@ def test_start_ups_are_read_from_the_run_and_the_plan_starts_from_them(tmp_path,
 
 def test_no_records_says_what_keeps_a_run_from_being_recorded(tmp_path, capsys):
     from hpcstagger.cli import main
-    from hpcstagger.colocated.steer import WARMUP, WINDOW
+    from hpcstagger.stagger.steering import WARMUP, WINDOW
 
     path = write_spec(tmp_path, str(tmp_path / "shm"))  # mode plan with a scenario
     assert main(["history", path]) == 0

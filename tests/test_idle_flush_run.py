@@ -16,7 +16,7 @@ import pytest
 
 from hpcstagger.checkpoint import verify_checkpoint
 from hpcstagger.checkpoint.flushq import queue_path
-from hpcstagger.colocated.spec import Spec
+from hpcstagger.spec.jobspec import Spec
 from support.cli import run_cli
 
 pytestmark = pytest.mark.timeout(240)

@@ -9,7 +9,7 @@ import pytest
 
 from hpcstagger.errors import ConfigError
 from hpcstagger.colocated.launch import mpmd_command, parse_delays
-from hpcstagger.colocated.spec import Spec
+from hpcstagger.spec.jobspec import Spec
 from support.cli import run_cli
 
 pytestmark = pytest.mark.timeout(180)

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hpcstagger"
 SOURCES = sorted(PACKAGE.rglob("*.py"))
 
 # Hot numeric loops of the model, kept whole: splitting them costs a call per integration step or
-# event, and predict() has a 20 ms budget (benchmarks/RESULTS.md, issue 5).
+# event, and predict() has a 20 ms budget (benchmarks/RESULTS.md, section Makespan model).
 LONG_KERNELS = {("model/_cachestate.py", "advance"), ("model/_engine.py", "run"), ("model/simulate.py", "simulate")}
 # Private names of other code that are fine to use: the standard library's os._exit (leave without
 # running atexit handlers), and hpcstagger's own tag on a user's optimizer object.
@@ -53,7 +53,12 @@ def cross_module_private_uses(path: Path, root: Path = PACKAGE) -> list[str]:
             base = here
             for _ in range(max(node.level - 1, 0)):
                 base = base.parent
-            pkg = base.joinpath(*(node.module or "").split(".")) if node.level else None
+            if node.level:
+                pkg: Path | None = base.joinpath(*(node.module or "").split("."))
+            elif (node.module or "").split(".")[0] == root.name:
+                pkg = root.parent.joinpath(*(node.module or "").split("."))
+            else:
+                pkg = None
             for alias in node.names:
                 if not _is_private(alias.name):
                     continue

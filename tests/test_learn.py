@@ -1,4 +1,4 @@
-"""Learning a spec that was never calibrated (hpcstagger.colocated.learn): the source's levels from
+"""Learning a spec that was never calibrated (hpcstagger.stagger.learning): the source's levels from
 counter windows, the plan of a first and a later run, and two real launches of user-style jobs."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import textwrap
 import pytest
 
 from hpcstagger import config
-from hpcstagger.colocated import learn as L
-from hpcstagger.colocated.planning import plan_delays
-from hpcstagger.colocated.spec import Spec
+from hpcstagger.stagger import learning as L
+from hpcstagger.stagger.delays import plan_delays
+from hpcstagger.spec.jobspec import Spec
 from hpcstagger.errors import ModelError
 from hpcstagger.model import Scenario
 

@@ -20,7 +20,7 @@ from torch.utils.data import IterableDataset
 from hpcstagger import config
 from hpcstagger.errors import ConfigError, LoaderError
 from hpcstagger.loader import SharedLoader, StreamOrder, list_pipelines
-from hpcstagger.loader.admin import remove_stale
+from hpcstagger.loader.pipelines import remove_stale
 from support.loader_job import Numbered, expected
 from support.loader_util import (LINGER, FakeSession, built, check_epochs, gone, loader_files, start_job,
                                  wait_loader_empty, wait_until)
@@ -162,7 +162,7 @@ def test_shuffle_false_gives_dataset_order_in_a_pipeline_of_its_own(linger):
     finally:
         mixed.close()
     _ended(plain, linger)
-    from hpcstagger.colocated.shared import data_loader
+    from hpcstagger.colocated.dataloader import data_loader
 
     for share in (False, True):  # session.data_loader passes it on, to a plain DataLoader or a shared one
         loader = data_loader(FakeSession(), Numbered(12), 4, share=share, shuffle=False, root=linger,
@@ -402,7 +402,7 @@ def test_pace_ahead_runs_at_its_own_speed(jobs):
 
 # ------------------------------------------------------------------------- session.data_loader
 def test_a_plain_data_loader_with_a_device_moves_every_batch(shm_root):
-    from hpcstagger.colocated.shared import data_loader
+    from hpcstagger.colocated.dataloader import data_loader
 
     loader = data_loader(FakeSession(), Numbered(12), 4, share=False, device="cpu", hold=2, num_workers=0)
     assert len(loader) == 3 and loader.batch_size == 4  # the DataLoader's attributes pass through

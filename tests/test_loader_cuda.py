@@ -120,7 +120,7 @@ def test_a_killed_stager_or_producer_is_raised_by_every_consumer(jobs, no_new_to
 
 
 def test_session_data_loader_delivers_on_the_device_shared_or_not(shm_root):
-    from hpcstagger.colocated.shared import data_loader
+    from hpcstagger.colocated.dataloader import data_loader
 
     with config.override(loader_linger=LINGER):
         for share in (False, True):

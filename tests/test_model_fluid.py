@@ -10,7 +10,7 @@ import pytest
 
 from hpcstagger.errors import ModelError
 from hpcstagger.model import predict, simulate
-from hpcstagger.model import _engine, _pipeline
+from hpcstagger.model import _engine, _quality, _pipeline
 
 from support.model_scenarios import B, S, scenario
 
@@ -112,13 +112,13 @@ def test_prediction_series_and_dict():
 def test_resumed_runs_equal_fresh_runs():
     sc = scenario(1000, jobs=((0.0004, 2), (0.0007, 2), (0.0003, 1)), bandwidth=(B, 0.7 * B), capacity=0.4,
                   policy="lru", hit_bw=20 * B)
-    eng = _engine.Engine(sc, _engine.COARSE)
+    eng = _engine.Engine(sc, _quality.COARSE)
     keep: list = []
     first = eng.run([0.0, 0.8, 1.5], keep=keep)
     new = [0.0, 0.8, 2.2]
     snap = [s for s in keep if s.t < 1.5][-1]
     resumed = eng.run(new, resume=snap)
-    fresh = _engine.Engine(sc, _engine.COARSE).run(new)
+    fresh = _engine.Engine(sc, _quality.COARSE).run(new)
     assert resumed == fresh and resumed != first
 
 

@@ -7,8 +7,8 @@ import textwrap
 
 import pytest
 
-from hpcstagger.colocated.planning import plan_delays, scenario_for
-from hpcstagger.colocated.spec import PLAN_MODES, Spec
+from hpcstagger.stagger.delays import plan_delays, scenario_for
+from hpcstagger.spec.jobspec import PLAN_MODES, Spec
 from hpcstagger.errors import ConfigError
 from hpcstagger.model import Scenario, predict
 
@@ -109,7 +109,7 @@ def test_miss_overhead_slows_the_source_the_jobs_see(tmp_path):
 def test_the_cache_state_at_the_start_reaches_the_scenario(tmp_path):
     """The coordinator passes what the shared cache holds at plan time; the scenario starts from it
     (cache.initial = entries / dataset samples, clipped to [0, 1]) and the decision reports it."""
-    from hpcstagger.colocated.planning import cached_fraction
+    from hpcstagger.stagger.delays import cached_fraction
 
     spec = _spec(tmp_path)
     calib = {"a": {"sample_time": 0.0004}, "b": {"sample_time": 0.0002}}
@@ -219,7 +219,7 @@ CURVE = {"stagger": [-4.0, -2.0, 0.0, 2.0, 4.0], "makespan": [16.0, 15.9, 15.9, 
 
 def test_simultaneous_reason_names_why_and_the_figures():
     """A plan that starts every job at once says why, with the predicted makespans it compared."""
-    from hpcstagger.colocated.planning import simultaneous_reason
+    from hpcstagger.stagger.delays import simultaneous_reason
 
     sim = {"plan": 15.9, "simultaneous": 15.9}
     # the best stagger (b +2 s, 15.8 s) gains 0.6%: under a min_gain of 1%
@@ -276,7 +276,7 @@ def test_a_simultaneous_plan_carries_its_reason_and_a_staggered_one_none(tmp_pat
     assert plan(0, max_delay=0.0)["simultaneous_reason"] == (
         "a simultaneous start: [plan] max_delay is 0 s, which allows no stagger")
     # the same reason the pure function gives for the plan's own figures
-    from hpcstagger.colocated.planning import simultaneous_reason
+    from hpcstagger.stagger.delays import simultaneous_reason
 
     assert warm["simultaneous_reason"] == simultaneous_reason(warm["delays"], warm["predicted"], warm["curve"],
                                                               min_gain=0.01, jitter=warm["jitter"])

@@ -10,10 +10,10 @@ import textwrap
 import pytest
 
 from hpcstagger import config
-from hpcstagger.colocated.cachestate import run_partition
-from hpcstagger.colocated.calibrate_spec import scenario_cache
-from hpcstagger.colocated.planning import plan_delays, scenario_for
-from hpcstagger.colocated.spec import Spec
+from hpcstagger.colocated.startcache import run_partition
+from hpcstagger.measure.spec_calibration import scenario_cache
+from hpcstagger.stagger.delays import plan_delays, scenario_for
+from hpcstagger.spec.jobspec import Spec
 from hpcstagger.comm import Comm
 from hpcstagger.model import Scenario, optimal_plan
 
@@ -125,7 +125,7 @@ def test_calibration_writes_a_partitioned_cache_with_the_default_it_did_not_meas
 
 
 def test_plan_header_gives_a_partitioned_cache_per_node_and_in_all(tmp_path):
-    from hpcstagger.cli.plan import format_plan
+    from hpcstagger.cli.cmd_plan import format_plan
 
     path = tmp_path / "s.toml"
     path.write_text(SCENARIO.format(extra="partitioned = true\nnodes = 2\nremote_bandwidth = 5.0e8"))

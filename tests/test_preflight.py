@@ -18,7 +18,7 @@ import pytest
 
 from hpcstagger.checkpoint.gates import GATE_PREFIX, gate_owner
 from hpcstagger.colocated import preflight
-from hpcstagger.colocated.spec import Spec
+from hpcstagger.spec.jobspec import Spec
 from hpcstagger.errors import ConfigError, DependencyError, LaunchError
 from support.cli import REPO, cli_env, run_cli
 
@@ -244,7 +244,7 @@ def test_failed_ranks_leave_dev_shm_as_found(tmp_path, shm, fail):
     env = {**env, "FAIL": fail, "PYTHONPATH": os.pathsep.join([_shadow_horovod(tmp_path), env.get("PYTHONPATH", "")])}
     gates_before = _gates()
     if fail == "backend":  # the check would refuse it: start it as a run whose backend breaks later
-        code = ("import sys; from hpcstagger.colocated.launch import launch; from hpcstagger.colocated.spec import "
+        code = ("import sys; from hpcstagger.colocated.launch import launch; from hpcstagger.spec.jobspec import "
                 f"Spec; r = launch(Spec.from_toml({spec!r}), check=False); print(r.failures()); "
                 "sys.exit(0 if r.ok else 1)")
         out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,

@@ -6,7 +6,7 @@ import pytest
 
 from hpcstagger import _schema as S
 from hpcstagger.errors import ConfigError
-from hpcstagger.colocated.spec import Spec
+from hpcstagger.spec.jobspec import Spec
 
 FULL = """
 [run]

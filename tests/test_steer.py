@@ -9,12 +9,14 @@ from dataclasses import replace
 
 import pytest
 
-from hpcstagger.colocated.progress import ProgressMeter, fraction_done, read_progress, throughput
-from hpcstagger.colocated.release import release_groups, set_host, steer_record
-from hpcstagger.colocated.steer import Look, Steering
+from hpcstagger.colocated.progress import ProgressMeter
+from hpcstagger.spec.records import fraction_done, read_progress, throughput
+from hpcstagger.colocated.watcher import set_host
+from hpcstagger.stagger.steering import release_groups, steer_record
+from hpcstagger.stagger.steering import Look, Steering
 from hpcstagger.errors import ModelError
 from hpcstagger.model import Scenario, optimal_plan, predict
-from hpcstagger.model.steer import (best_release, counted_factor, fit_scale, progress_at, progress_series,
+from hpcstagger.model.runfit import (best_release, counted_factor, fit_scale, progress_at, progress_series,
                                     source_factor)
 
 from support.model_scenarios import B, scenario
@@ -182,7 +184,7 @@ def test_best_release_over_a_start_spread_moves_off_the_cliff_edge():
 
 
 def test_spread_means_interpolate_and_hold_flat_beyond_the_ends():
-    from hpcstagger.model.steer import _spread_means
+    from hpcstagger.model.runfit import _spread_means
 
     curve = [(0.0, 10.0), (1.0, 6.0), (2.0, 7.0)]
     m = _spread_means(curve, 0.5, [1.0, 0.0, 2.0])

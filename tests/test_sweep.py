@@ -8,7 +8,7 @@ import json
 import pytest
 
 from hpcstagger.cache import list_caches
-from hpcstagger.colocated.sweep import (DEFAULT_COUNT, DEFAULT_MAX_STAGGER, default_staggers, parse_staggers,
+from hpcstagger.measure.sweep import (DEFAULT_COUNT, DEFAULT_MAX_STAGGER, default_staggers, parse_staggers,
                                         planned_stagger, repetition_order, stagger_delays, stagger_label, summarize,
                                         sweep_runs)
 from hpcstagger.errors import ConfigError

@@ -14,9 +14,9 @@ import struct
 import time
 from collections.abc import Callable
 
-from ..errors import CacheError
-from . import _fs
-from ._layout import (HEADER_BYTES, H_ARENA_BYTES, H_CAPACITY, H_CREATED, H_GEN, H_INDEX_SLOTS, H_MAGIC,
+from hpcstagger.errors import CacheError
+from hpcstagger.cache import _fs
+from hpcstagger.cache._layout import (HEADER_BYTES, H_ARENA_BYTES, H_CAPACITY, H_CREATED, H_GEN, H_INDEX_SLOTS, H_MAGIC,
                       H_MAX_ENTRIES, H_NSLOTS, H_POLICY, H_VERSION, LEDGER_BYTES, MAGIC, NSLOTS, SLOT,
                       VERSION, sizes_for)
 

@@ -29,10 +29,10 @@ import logging
 import time
 from typing import Any
 
-from ..errors import CacheError
-from . import _fs
-from ._layout import (H_FLIGHT_N, H_FLIGHT_NS, H_FLIGHT_T, H_WATCHED, HEADER_BYTES, S_FLIGHT, S_PID, S_START,
-                      SLOT_WORDS)
+from hpcstagger.errors import CacheError
+from hpcstagger.cache import _fs
+from hpcstagger.cache._layout import (H_FLIGHT_N, H_FLIGHT_NS, H_FLIGHT_T, H_WATCHED, HEADER_BYTES, S_FLIGHT, S_PID,
+                                      S_START, SLOT_WORDS)
 
 __all__ = ["LEVELS", "Reading", "seconds", "sweep", "watch", "watched"]
 

@@ -15,7 +15,7 @@ import os
 import re
 import stat
 
-from ..errors import CacheError
+from hpcstagger.errors import CacheError
 
 __all__ = ["validate_name", "open_secure_dir", "open_secure_subdir", "check_secure_file", "symlink_error",
            "self_identity", "start_time", "alive"]

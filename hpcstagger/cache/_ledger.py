@@ -37,14 +37,15 @@ import threading
 import weakref
 from typing import Any
 
-from ..errors import CacheError
-from . import _files, _flight, _fs
-from ._layout import (ALIGN, COUNTERS, ENTRY_HDR, HEADER_BYTES, H_ARENA_BYTES, H_CAPACITY, H_DIRTY, H_FLIGHT_N,
-                      H_ENTRIES, H_GEN, H_HOLES, H_INDEX_SLOTS, H_INDEX_USED, H_MAGIC, H_MAX_ENTRIES,
-                      H_NHOLES, H_NSLOTS, H_POLICY, H_RESERVED, H_RESERVED_ENTRIES, H_TOP, H_USED,
-                      H_VERSION, H_WASTED, LEDGER_BYTES, LEN_MASK, LIVE, MAGIC, MAX_HOLES, NSLOTS,
-                      SLOT, SLOT_WORDS, S_PID, S_FLIGHT, S_RES_GEN, S_RES_OFF, S_RES_PAYLOAD, S_RES_SIZE,
-                      S_START, VERSION)
+from hpcstagger.errors import CacheError
+from hpcstagger.cache import _files, _flight, _fs
+from hpcstagger.cache._layout import (ALIGN, COUNTERS, ENTRY_HDR, HEADER_BYTES, H_ARENA_BYTES, H_CAPACITY, H_DIRTY,
+                                      H_FLIGHT_N, H_ENTRIES, H_GEN, H_HOLES, H_INDEX_SLOTS, H_INDEX_USED, H_MAGIC,
+                                      H_MAX_ENTRIES, H_NHOLES, H_NSLOTS, H_POLICY, H_RESERVED, H_RESERVED_ENTRIES,
+                                      H_TOP, H_USED, H_VERSION, H_WASTED, LEDGER_BYTES, LEN_MASK, LIVE, MAGIC,
+                                      MAX_HOLES, NSLOTS, SLOT, SLOT_WORDS, S_PID, S_FLIGHT, S_RES_GEN, S_RES_OFF,
+                                      S_RES_PAYLOAD, S_RES_SIZE, S_START, VERSION)
+from hpcstagger.cache.policy import get_policy
 
 _open_ledgers: weakref.WeakSet[Ledger] = weakref.WeakSet()
 
@@ -125,8 +126,6 @@ class Ledger:
                                  f"remove the cache with 'hpcstagger cache clear {self.name}'")
             if capacity is not None and (w[H_CAPACITY], w[H_POLICY]) != (capacity, policy_code) or (
                     check_max_entries and w[H_MAX_ENTRIES] != max_entries):
-                from .policy import get_policy
-
                 raise CacheError(
                     f"cache {self.name!r} already exists with capacity_bytes={w[H_CAPACITY]}, "
                     f"policy={get_policy(int(w[H_POLICY])).name!r}, max_entries={w[H_MAX_ENTRIES]}; "

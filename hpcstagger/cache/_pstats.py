@@ -26,8 +26,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from .. import _io
-from . import _fs
+from hpcstagger import _io
+from hpcstagger.cache import _fs
 
 __all__ = ["FIELDS", "Counters", "totals", "prune", "remove", "stats_dir"]
 

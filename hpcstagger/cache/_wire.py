@@ -18,7 +18,7 @@ from typing import Any
 
 import xxhash
 
-from ._layout import ENTRY, ENTRY_HDR, ENTRY_MAGIC, LEN_MASK, LIVE, SLOT
+from hpcstagger.cache._layout import ENTRY, ENTRY_HDR, ENTRY_MAGIC, LEN_MASK, LIVE, SLOT
 
 __all__ = ["INSERT", "pack_insert", "unpack_insert", "scan_slots", "verify_entry", "FOUND", "ABSENT", "MORE"]
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .. import config
-from ..errors import CacheError
-from . import _fs, _pstats
-from .store import ShmCache
+from hpcstagger import config
+from hpcstagger.errors import CacheError
+from hpcstagger.cache import _fs, _pstats
+from hpcstagger.cache.store import ShmCache
 
 __all__ = ["list_caches", "cache_contents", "clear_cache", "remove_broken", "remove_empty_dirs", "ROOT_SUBDIRS"]
 

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import torch.utils.data
 
-from .sources import Source
-from .store import ShmCache
+from hpcstagger.cache.sources import Source
+from hpcstagger.cache.store import ShmCache
 
 __all__ = ["CachedDataset", "SourceReadHook", "SampleMeter"]
 
@@ -35,7 +35,7 @@ class SourceReadHook(Protocol):
 
 
 class SampleMeter(Protocol):
-    """Told the cost of every sample read (calibration mode; see :mod:`hpcstagger.colocated.calibration`).
+    """Told the cost of every sample read (calibration mode; see :mod:`hpcstagger.colocated.jobmeter`).
 
     A hit is a lookup (``get_s``) and a transform; a miss is a lookup, the source's read
     (``read_s``), the insert (``insert_s``) and a transform. It must be picklable to reach

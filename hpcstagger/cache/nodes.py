@@ -23,9 +23,9 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from .. import config
-from ..comm import UNSET, Comm, mpi_module
-from ..errors import ConfigError
+from hpcstagger import config
+from hpcstagger.comm import UNSET, Comm, mpi_module
+from hpcstagger.errors import ConfigError
 
 __all__ = ["NodeLayout", "discover", "emulated_node", "layout_from"]
 

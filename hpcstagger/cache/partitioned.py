@@ -38,14 +38,14 @@ from typing import Any
 
 import numpy as np
 
-from .. import config
-from ..comm import UNSET, Backoff, Comm, as_comm, mpi_module
-from . import _fs, _pstats
-from ._base import LoadThrough
-from ._layout import ENTRY_HDR, SLOT
-from ._wire import ABSENT, FOUND, pack_insert, scan_slots, unpack_insert, verify_entry
-from .nodes import NodeLayout, discover
-from .store import ShmCache, key_hash
+from hpcstagger import config
+from hpcstagger.comm import UNSET, Backoff, Comm, as_comm, mpi_module
+from hpcstagger.cache import _fs, _pstats
+from hpcstagger.cache._base import LoadThrough
+from hpcstagger.cache._layout import ENTRY_HDR, SLOT
+from hpcstagger.cache._wire import ABSENT, FOUND, pack_insert, scan_slots, unpack_insert, verify_entry
+from hpcstagger.cache.nodes import NodeLayout, discover
+from hpcstagger.cache.store import ShmCache, key_hash
 
 __all__ = ["PartitionedCache", "partition_stats"]
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..errors import CacheError
+from hpcstagger.errors import CacheError
 
 __all__ = ["Space", "Policy", "MinIOPolicy", "NoCachePolicy", "POLICIES", "get_policy"]
 

@@ -19,8 +19,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import xxhash
 
-from ..errors import ConfigError
-from ._listing import list_files, shared_listing, stat_token
+from hpcstagger.errors import ConfigError
+from hpcstagger.cache._listing import list_files, shared_listing, stat_token
+from hpcstagger.errors import DependencyError
 
 __all__ = ["Source", "DirectorySource", "HDF5Source", "read_file"]
 
@@ -209,7 +210,5 @@ def _h5py() -> Any:
     try:
         import h5py
     except ImportError as exc:
-        from ..errors import DependencyError
-
         raise DependencyError(f"HDF5Source needs h5py ({exc}); pip install h5py") from exc
     return h5py

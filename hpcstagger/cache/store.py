@@ -18,18 +18,19 @@ from typing import Any
 
 import xxhash
 
-from .. import config
-from .._io import CHECKSUM_ALGORITHM
-from ..errors import CacheError
-from . import _flight, _fs
-from ._layout import (ENTRY, ENTRY_HDR, ENTRY_MAGIC, H_ENTRIES, H_GEN, H_INDEX_USED, H_MAX_ENTRIES, H_POLICY,
-                      H_RESERVED, H_RESERVED_ENTRIES, H_TOP, H_USED, H_WASTED, LEN_MASK, LIVE, SLOT, S_CORRUPT,
-                      S_DUPLICATES, S_HITS, S_INSERTS, S_INSERT_BYTES, S_READ_BYTES, S_READ_NS, S_MISSES,
-                      S_REFUSED, S_RES_GEN, S_RES_OFF, S_RES_PAYLOAD, S_RES_SIZE, TOMB, align)
-from ._base import LoadThrough
-from ._ledger import Ledger
-from ._wire import verify_entry
-from .policy import Policy, Space, get_policy
+from hpcstagger import config
+from hpcstagger._io import CHECKSUM_ALGORITHM
+from hpcstagger.errors import CacheError
+from hpcstagger.cache import _flight, _fs
+from hpcstagger.cache._layout import (ENTRY, ENTRY_HDR, ENTRY_MAGIC, H_ENTRIES, H_GEN, H_INDEX_USED, H_MAX_ENTRIES,
+                                      H_POLICY, H_RESERVED, H_RESERVED_ENTRIES, H_TOP, H_USED, H_WASTED, LEN_MASK, LIVE,
+                                      SLOT, S_CORRUPT, S_DUPLICATES, S_HITS, S_INSERTS, S_INSERT_BYTES, S_READ_BYTES,
+                                      S_READ_NS, S_MISSES, S_REFUSED, S_RES_GEN, S_RES_OFF, S_RES_PAYLOAD, S_RES_SIZE,
+                                      TOMB, align)
+from hpcstagger.cache._base import LoadThrough
+from hpcstagger.cache._ledger import Ledger
+from hpcstagger.cache._wire import verify_entry
+from hpcstagger.cache.policy import Policy, Space, get_policy
 
 __all__ = ["ShmCache", "key_hash", "default_max_entries"]
 

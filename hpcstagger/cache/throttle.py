@@ -35,10 +35,10 @@ import weakref
 from typing import Any
 from collections.abc import Mapping, Sequence
 
-from .. import config
-from ..errors import CacheError, ConfigError
-from . import _fs
-from .sources import Source
+from hpcstagger import config
+from hpcstagger.errors import CacheError, ConfigError
+from hpcstagger.cache import _fs
+from hpcstagger.cache.sources import Source
 
 __all__ = ["ThrottledSource", "throttle_dir", "remove_if_idle"]
 

@@ -27,8 +27,8 @@ import mmap
 import os
 from typing import Any
 
-from .. import config
-from . import probe
+from hpcstagger import config
+from hpcstagger.checkpoint import probe
 
 __all__ = ["ALIGN", "ALIGN_THRESHOLD", "FileSink", "aligned_buffer"]
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Iterable, Sequence
 
-from .._io import atomic_write, fsync_dir
-from ..errors import CheckpointError
-from .manifest import MANIFEST, decode_manifest, encode_manifest, parse_step_dirname, step_dirname
+from hpcstagger._io import atomic_write, fsync_dir
+from hpcstagger.errors import CheckpointError
+from hpcstagger.checkpoint.manifest import MANIFEST, decode_manifest, encode_manifest, parse_step_dirname, step_dirname
 
 __all__ = ["Entry", "scan", "candidates", "shard_problem", "file_problems", "commit", "prune", "clear_step", "as_dirs"]
 

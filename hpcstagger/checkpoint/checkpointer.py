@@ -31,18 +31,19 @@ import weakref
 from typing import Any
 from collections.abc import Mapping
 
-from .. import config
-from ..comm import Comm, as_comm
-from ..errors import CheckpointError, CollectiveError, ConfigError, describe_exception
-from . import catalog
-from .flushq import FlushQueue
-from .gates import Gate, StepGate
-from .manifest import step_dirname
-from .protocol import SaveHandle, agree, check_thread_level, SaveTask, Worker
-from .sharding import ShardPlan, layout_signature, plan_shards
-from .snapshot import SnapshotBuffers
-from .state import Leaf, flatten
-from .writer import Pacer, ShardItem, ShardWriter
+from hpcstagger import config
+from hpcstagger.comm import Comm, as_comm
+from hpcstagger.errors import CheckpointError, CollectiveError, ConfigError, describe_exception
+from hpcstagger.checkpoint import catalog
+from hpcstagger.checkpoint.flushq import FlushQueue
+from hpcstagger.checkpoint.gates import Gate, StepGate
+from hpcstagger.checkpoint.manifest import step_dirname
+from hpcstagger.checkpoint.protocol import SaveHandle, agree, check_thread_level, SaveTask, Worker
+from hpcstagger.checkpoint.sharding import ShardPlan, layout_signature, plan_shards
+from hpcstagger.checkpoint.snapshot import SnapshotBuffers
+from hpcstagger.checkpoint.state import Leaf, flatten
+from hpcstagger.checkpoint.writer import Pacer, ShardItem, ShardWriter
+from hpcstagger.checkpoint.load import load
 
 __all__ = ["AsyncCheckpointer", "SaveHandle"]
 
@@ -264,8 +265,6 @@ class AsyncCheckpointer:
 
     def load(self, step: int | None = None, *, map_location: Any = None, strict: bool = False) -> dict[str, Any]:
         """Wait for the save in flight, then :func:`~hpcstagger.checkpoint.load` from every level."""
-        from .load import load
-
         self.wait()
         return load(self._levels, step, comm=self._comm, map_location=map_location, strict=strict)
 

@@ -40,12 +40,13 @@ import threading
 import time
 from typing import Any
 
-from .. import config
-from ..errors import CheckpointError, describe_exception
-from .flushq import (FlushTask, check_secure_dir, has_file, holder_gone, identity, live_flushers, open_queue,
-                     read_record, register_flusher, remove_task, task_ids, try_claim, unregister_flusher, write_record)
-from .protocol import idle_policy, renice_thread
-from .writer import check_copy, copy_hashed
+from hpcstagger import config
+from hpcstagger.errors import CheckpointError, describe_exception
+from hpcstagger.checkpoint.flushq import (FlushTask, check_secure_dir, has_file, holder_gone, identity, live_flushers,
+                                          open_queue, read_record, register_flusher, remove_task, task_ids, try_claim,
+                                          unregister_flusher, write_record)
+from hpcstagger.checkpoint.protocol import idle_policy, renice_thread
+from hpcstagger.checkpoint.writer import check_copy, copy_hashed
 
 __all__ = ["IdleFlusher", "idle_flusher"]
 

@@ -57,10 +57,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 from collections.abc import Callable
 
-from .. import config
-from ..cache import _fs
-from ..errors import CheckpointError
-from .manifest import step_dirname
+from hpcstagger import config
+from hpcstagger.cache import _fs
+from hpcstagger.errors import CheckpointError
+from hpcstagger.checkpoint.manifest import step_dirname
 
 __all__ = ["QUEUE_DIR", "FLUSHER_SILENT", "FlushQueue", "register_flusher", "unregister_flusher", "live_flushers",
            "FlushTask", "queue_path", "open_queue", "read_record", "write_record",

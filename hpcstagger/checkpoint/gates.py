@@ -33,8 +33,8 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from ..comm import poll_until
-from ..errors import CheckpointError
+from hpcstagger.comm import poll_until
+from hpcstagger.errors import CheckpointError
 
 __all__ = ["Gate", "ActivityGate", "StepGate", "AnyGate", "SharedActivityGate", "SourceReadHook", "GATE_PREFIX",
            "gate_owner", "stale_gate_files", "remove_stale_gates"]

@@ -16,12 +16,14 @@ import warnings
 from typing import Any
 from collections.abc import Callable, Sequence
 
-from .._io import checksum
-from ..comm import as_comm
-from ..errors import CheckpointError, CheckpointWarning, describe_exception
-from .catalog import Entry, as_dirs, candidates, scan, shard_problem
-from .manifest import FORMAT
-from .state import unflatten
+from hpcstagger._io import checksum
+from hpcstagger.comm import as_comm
+from hpcstagger.errors import CheckpointError, CheckpointWarning, describe_exception
+from hpcstagger.checkpoint.catalog import Entry, as_dirs, candidates, scan, shard_problem
+from hpcstagger.checkpoint.manifest import FORMAT
+from hpcstagger.checkpoint.state import unflatten
+from hpcstagger.checkpoint.manifest import parse_step_dirname
+from hpcstagger.checkpoint.state import torch_dtype
 
 __all__ = ["load", "load_entry", "restore", "read_checkpoint", "verify_checkpoint", "list_entries"]
 
@@ -158,9 +160,6 @@ def read_checkpoint(path: str, *, map_location: Any = None, entry: Entry | None 
     """Load the checkpoint in step directory ``path`` (all shards, checksums checked); raises CheckpointError."""
     import numpy as np
     import torch
-
-    from .manifest import parse_step_dirname
-    from .state import torch_dtype
 
     if entry is None:
         step = parse_step_dirname(os.path.basename(os.path.normpath(path)))
@@ -309,8 +308,6 @@ def verify_checkpoint(path: str, *, progress: Callable[[int], None] | None = Non
     datasets match the manifest, and every piece's checksum.
     """
     import numpy as np
-
-    from .manifest import parse_step_dirname
 
     step = parse_step_dirname(os.path.basename(os.path.normpath(path)))
     if step is None:

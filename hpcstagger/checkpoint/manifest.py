@@ -20,7 +20,9 @@ import time
 from typing import Any
 from collections.abc import Iterable, Mapping
 
-from ..errors import CheckpointError
+from hpcstagger.errors import CheckpointError
+from hpcstagger._version import __version__
+from hpcstagger._io import checksum
 
 __all__ = [
     "FORMAT", "FORMAT_VERSION", "MANIFEST", "step_dirname", "parse_step_dirname", "shard_filename",
@@ -64,8 +66,6 @@ def versions() -> dict[str, str]:
     import numpy
     import torch
 
-    from .._version import __version__
-
     return {"hpcstagger": __version__, "torch": torch.__version__, "numpy": numpy.__version__,
             "h5py": h5py.__version__, "hdf5": h5py.version.hdf5_version, "python": platform.python_version()}
 
@@ -77,8 +77,6 @@ def _canonical(obj: Any) -> bytes:
 def build_manifest(*, step: int, world_size: int, tree: Any, tensors: Mapping[str, dict],
                    shards: Iterable[dict], versions: Mapping[str, str], created: float | None = None) -> dict:
     """Assemble a manifest and stamp its checksum. ``tensors`` maps key -> entry with ``pieces``."""
-    from .._io import checksum
-
     body = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "step": int(step), "world_size": int(world_size),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(created or time.time())),
@@ -122,8 +120,6 @@ def _fail(where: str, what: str) -> CheckpointError:
 
 def validate_manifest(m: Any, where: str = "manifest") -> None:
     """Check a decoded manifest's structure, checksum and piece coverage; raise CheckpointError."""
-    from .._io import checksum
-
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise _fail(where, f"not a {FORMAT} manifest")
     if m.get("format_version") != FORMAT_VERSION:

@@ -17,15 +17,16 @@ import threading
 import time
 from typing import Any
 
-from .. import config
-from ..comm import Comm, poll_until
-from ..errors import CheckpointError, CollectiveError, describe_exception
-from . import catalog, probe
-from .flushq import FlushQueue
-from .manifest import build_manifest, shard_filename, step_dirname, versions
-from .sharding import ShardPlan
-from .state import Leaf
-from .writer import Pacer, ShardItem, ShardWriter
+from hpcstagger import config
+from hpcstagger.comm import Comm, poll_until
+from hpcstagger.errors import CheckpointError, CollectiveError, describe_exception
+from hpcstagger.checkpoint import catalog, probe
+from hpcstagger.checkpoint.flushq import FlushQueue
+from hpcstagger.checkpoint.manifest import build_manifest, shard_filename, step_dirname, versions
+from hpcstagger.checkpoint.sharding import ShardPlan
+from hpcstagger.checkpoint.state import Leaf
+from hpcstagger.checkpoint.writer import Pacer, ShardItem, ShardWriter
+from hpcstagger.comm import mpi_module
 
 __all__ = ["SaveHandle", "SaveTask", "Worker", "agree", "check_thread_level", "renice_thread"]
 
@@ -330,7 +331,6 @@ def check_thread_level(comm: Comm) -> None:
     """Raise CheckpointError unless MPI allows the writer thread's collectives (MPI_THREAD_MULTIPLE)."""
     if comm.size <= 1:
         return
-    from ..comm import mpi_module
 
     MPI = mpi_module()
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:

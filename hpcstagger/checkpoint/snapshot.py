@@ -30,9 +30,9 @@ import weakref
 from typing import Any
 from collections.abc import Sequence
 
-from ._direct import ALIGN_THRESHOLD
-from .sharding import Piece
-from .state import Leaf
+from hpcstagger.checkpoint._direct import ALIGN_THRESHOLD
+from hpcstagger.checkpoint.sharding import Piece
+from hpcstagger.checkpoint.state import Leaf
 
 __all__ = ["SnapshotBuffers"]
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 from collections.abc import Callable
 
-from ..errors import CheckpointError
-from .sharding import TensorSpec
+from hpcstagger.errors import CheckpointError
+from hpcstagger.checkpoint.sharding import TensorSpec
 
 __all__ = ["Leaf", "flatten", "unflatten", "storage_dtype", "torch_dtype", "TAG"]
 

@@ -32,14 +32,14 @@ from dataclasses import dataclass
 from typing import Any
 from collections.abc import Callable, Iterator, Sequence
 
-from .. import config
-from .._io import fsync_dir, temp_path
-from ..errors import CheckpointError
-from . import probe
-from ._direct import ALIGN, ALIGN_THRESHOLD, FileSink, aligned_buffer
-from .gates import Gate
-from .manifest import FORMAT, FORMAT_VERSION, dataset_name
-from .sharding import Piece, TensorSpec
+from hpcstagger import config
+from hpcstagger._io import fsync_dir, temp_path
+from hpcstagger.errors import CheckpointError
+from hpcstagger.checkpoint import probe
+from hpcstagger.checkpoint._direct import ALIGN, ALIGN_THRESHOLD, FileSink, aligned_buffer
+from hpcstagger.checkpoint.gates import Gate
+from hpcstagger.checkpoint.manifest import FORMAT, FORMAT_VERSION, dataset_name
+from hpcstagger.checkpoint.sharding import Piece, TensorSpec
 
 __all__ = ["Pacer", "ShardItem", "ShardWriter", "check_copy", "copy_hashed"]
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 from hpcstagger._version import __version__
 from hpcstagger.cli._args import settle_spec
+from hpcstagger.errors import CollectiveError, HpcstaggerError
 
 __all__ = ["build_parser", "main"]
 
@@ -80,8 +81,6 @@ def _abort_world(code: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
-    from hpcstagger.errors import CollectiveError, HpcstaggerError
-
     parser = build_parser()
     args = parser.parse_args(argv)
     settle_spec(args)

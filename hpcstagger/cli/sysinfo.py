@@ -15,9 +15,9 @@ import subprocess
 import sys
 from typing import Any
 
-from .. import config, slurm
-from .._version import __version__
-from ..comm import launched_by_mpi
+from hpcstagger import config, slurm
+from hpcstagger._version import __version__
+from hpcstagger.comm import launched_by_mpi
 
 __all__ = ["collect", "shm_usage"]
 

@@ -12,8 +12,8 @@ import time
 from typing import Any
 from collections.abc import Callable, Mapping
 
-from ..comm import Comm, mpi_module, poll_until
-from ..errors import CollectiveError, CollectiveTimeout
+from hpcstagger.comm import Comm, mpi_module, poll_until
+from hpcstagger.errors import CollectiveError, CollectiveTimeout
 
 __all__ = ["rendezvous"]
 

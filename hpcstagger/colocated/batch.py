@@ -11,8 +11,8 @@ import os
 import shlex
 from collections.abc import Callable
 
-from . import env as E
-from .spec import JobSpec, Spec
+from hpcstagger.spec import runenv
+from hpcstagger.spec.jobspec import JobSpec, Spec
 
 __all__ = ["render_batch", "multiprog_conf", "job_wrapper"]
 
@@ -22,7 +22,7 @@ _EOF = "HPCSTAGGER_EOF"
 def job_wrapper(job: JobSpec, workdir: str) -> str:
     """A small shell script that runs one job's command on each of its ranks (``srun --multi-prog``
     splits its lines on white space, so commands with quoted arguments go through these)."""
-    env = " ".join(shlex.quote(f"{k}={v}") for k, v in {E.JOB: job.name, **job.env}.items())
+    env = " ".join(shlex.quote(f"{k}={v}") for k, v in {runenv.JOB: job.name, **job.env}.items())
     return (f"#!/bin/bash\nexport {env}\ncd {shlex.quote(workdir)}\n"
             f"exec {shlex.join(job.command)}\n")
 
@@ -68,8 +68,8 @@ def render_batch(spec: Spec, *, python_bin: str | None = None, version: str = ""
     lines += list(sl.setup)
     workdir = os.path.dirname(spec.path) if spec.path else "."
     run_dir = f"{spec.run.workdir}/runs/slurm-${{SLURM_JOB_ID}}"
-    lines += [f"export {E.SPEC}={shlex.quote(spec.path)}",
-              f"export {E.MODE}={spec.plan.mode}",
+    lines += [f"export {runenv.SPEC}={shlex.quote(spec.path)}",
+              f"export {runenv.MODE}={spec.plan.mode}",
               "unset MPIR_CVAR_PMI_VERSION",
               f'run_dir="{run_dir}"',
               'mkdir -p "$run_dir"',
@@ -86,7 +86,7 @@ def render_batch(spec: Spec, *, python_bin: str | None = None, version: str = ""
                       job_wrapper(job, workdir).rstrip("\n"), _EOF]
     if spec.plan.mode == "sequential":
         for job in spec.jobs:
-            env = f'env {E.ONLY}={job.name} {E.MODE}=sequential {E.RUN_DIR}="$run_dir/{job.name}"'
+            env = f'env {runenv.ONLY}={job.name} {runenv.MODE}=sequential {runenv.RUN_DIR}="$run_dir/{job.name}"'
             lines.append(f'mkdir -p "$run_dir/{job.name}"')
             if sl.launcher == "srun":
                 lines.append(f'step {env} {srun} --ntasks={job.ranks} bash "$run_dir/job-{job.name}.sh"')
@@ -95,14 +95,14 @@ def render_batch(spec: Spec, *, python_bin: str | None = None, version: str = ""
     elif sl.launcher == "srun":
         conf = multiprog_conf(spec, lambda name: f"$run_dir/job-{name}.sh").rstrip("\n").split("\n")
         lines += [f'cat > "$run_dir/multiprog.conf" <<{_EOF}', *conf, _EOF,
-                  f'step env {E.RUN_DIR}="$run_dir" {srun} --multi-prog "$run_dir/multiprog.conf"']
+                  f'step env {runenv.RUN_DIR}="$run_dir" {srun} --multi-prog "$run_dir/multiprog.conf"']
     else:
         parts = [f"-n {job.ranks} {_env_command(job)}" for job in spec.jobs]
-        lines.append(f'step env {E.RUN_DIR}="$run_dir" mpiexec ' + " : ".join(parts))
-    lines += [f'hpcstagger status "${E.SPEC}" "$run_dir" || true', 'exit "$rc"']
+        lines.append(f'step env {runenv.RUN_DIR}="$run_dir" mpiexec ' + " : ".join(parts))
+    lines += [f'hpcstagger status "${runenv.SPEC}" "$run_dir" || true', 'exit "$rc"']
     return "\n".join(lines) + "\n"
 
 
 def _env_command(job: JobSpec) -> str:
-    env = " ".join(shlex.quote(f"{k}={v}") for k, v in {E.JOB: job.name, **job.env}.items())
+    env = " ".join(shlex.quote(f"{k}={v}") for k, v in {runenv.JOB: job.name, **job.env}.items())
     return f"env {env} {shlex.join(job.command)}"

@@ -32,21 +32,28 @@ from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
-from .. import _io, config
-from ..comm import Comm, as_comm
-from ..errors import CollectiveError, CollectiveTimeout, ConfigError
-from . import env as E, learn
-from ._rendezvous import rendezvous
-from .identity import resolve_job
-from .calibration import calibration_dir, calibration_spec, no_plan, wrap_loader
-from .cachestate import describe_start, observe_cache, run_partition
-from .planning import plan_delays
-from .history import describe as describe_history, plan_history
-from .idle import flush_root, flusher_for
-from .prefetch import prefetcher_for
-from .progress import ProgressMeter, plain_metrics, status_path
-from .release import set_host, wait_for_release
-from .spec import Spec
+from hpcstagger import _io, config
+from hpcstagger.comm import Comm, as_comm
+from hpcstagger.errors import CollectiveError, CollectiveTimeout, ConfigError
+from hpcstagger.spec import runenv
+from hpcstagger.colocated import source_watch
+from hpcstagger.stagger import learning as learn
+from hpcstagger.colocated._rendezvous import rendezvous
+from hpcstagger.colocated.dataloader import data_loader
+from hpcstagger.spec.identity import resolve_job
+from hpcstagger.colocated.jobmeter import calibration_dir, calibration_spec, no_plan, wrap_loader
+from hpcstagger.colocated.startcache import describe_start, observe_cache, run_partition
+from hpcstagger.stagger.delays import plan_delays
+from hpcstagger.stagger.history import describe as describe_history, plan_history
+from hpcstagger.colocated.idle import flush_root, flusher_for
+from hpcstagger.colocated.prefetch import prefetcher_for
+from hpcstagger.colocated.progress import ProgressMeter, plain_metrics
+from hpcstagger.spec.records import status_path
+from hpcstagger.colocated.watcher import set_host, wait_for_release
+from hpcstagger.spec.jobspec import Spec
+from hpcstagger.integrations.horovod import init as init_horovod
+from hpcstagger.integrations.torch_ddp import init_process_group
+from hpcstagger import slurm
 
 __all__ = ["Session", "init", "resolve_job"]
 
@@ -152,9 +159,8 @@ class Session:
 
     def data_loader(self, dataset: Any, batch_size: int = 1, **kwargs: Any) -> Any:
         """This job's loader: a :class:`~hpcstagger.loader.SharedLoader` when the spec's ``[loader]``
-        (or ``share=True``) says so, else a plain DataLoader (:func:`.shared.data_loader`)."""
-        from .shared import data_loader
-
+        (or ``share=True``) says so, else a plain DataLoader
+        (:func:`hpcstagger.colocated.dataloader.data_loader`)."""
         return data_loader(self, dataset, batch_size, **kwargs)
 
     # ---- stages --------------------------------------------------------------------------------
@@ -162,7 +168,7 @@ class Session:
         """Wait out this job's delay, running ``idle_work`` meanwhile; return the seconds waited.
 
         In mode ``"plan"`` a waiting job is released by the run's watcher, from what the run shows,
-        instead (:mod:`hpcstagger.colocated.release`); the plan's delay is its prior."""
+        instead (:mod:`hpcstagger.colocated.watcher`); the plan's delay is its prior."""
         start = time.time()
         until = self.t0 + self.delay
         prefetcher = prefetcher_for(self)  # [plan] prefetch: fill the cache in the source's idle time
@@ -206,12 +212,8 @@ class Session:
         backend = backend or self.backend
         t = time.perf_counter()
         if backend == "horovod":
-            from ..integrations.horovod import init as init_horovod
-
             init_horovod(self.comm)
         elif backend == "ddp":
-            from ..integrations.torch_ddp import init_process_group
-
             init_process_group(self.comm)
         elif backend != "none":
             raise ConfigError(f"backend must be 'horovod', 'ddp' or 'none', not {backend!r}")
@@ -235,7 +237,7 @@ class Session:
         It gives ``iterable`` back as it is, or ``profiler.wrap(iterable)`` with a
         :class:`~hpcstagger.profile.StallProfiler`. When ``hpcstagger calibrate --spec`` runs the job
         (:attr:`calibrating`) it measures the loop instead and ends the job early, with status 0 on
-        every rank: see :mod:`hpcstagger.colocated.calibration`.
+        every rank: see :mod:`hpcstagger.colocated.jobmeter`.
         """
         return wrap_loader(self, iterable, profiler)
 
@@ -263,9 +265,9 @@ def _appnum(world: Comm) -> int | None:
 
 def _load_spec(spec: Spec | str | os.PathLike[str] | None) -> Spec | None:
     if not isinstance(spec, Spec):
-        path = spec if spec is not None else os.environ.get(E.SPEC)
+        path = spec if spec is not None else os.environ.get(runenv.SPEC)
         spec = Spec.from_toml(path) if path else None
-    only = os.environ.get(E.ONLY)
+    only = os.environ.get(runenv.ONLY)
     if spec is not None and only:
         spec = spec.only([n for n in only.split(",") if n])
     return spec
@@ -319,7 +321,7 @@ def init(spec: Spec | str | os.PathLike[str] | None = None, *, job: str | None =
          fail_fast: bool = True) -> Session:
     """Join the co-located run: identify the job, plan, wait out the delay, start the backend.
 
-    ``spec`` is a :class:`~hpcstagger.colocated.spec.Spec` or the path of one (default ``HPCSTAGGER_SPEC``);
+    ``spec`` is a :class:`~hpcstagger.spec.jobspec.Spec` or the path of one (default ``HPCSTAGGER_SPEC``);
     without a spec every MPMD part (or ``HPCSTAGGER_JOB`` value) is its own job and all start at
     once. ``calibration`` (a dict, or a function called on the job's leader only) reports the job's
     measured ``sample_time`` to the planner. ``backend`` overrides the spec's (``"none"`` skips it).
@@ -374,7 +376,7 @@ def _init(spec: Spec | str | os.PathLike[str] | None, *, job: str | None,
     timings["init"] = time.perf_counter() - t_begin
     session = _open_session(world, comm, spec_obj, name, index, jobs, decided, t0, timings, backend, verbose)
     session.calibrating = calibrating
-    learn.attach(session)  # a run of a spec without a scenario measures itself for the next plan
+    source_watch.attach(session)  # a run of a spec without a scenario measures itself for the next plan
     if session.run_dir and comm.rank == 0 and not calibrating:
         session.progress_meter = ProgressMeter(session.run_dir, name)
     if fail_fast:
@@ -393,13 +395,11 @@ def _init(spec: Spec | str | os.PathLike[str] | None, *, job: str | None,
 
 def _identify(spec: Spec | None, job: str | None, world: Comm) -> str:
     """Step 1: this rank's job name (see :func:`resolve_job`)."""
-    from .. import slurm
-
     appnum = _appnum(world)
     if spec:
         names = list(spec.job_names)
         return names[resolve_job(names, explicit=job, appnum=appnum, het_component=slurm.het_component())]
-    return job or os.environ.get(E.JOB) or (f"job{appnum}" if appnum is not None else "job0")
+    return job or os.environ.get(runenv.JOB) or (f"job{appnum}" if appnum is not None else "job0")
 
 
 def _meet_and_split(world: Comm, spec: Spec | None, name: str, limit: float,
@@ -445,12 +445,12 @@ def _exchange_plan(world: Comm, comm: Comm, spec: Spec | None, name: str, order:
                    calibration: Mapping[str, float] | Callable[[], Mapping[str, float]] | None,
                    limit: float, timings: dict[str, float]) -> dict[str, Any]:
     """Step 3: each job's leader calibrates; world rank 0 plans with every calibration
-    (:func:`~hpcstagger.colocated.planning.plan_delays`) and every rank gets the decision."""
+    (:func:`~hpcstagger.stagger.delays.plan_delays`) and every rank gets the decision."""
     t = time.perf_counter()
     calib = _calibration_of(calibration) if comm.rank == 0 else {}
     timings["calibration"] = time.perf_counter() - t
-    mode = os.environ.get(E.MODE) or (spec.plan.mode if spec else "simultaneous")
-    fixed = E.decode_delays(os.environ)
+    mode = os.environ.get(runenv.MODE) or (spec.plan.mode if spec else "simultaneous")
+    fixed = runenv.decode_delays(os.environ)
     partition = run_partition(world, spec, limit)  # a partitioned cache: the nodes the run spans (collective)
 
     def plan(hellos: list[Any]) -> dict[int, Any]:
@@ -474,7 +474,7 @@ def _open_session(world: Comm, comm: Comm, spec: Spec | None, name: str, index: 
                   jobs: dict[str, list[int]], decided: dict[str, Any], t0: float, timings: dict[str, float],
                   backend: str | None, verbose: bool) -> Session:
     """Step 4: the Session, with its status directory (``HPCSTAGGER_RUN_DIR``, else <workdir>/status)."""
-    run_dir = os.environ.get(E.RUN_DIR) or (os.path.join(spec.run.workdir, "status") if spec else "")
+    run_dir = os.environ.get(runenv.RUN_DIR) or (os.path.join(spec.run.workdir, "status") if spec else "")
     if run_dir:
         os.makedirs(run_dir, exist_ok=True)
     job_backend = backend or (spec.job(name).backend if spec else "none")

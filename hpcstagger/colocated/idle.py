@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from typing import Any
+from hpcstagger.checkpoint.flusher import idle_flusher
 
 __all__ = ["flush_root", "flusher_for"]
 
@@ -29,6 +30,5 @@ def flusher_for(session: Any) -> Any:
     if (spec is None or session.delay <= 0 or session.calibrating or spec.checkpoint.flush != "queue"
             or not spec.checkpoint.staging_dir):
         return None
-    from ..checkpoint.flusher import idle_flusher
 
     return idle_flusher(flush_root(spec))

@@ -23,14 +23,20 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
-from ._shm import remove_stale_mpich_segments
-from . import env as E
-from . import leftovers, preflight
-from .progress import misshapen_status
-from .. import config
-from ..errors import CacheError, ConfigError, LaunchError
-from .progress import progress_path
-from .spec import PLAN_MODES, JobSpec, Spec
+from hpcstagger.colocated._shm import remove_stale_mpich_segments
+from hpcstagger.spec import runenv
+from hpcstagger.colocated import leftovers, preflight
+from hpcstagger.spec.records import misshapen_status
+from hpcstagger import config
+from hpcstagger.errors import CacheError, ConfigError, LaunchError
+from hpcstagger.spec.records import progress_path
+from hpcstagger.spec.jobspec import PLAN_MODES, JobSpec, Spec
+from hpcstagger.spec.identity import resolve_job
+from hpcstagger.slurm import het_component
+from hpcstagger.cache.throttle import remove_if_idle, throttle_dir
+from hpcstagger.colocated.batch import job_wrapper, multiprog_conf
+from hpcstagger import _io
+from hpcstagger.colocated.startcache import make_cold
 
 __all__ = ["JobResult", "RunResult", "mpmd_command", "launch", "collect_results", "parse_delays", "exec_job",
            "run_group"]
@@ -67,7 +73,7 @@ class RunResult:
 
     ``cache`` is what the shared cache held when the coordinator planned (``entries``, ``bytes``,
     ``fraction`` of the dataset; empty without a cache); ``cold_cache`` what ``cold_cache=True``
-    did before the run (see :func:`~hpcstagger.colocated.cachestate.make_cold`; empty otherwise).
+    did before the run (see :func:`~hpcstagger.colocated.startcache.make_cold`; empty otherwise).
     """
 
     mode: str
@@ -147,7 +153,7 @@ def _job_argv(job: JobSpec, python: str) -> list[str]:
     cmd = list(job.command)
     if cmd[0] in ("python", "python3"):
         cmd[0] = python  # the interpreter hpcstagger runs under, so the job sees the same packages
-    env = [f"{E.JOB}={job.name}", *(f"{k}={v}" for k, v in job.env.items())]
+    env = [f"{runenv.JOB}={job.name}", *(f"{k}={v}" for k, v in job.env.items())]
     return ["env", *env, *cmd]
 
 
@@ -175,12 +181,9 @@ def exec_job(spec: Spec, environ: Mapping[str, str] | None = None) -> tuple[list
     the spec's layout holds this rank (``SLURM_PROCID``, ``PMI_RANK`` or ``OMPI_COMM_WORLD_RANK``).
     Raises ConfigError when none of them tells.
     """
-    from .identity import resolve_job
-    from ..slurm import het_component
-
     env = dict(os.environ if environ is None else environ)
     names = list(spec.job_names)
-    if not env.get(E.JOB) and het_component(env) is None:
+    if not env.get(runenv.JOB) and het_component(env) is None:
         rank_text = env.get("SLURM_PROCID") or env.get("PMI_RANK") or env.get("OMPI_COMM_WORLD_RANK")
         if rank_text is None or not rank_text.isdigit():
             raise ConfigError("hpcstagger exec cannot tell this rank's job: set HPCSTAGGER_JOB, or start it "
@@ -190,12 +193,12 @@ def exec_job(spec: Spec, environ: Mapping[str, str] | None = None) -> tuple[list
         if owner is None:
             raise ConfigError(f"rank {rank} is beyond the spec's {spec.total_ranks} rank(s); launch exactly "
                               f"{spec.total_ranks} tasks")
-        env[E.JOB] = owner
+        env[runenv.JOB] = owner
     index = resolve_job(names, environ=env, het_component=het_component(env))
     job = spec.jobs[index]
     env.update(job.env)
-    env[E.JOB] = job.name
-    env.setdefault(E.SPEC, spec.path)
+    env[runenv.JOB] = job.name
+    env.setdefault(runenv.SPEC, spec.path)
     return list(job.command), env, os.path.dirname(spec.path) or "."
 
 
@@ -363,7 +366,6 @@ def _release_throttle(spec: Spec, env: Mapping[str, str]) -> None:
     is the jobs' environment, which may move the table (the throttle_dir and shm_root knobs)."""
     if not spec.dataset.throttle:
         return
-    from ..cache.throttle import remove_if_idle, throttle_dir
 
     try:
         remove_if_idle(f"{spec.run.name}-source", throttle_dir(env))
@@ -382,8 +384,6 @@ def _run(argv: list[str], env: dict[str, str], timeout: float, cwd: str) -> int:
 
 def _srun_commands(spec: Spec, run_dir: Path, jobs: Sequence[str] | None) -> list[str]:
     """Write the per-job wrappers (and the multi-prog file) into ``run_dir``; return the srun argv."""
-    from .batch import job_wrapper, multiprog_conf
-
     exe = shutil.which("srun")
     if not exe or not os.environ.get("SLURM_JOB_ID"):
         raise LaunchError("the srun launcher runs inside a Slurm allocation (sbatch or salloc); "
@@ -433,7 +433,7 @@ def launch(spec: Spec, *, mode: str | None = None, delays: Mapping[str, float] |
     inside a Slurm allocation). ``mode`` overrides the spec's ``[plan] mode``; ``delays`` (job ->
     seconds) implies mode fixed. Mode sequential runs one launch per job in spec order, and its
     makespan is the sum of the jobs' own run times. ``cold_cache`` first empties the spec's shared
-    cache and drops the dataset from the page cache (:func:`~hpcstagger.colocated.cachestate.make_cold`;
+    cache and drops the dataset from the page cache (:func:`~hpcstagger.colocated.startcache.make_cold`;
     reported in ``RunResult.cold_cache``); otherwise the run starts from the cache as it is, and the
     coordinator plans from it. With ``check`` (the default), before anything starts, the dataset,
     each job's backend and the launcher are checked (:func:`~hpcstagger.colocated.preflight.check`:
@@ -448,21 +448,18 @@ def launch(spec: Spec, *, mode: str | None = None, delays: Mapping[str, float] |
     stamp = run_name or f"{time.strftime('%Y%m%d-%H%M%S')}-{mode}"
     run_dir = Path(spec.run.workdir) / "runs" / stamp
     run_dir.mkdir(parents=True, exist_ok=True)
-    from .. import _io
 
     cold: dict[str, Any] = {}
     if cold_cache:
-        from .cachestate import make_cold
-
         cold = make_cold(spec)
         log.info("cold cache before the run: %s", cold)
         _io.atomic_write_json(run_dir / _COLD_CACHE_FILE, cold, durable=False)
-    base_env = {**os.environ, **(env or {}), E.SPEC: spec.path, E.MODE: mode}
+    base_env = {**os.environ, **(env or {}), runenv.SPEC: spec.path, runenv.MODE: mode}
     root_existed = os.path.lexists(config.get("shm_root", base_env))
     base_env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), base_env.get("PATH", "")])
     base_env.pop("MPIR_CVAR_PMI_VERSION", None)
     if delays:
-        base_env[E.DELAYS] = E.encode_delays(delays)
+        base_env[runenv.DELAYS] = runenv.encode_delays(delays)
     limit = float(timeout or spec.run.timeout)
     cwd = os.path.dirname(spec.path)
     start = time.monotonic()
@@ -473,7 +470,7 @@ def launch(spec: Spec, *, mode: str | None = None, delays: Mapping[str, float] |
         return mpmd_command(spec, mpiexec=exe, jobs=jobs)
 
     if mode != "sequential":
-        rc = _run(command(None, run_dir), {**base_env, E.RUN_DIR: str(run_dir)}, limit, cwd)
+        rc = _run(command(None, run_dir), {**base_env, runenv.RUN_DIR: str(run_dir)}, limit, cwd)
         result = collect_results(spec, run_dir, mode=mode, returncode=rc)
     else:
         rc = 0
@@ -481,7 +478,7 @@ def launch(spec: Spec, *, mode: str | None = None, delays: Mapping[str, float] |
             sub = run_dir / job.name
             sub.mkdir(exist_ok=True)
             left = limit - (time.monotonic() - start)
-            job_env = {**base_env, E.RUN_DIR: str(sub), E.ONLY: job.name, E.MODE: "sequential"}
+            job_env = {**base_env, runenv.RUN_DIR: str(sub), runenv.ONLY: job.name, runenv.MODE: "sequential"}
             rc = _run(command([job.name], sub), job_env, max(left, 1.0), cwd)
             if rc != 0 or collect_results(spec, sub, jobs=[job.name]).jobs[job.name].state != "done":
                 break

@@ -18,11 +18,12 @@ import shutil
 from dataclasses import dataclass
 from collections.abc import Iterable, Mapping
 
-from .. import config
-from ..cache import _fs
-from ..cache.admin import ROOT_SUBDIRS, remove_empty_dirs
-from ..checkpoint.gates import gate_owner
-from ..errors import CacheError
+from hpcstagger import config
+from hpcstagger.cache import _fs
+from hpcstagger.cache.admin import ROOT_SUBDIRS, remove_empty_dirs
+from hpcstagger.checkpoint.gates import gate_owner
+from hpcstagger.errors import CacheError
+from hpcstagger.cache.throttle import remove_if_idle
 
 __all__ = ["Leftover", "find", "users_of", "clean", "remove_unused"]
 
@@ -173,8 +174,7 @@ def remove_unused(environ: Mapping[str, str] | None = None, *, gate_dir: str = G
     (a ring's producer and consumers, a table's readers), and the root's empty folders (the root
     itself too when empty, unless ``keep_root``: it was there before the run); return the paths
     removed. Never raises: a problem is logged."""
-    from ..cache.throttle import remove_if_idle
-    from ..loader.admin import remove_stale
+    from hpcstagger.loader.pipelines import remove_stale
 
     root = os.path.abspath(config.get("shm_root", environ))
     removed = []

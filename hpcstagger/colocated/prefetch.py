@@ -27,7 +27,8 @@ import time
 from collections import deque
 from typing import Any
 
-from .. import config
+from hpcstagger import config
+from hpcstagger.stagger.steering import release_groups
 
 __all__ = ["Prefetcher", "prefetcher_for"]
 
@@ -125,8 +126,6 @@ class Prefetcher:
 def prefetcher_for(session: Any) -> Prefetcher | None:
     """The session's prefetcher when it should prefetch: ``[plan] prefetch``, a job that waits, its
     leader, and the job planned to start last (the first of the last group); else None."""
-    from .release import release_groups
-
     spec = session.spec
     if (spec is None or not spec.plan.prefetch or session.delay <= 0 or not session.is_leader
             or session.calibrating or not spec.dataset.path):

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Mapping, Sequence
 
-from ..errors import ConfigError, DependencyError, HpcstaggerError, LaunchError
-from .spec import JobSpec, Spec
+from hpcstagger.errors import ConfigError, DependencyError, HpcstaggerError, LaunchError
+from hpcstagger.spec.jobspec import JobSpec, Spec
 
 __all__ = ["Problem", "problems", "check", "check_dataset", "check_backends", "check_launcher",
            "BACKEND_MODULES"]

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .._io import temp_path
+from hpcstagger._io import temp_path
 
 __all__ = ["CLASSES", "make_dataset", "decode"]
 

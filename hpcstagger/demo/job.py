@@ -16,6 +16,9 @@ import time
 import zlib
 from typing import Any
 from collections.abc import Sequence
+from hpcstagger.demo.models import build_model
+from hpcstagger.checkpoint import AsyncCheckpointer
+import hpcstagger
 
 __all__ = ["Collate", "build", "train_step", "main"]
 
@@ -41,8 +44,7 @@ def build(model_name: str, shape: tuple[int, int, int], *, lr: float = 0.05, see
     """(model, optimiser) of the demo model ``model_name`` for images of ``shape``."""
     import torch
 
-    from .data import CLASSES
-    from .models import build_model
+    from hpcstagger.demo.data import CLASSES
 
     torch.manual_seed(seed)
     model = build_model(model_name, shape, CLASSES)
@@ -100,8 +102,6 @@ def _get_ready(session: Any, model: Any, opt: Any, shape: tuple[int, int, int], 
     ckpt = None
     spec = session.spec
     if spec.checkpoint.every > 0:
-        from hpcstagger.checkpoint import AsyncCheckpointer
-
         ckpt = AsyncCheckpointer(**session.checkpoint_options(), comm=session.comm)
         ckpt.prepare({"model": model, "optimizer": opt})
     generator = torch.Generator().manual_seed(1)
@@ -143,7 +143,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    import hpcstagger
     from hpcstagger.cache import CachedDataset
 
     # Everything local to this job is built before joining the run: the plan's clock starts after.

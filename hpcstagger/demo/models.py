@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Any
+from hpcstagger.errors import ConfigError
 
 __all__ = ["MODELS", "build_model"]
 
@@ -12,8 +13,6 @@ MODELS = ("convnet", "mlp")
 def build_model(name: str, shape: tuple[int, int, int], classes: int) -> Any:
     """A fresh ``name`` model for images of ``shape`` (C, H, W); raises ConfigError for an unknown name."""
     import torch.nn as nn
-
-    from ..errors import ConfigError
 
     c, h, w = shape
     if name == "convnet":

@@ -3,7 +3,7 @@
 The notes say what a reader of the figures must know to trust them: that the node was busy when
 the demo started (other processes' CPU use, the load average; measured makespans are then slower
 than on a quiet node), and, when the plan is a simultaneous start, that it is one and why (the
-coordinator's reason: :func:`hpcstagger.colocated.planning.simultaneous_reason`). The table's
+coordinator's reason: :func:`hpcstagger.stagger.delays.simultaneous_reason`). The table's
 notes and the plot's text are the same lines.
 """
 
@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Mapping
 
-from ..cli._text import table
+from hpcstagger.measure.tables import table
+from hpcstagger.measure.sweep_report import draw_timelines
 
 __all__ = ["format_table", "notes", "figure", "plot"]
 
@@ -82,8 +83,6 @@ def figure(result: Mapping[str, Any]) -> Any:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from ..cli.sweep import draw_timelines
 
     lines = [part for line in notes(result) for part in textwrap.wrap(line, 180)]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5 + 0.18 * len(lines)))

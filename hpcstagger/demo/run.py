@@ -26,10 +26,16 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Mapping
 
-from .. import _io, config, nodeload
-from ..colocated.planning import simultaneous_reason
-from ..errors import ConfigError
-from .report import figure, format_table, notes, plot
+from hpcstagger import _io, config, nodeload
+from hpcstagger.stagger.delays import simultaneous_reason
+from hpcstagger.errors import ConfigError
+from hpcstagger.demo.report import figure, format_table, notes, plot
+from hpcstagger.cache import ShmCache
+from hpcstagger.errors import CacheError
+from hpcstagger.model import Scenario, optimal_plan
+from hpcstagger.spec.jobspec import Spec
+from hpcstagger.spec.records import read_status
+from hpcstagger.model import predict
 
 __all__ = ["DemoConfig", "DemoSetup", "check_node", "prepare", "run_demo", "format_table", "notes", "figure",
            "plot"]
@@ -76,7 +82,7 @@ def _ensure_dataset(cfg: DemoConfig, path: Path) -> int:
     """Reuse a dataset of the right shape, or generate it; return the bytes per sample."""
     import h5py
 
-    from .data import make_dataset
+    from hpcstagger.demo.data import make_dataset
 
     row = 1 + cfg.shape[0] * cfg.shape[1] * cfg.shape[2]
     if path.exists():
@@ -129,16 +135,13 @@ def _write_spec(cfg: DemoConfig, work: Path, data: Path, scenario: Path, capacit
 
 def _calibrate(cfg: DemoConfig, spec: Any, scenario_path: Path) -> Any:
     """``hpcstagger calibrate --spec``: the scenario measured from the two jobs' own commands."""
-    from ..colocated.calibrate_spec import calibrate_spec
+    from hpcstagger.measure.spec_calibration import calibrate_spec
 
     return calibrate_spec(spec, budget=cfg.calibrate_budget, out=str(scenario_path))
 
 
 def _reset_shared_state() -> None:
     """Every run starts with a cold cache: remove the run's cache (and idle throttle state)."""
-    from ..cache import ShmCache
-    from ..errors import CacheError
-
     try:
         ShmCache("hpcstagger-demo", None).destroy(force=True)
     except CacheError:
@@ -179,9 +182,6 @@ def check_node(window_s: float = 1.0) -> dict[str, Any]:
 def prepare(cfg: DemoConfig) -> DemoSetup:
     """Steps 1-3 of the demo: the dataset (reused when it has the right shape), the calibrated
     scenario, the plan, and the job spec (``<workdir>/spec.toml``) that runs the two jobs on them."""
-    from ..model import Scenario, optimal_plan
-    from ..colocated.spec import Spec
-
     work = Path(cfg.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     data = work / "data.h5"
@@ -205,8 +205,6 @@ def prepare(cfg: DemoConfig) -> DemoSetup:
 
 def _plan_reason(result: Any, spec: Any) -> str | None:
     """Why the coordinator's plan for a run started every job at once (its leaders' plan record)."""
-    from ..colocated.progress import read_status
-
     for job in spec.jobs:
         record = read_status(result.run_dir, job.name) or {}
         reason = (record.get("plan") or {}).get("simultaneous_reason")
@@ -218,8 +216,7 @@ def _plan_reason(result: Any, spec: Any) -> str | None:
 def _run_one(spec: Any, scenario: Any, plan: Any, runs: list[dict[str, Any]], mode: str,
              delays: dict[str, float] | None, label: str) -> dict[str, Any]:
     """Launch one run of the demo's jobs with a cold cache; its record for demo.json."""
-    from ..colocated.launch import launch
-    from ..model import predict
+    from hpcstagger.colocated.launch import launch
 
     _reset_shared_state()
     result = launch(spec, mode=mode, delays=delays, run_name=f"{len(runs) + 1:02d}-{label.replace(' ', '-')}")

@@ -23,7 +23,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from ..errors import DependencyError
+from hpcstagger.errors import DependencyError
+from hpcstagger.comm import Comm, as_comm
 
 __all__ = ["hvd_module", "init", "gate_optimizer", "DistributedOptimizer"]
 
@@ -45,8 +46,6 @@ def init(comm: Any = None) -> Any:
 
     Returns the ``horovod.torch`` module. Raises DependencyError when Horovod is missing.
     """
-    from ..comm import Comm, as_comm
-
     hvd = hvd_module()
     c = as_comm(comm) if comm is not None else Comm.world()
     if c.is_mpi:

@@ -21,9 +21,9 @@ import socket
 from typing import Any
 from collections.abc import Callable
 
-from .. import config
-from ..comm import as_comm
-from ..errors import ConfigError, LaunchError
+from hpcstagger import config
+from hpcstagger.comm import as_comm
+from hpcstagger.errors import ConfigError, LaunchError
 
 __all__ = ["init_process_group", "destroy_process_group", "gated_allreduce_hook"]
 

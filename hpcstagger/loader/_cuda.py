@@ -14,7 +14,7 @@ import ctypes
 import logging
 from typing import Any
 
-from ..errors import ConfigError, LoaderError
+from hpcstagger.errors import ConfigError, LoaderError
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ class DeviceConsumer:
         """Batch of host slot ``s`` (descriptor mapped at ``mm``) with its tensors on the device."""
         import torch
 
-        from . import _ring as R
+        from hpcstagger.loader import _ring as R
 
         if self.ring is None:
             rec = ctl.ipc()
@@ -219,7 +219,7 @@ class DeviceConsumer:
 
     def poll(self, me: Any) -> bool:
         """Release the batches whose CUDA work has run; True while some work is still to finish."""
-        from . import _ring as R
+        from hpcstagger.loader import _ring as R
 
         while self.fences and self.fences[0][1].query():
             me[R.C_RELEASED] = self.fences.popleft()[0]

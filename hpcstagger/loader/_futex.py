@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any
 
-from ..comm import Backoff
+from hpcstagger.comm import Backoff
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..errors import ConfigError
+from hpcstagger.errors import ConfigError
 
 __all__ = ["StreamOrder"]
 

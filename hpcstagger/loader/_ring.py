@@ -38,9 +38,9 @@ from typing import Any
 
 import numpy as np
 
-from ..cache import _fs
-from ..errors import CacheError, LoaderError
-from . import _futex
+from hpcstagger.cache import _fs
+from hpcstagger.errors import CacheError, LoaderError
+from hpcstagger.loader import _futex
 
 MAGIC = 0x48505353_4C4F4144  # "HPSSLOAD"
 VERSION = 3

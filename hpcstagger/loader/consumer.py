@@ -38,14 +38,14 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .. import config
-from ..cache import _fs
-from ..comm import Backoff
-from ..errors import CacheError, ConfigError, LoaderError
-from . import _cuda
-from . import _ring as R
-from ._order import StreamOrder
-from .producer import Pipeline, spawn_producer
+from hpcstagger import config
+from hpcstagger.cache import _fs
+from hpcstagger.comm import Backoff
+from hpcstagger.errors import CacheError, ConfigError, LoaderError
+from hpcstagger.loader import _cuda
+from hpcstagger.loader import _ring as R
+from hpcstagger.loader._order import StreamOrder
+from hpcstagger.loader.producer import Pipeline, spawn_producer
 
 log = logging.getLogger(__name__)
 

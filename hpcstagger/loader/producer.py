@@ -31,11 +31,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .. import config
-from ..comm import Backoff
-from ..errors import LoaderError, describe_exception
-from . import _ring as R
-from ._order import StreamOrder
+from hpcstagger import config
+from hpcstagger.comm import Backoff
+from hpcstagger.errors import LoaderError, describe_exception
+from hpcstagger.loader import _ring as R
+from hpcstagger.loader._order import StreamOrder
+from hpcstagger.cache._fs import start_time
+from hpcstagger.cache._fs import alive
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +106,6 @@ def spawn_producer(pipe: Pipeline, ctl: R.Ctl, root: str) -> tuple[int, int]:
     if not text:
         raise LoaderError("could not start the shared loader's producer process (fork failed)")
     pid = int(text)
-    from ..cache._fs import start_time
 
     return pid, start_time(pid)
 
@@ -290,8 +291,6 @@ class _Producer:
 
     def _sweep(self, now: float) -> int:
         """Detach dead consumers and expired pending ranks (lock held); return how many remain."""
-        from ..cache._fs import alive
-
         live = 0
         for i in self.ctl.attached():
             c = self.ctl.cons(i)

@@ -29,10 +29,10 @@ import sys
 import time
 from typing import Any
 
-from ..comm import Backoff
-from ..errors import LoaderError, describe_exception
-from . import _cuda
-from . import _ring as R
+from hpcstagger.comm import Backoff
+from hpcstagger.errors import LoaderError, describe_exception
+from hpcstagger.loader import _cuda
+from hpcstagger.loader import _ring as R
 
 log = logging.getLogger(__name__)
 

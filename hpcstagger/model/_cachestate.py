@@ -9,10 +9,9 @@ job; index 1 on job j's axis means "job j has yet to read these samples this epo
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from ._engine import Quality
+from hpcstagger.model._quality import Quality
 
 
 class CacheState:

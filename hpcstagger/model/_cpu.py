@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import NamedTuple
 from collections.abc import Collection, Sequence
 
-from ._loader import Shape, Sharing
+from hpcstagger.model._loader import Shape, Sharing
 
 
 class Group(NamedTuple):

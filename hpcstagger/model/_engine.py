@@ -28,35 +28,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 from collections.abc import Callable
 
-from ..errors import ModelError
-from . import _cpu, _fixed, _loader, _pipeline
-from ._cachestate import CacheState
-from ._order import OrderState
-from .scenario import Scenario
+from hpcstagger.errors import ModelError
+from hpcstagger.model import _cpu, _fixed, _loader, _pipeline
+from hpcstagger.model._cachestate import CacheState
+from hpcstagger.model._quality import FINE, Quality
+from hpcstagger.model._readorder import OrderState
+from hpcstagger.model.scenario import Scenario
 
 # Samples are tracked per subset of jobs (2**jobs classes), which bounds the number of jobs.
 MAX_JOBS = 12
 
 
-class Quality(NamedTuple):
-    """Integration settings. A step covers between ``min_step`` and ``max_step`` of an epoch of the
-    fastest job and shrinks when a job's time per sample moves by more than ``step_tol`` (relative
-    to its time per sample if it missed everything alone) over half a step. The bandwidth fixed
-    point stops when no job's bandwidth moves by more than ``fixed_point_tol`` (relative)."""
-
-    step_tol: float
-    min_step: float
-    max_step: float
-    fixed_point_tol: float
-    max_blocks: int = 16
-
-
-FINE = Quality(step_tol=0.02, min_step=1 / 64, max_step=1 / 6, fixed_point_tol=1e-5, max_blocks=16)
-COARSE = Quality(step_tol=0.05, min_step=1 / 48, max_step=1 / 5, fixed_point_tol=1e-4, max_blocks=8)
-SEARCH = Quality(step_tol=0.1, min_step=1 / 32, max_step=1 / 3, fixed_point_tol=1e-3, max_blocks=4)
 
 
 def pipe_fluid(P: int, h: float, a: float, b: float, t: float) -> float:

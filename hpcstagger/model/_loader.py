@@ -34,7 +34,7 @@ import math
 from typing import NamedTuple
 from collections.abc import Callable, Sequence
 
-from .scenario import Scenario
+from hpcstagger.model.scenario import Scenario
 
 Pipe = Callable[[int, float, float, float, float], float]
 

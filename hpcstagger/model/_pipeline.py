@@ -23,6 +23,8 @@ import math
 import os
 from bisect import bisect_right
 from typing import Any
+from hpcstagger.errors import ModelError
+from hpcstagger._io import atomic_write
 
 __all__ = ["sample_time", "build_table", "P_VALUES", "M_GRID", "LOG2_RHO", "ALPHA_GRID"]
 
@@ -51,8 +53,6 @@ def _load() -> list[list[float]]:
             grids = (tuple(data["p"].tolist()), tuple(data["m"].tolist()), tuple(data["lr"].tolist()),
                      tuple(data["alpha"].tolist()))
             if grids != (P_VALUES, M_GRID, LOG2_RHO, ALPHA_GRID):
-                from ..errors import ModelError
-
                 raise ModelError(f"{_TABLE_FILE} does not match this version's grid; rebuild it with "
                                  "'python -m hpcstagger.model._pipeline'")
             excess = data["excess"].astype(float)
@@ -180,8 +180,6 @@ def main(argv: list[str] | None = None) -> int:
     import time
 
     import numpy as np
-
-    from .._io import atomic_write
 
     parser = argparse.ArgumentParser(description="Rebuild the prefetch-pipeline loss table.")
     parser.add_argument("--samples", type=int, default=200_000, help="samples simulated per grid point")

@@ -7,8 +7,8 @@ import bisect
 import math
 from collections.abc import Callable
 
-from . import _engine
-from .scenario import Scenario
+from hpcstagger.model import _engine, _quality
+from hpcstagger.model.scenario import Scenario
 
 __all__ = ["CUTOFF", "Evaluator", "grid", "line_search"]
 
@@ -19,7 +19,7 @@ CUTOFF = 0.05
 class Evaluator:
     """Predicted makespan of delay vectors, cached, resuming runs from shared prefixes."""
 
-    def __init__(self, sc: Scenario, quality: _engine.Quality, keep_runs: int = 6):
+    def __init__(self, sc: Scenario, quality: _quality.Quality, keep_runs: int = 6):
         self.engine = _engine.Engine(sc, quality)
         self.cache: dict[tuple[float, ...], tuple[float, list[float]]] = {}
         self.runs: list[tuple[list[float], list[_engine.Snapshot]]] = []

@@ -13,16 +13,15 @@ import math
 from typing import Any
 from collections.abc import Callable
 
-from ..errors import ConfigError
-from .scenario import Scenario
+from hpcstagger.errors import ConfigError
+from hpcstagger.model.scenario import Scenario
+from hpcstagger import config
 
 
 def start_jitter(scenario: Scenario, jitter: float | None = None) -> float:
     """Seconds a job's real start may stray from its planned delay: ``jitter`` when given, else
     the ``plan_jitter`` knob times the jobs' mean start-up. ConfigError for a bad value."""
     if jitter is None:
-        from .. import config
-
         frac = float(config.get("plan_jitter"))
         if not (math.isfinite(frac) and frac >= 0):
             raise ConfigError(f"the plan_jitter knob must be a fraction >= 0, got {frac!r}")

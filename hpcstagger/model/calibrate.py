@@ -2,8 +2,8 @@
 
 This is the step-factory route: the jobs are ``step(samples)`` callables timed on samples held in
 memory. ``hpcstagger calibrate --spec SPEC`` measures each job from its own command instead (see
-:mod:`hpcstagger.colocated.calibrate_spec`); both share the source measurement
-(:mod:`hpcstagger.model.calibrate_source`) and the scenario writing here.
+:mod:`hpcstagger.measure.spec_calibration`); both share the source measurement
+(:mod:`hpcstagger.model.source_probe`) and the scenario writing here.
 
 What is measured (the budget, 60 s by default (knob ``calibrate_budget``), is shared out in this
 order):
@@ -18,7 +18,7 @@ order):
    the bytes read inside the common window divided by its length give one measurement. Reads
    that straddle the window edges count in proportion to their overlap. Every level is measured
    twice; ``bandwidth[k-1]`` is the median of its measurements and ``spread[k-1]`` how far they
-   lay apart (:func:`~hpcstagger.model.calibrate_source.combine_levels`).
+   lay apart (:func:`~hpcstagger.model.source_probe.combine_levels`).
 4. **Each job's seconds per sample with the data in memory.** Its step function is called on
    batches of samples already read into memory; the first call (warm-up) is not counted.
 
@@ -39,9 +39,11 @@ from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
-from ..errors import ConfigError, ModelError
-from .calibrate_source import SamplePool, combine_levels, hit_bandwidth, measure_levels, preload
-from .scenario import POLICIES, Cache, Dataset, Job, Loader, Scenario, Storage
+from hpcstagger.errors import ConfigError, ModelError
+from hpcstagger.model.source_probe import SamplePool, combine_levels, hit_bandwidth, measure_levels, preload
+from hpcstagger.model.scenario import POLICIES, Cache, Dataset, Job, Loader, Scenario, Storage
+from hpcstagger._io import atomic_write
+from hpcstagger import config
 
 __all__ = ["Calibration", "calibrate", "capacity_bytes", "check_out", "source_length", "reader_levels",
            "time_steps", "source_comment", "write_scenario"]
@@ -238,8 +240,6 @@ def write_scenario(out: str | os.PathLike[str], scenario: Scenario, comments: Ma
                    elapsed: float, what: str = "hpcstagger calibrate", notes: Sequence[str] = ()) -> str:
     """Write ``scenario`` to ``out`` atomically with ``comments`` (dotted key -> how it was measured),
     a header line and a comment line per note; return the path."""
-    from .._io import atomic_write
-
     text = (f"# {what}, {time.strftime('%Y-%m-%d %H:%M:%S')}, {elapsed:.0f} s\n"
             + "".join(f"# {note}\n" for note in notes) + scenario.to_toml(comments))
     path = os.fspath(out)
@@ -287,8 +287,6 @@ def calibrate(source: Any, jobs: Mapping[str, Callable[[list[bytes]], Any]], *,
     """
     t_start = time.monotonic()
     if budget is None:
-        from .. import config
-
         budget = float(config.get("calibrate_budget"))
     if out is not None:
         check_out(out)

@@ -47,9 +47,9 @@ import math
 from dataclasses import dataclass, field
 from collections.abc import Mapping, Sequence
 
-from ..errors import ModelError
-from . import _engine
-from .scenario import Scenario
+from hpcstagger.errors import ModelError
+from hpcstagger.model import _engine, _quality
+from hpcstagger.model.scenario import Scenario
 
 __all__ = ["Prediction", "predict"]
 
@@ -95,7 +95,7 @@ def predict(scenario: Scenario, delays: Mapping[str, float] | Sequence[float] | 
     cannot integrate.
     """
     d = scenario.delay_vector(delays)
-    eng = _engine.Engine(scenario, _engine.FINE, record=series)
+    eng = _engine.Engine(scenario, _quality.FINE, record=series)
     finish = eng.run(d)
     if not all(math.isfinite(t) for t in finish):
         raise ModelError("the fluid model did not finish every job; please report this scenario")

@@ -46,11 +46,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 from collections.abc import Callable
 
-from ..errors import ConfigError
-from . import _engine
-from ._search import CUTOFF, Evaluator, grid, line_search
-from ._spread import OFFSETS_MANY, OFFSETS_TWO, Spread, robust_two, start_jitter
-from .scenario import Scenario
+from hpcstagger.errors import ConfigError
+from hpcstagger.model import _engine, _quality
+from hpcstagger.model._search import CUTOFF, Evaluator, grid, line_search
+from hpcstagger.model._spread import OFFSETS_MANY, OFFSETS_TWO, Spread, robust_two, start_jitter
+from hpcstagger.model.scenario import Scenario
+from hpcstagger import config
 
 __all__ = ["Plan", "optimal_plan", "unseen_loaders", "unseen_reason"]
 
@@ -102,7 +103,7 @@ class Plan:
 def _solo_times(sc: Scenario) -> list[float]:
     out = []
     for job in sc.jobs:
-        eng = _engine.Engine(replace(sc, jobs=(job,)), _engine.FINE)
+        eng = _engine.Engine(replace(sc, jobs=(job,)), _quality.FINE)
         out.append(eng.run([0.0])[0])
     return out
 
@@ -110,10 +111,10 @@ def _solo_times(sc: Scenario) -> list[float]:
 def _sequential(sc: Scenario) -> float:
     """Makespan of the jobs run one after another in job order (the cache carries over)."""
     delays = [0.0]
-    finish = _engine.Engine(replace(sc, jobs=sc.jobs[:1]), _engine.FINE).run(delays)
+    finish = _engine.Engine(replace(sc, jobs=sc.jobs[:1]), _quality.FINE).run(delays)
     for j in range(1, len(sc.jobs)):
         delays.append(finish[j - 1])
-        finish = _engine.Engine(replace(sc, jobs=sc.jobs[:j + 1]), _engine.FINE).run(delays)
+        finish = _engine.Engine(replace(sc, jobs=sc.jobs[:j + 1]), _quality.FINE).run(delays)
     return max(finish)
 
 
@@ -156,12 +157,12 @@ def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain
     min_gain = _check_args(max_delay, min_gain)
     sc = scenario
     J = len(sc.jobs)
-    ev = Evaluator(sc, _engine.COARSE)
+    ev = Evaluator(sc, _quality.COARSE)
     spread_s = start_jitter(sc, jitter)
     if J == 2:
         spread = Spread(ev, spread_s, OFFSETS_TWO)
     else:  # the spread only checks the plan against a simultaneous start, at the scan's accuracy
-        spread = Spread(Evaluator(sc, _engine.SEARCH) if spread_s > 0 else ev, spread_s, OFFSETS_MANY)
+        spread = Spread(Evaluator(sc, _quality.SEARCH) if spread_s > 0 else ev, spread_s, OFFSETS_MANY)
     simultaneous_coarse = ev([0.0] * J)
     unseen = unseen_loaders(sc)
     if J >= 2 and not unseen:
@@ -184,8 +185,6 @@ def _cpu_clock() -> float:
 def _check_args(max_delay: float | None, min_gain: float | None) -> float:
     """``min_gain`` (default: the ``plan_min_gain`` knob); ConfigError for a bad one or a bad ``max_delay``."""
     if min_gain is None:
-        from .. import config
-
         min_gain = float(config.get("plan_min_gain"))
     if max_delay is not None and (not isinstance(max_delay, (int, float)) or not max_delay >= 0
                                   or math.isinf(max_delay)):
@@ -269,12 +268,12 @@ def _final_plan(sc: Scenario, best_d: list[float], curve: list[tuple[float, floa
     J = len(sc.jobs)
     names = sc.job_names
     zero = [0.0] * J
-    final_eng = _engine.Engine(sc, _engine.FINE)
+    final_eng = _engine.Engine(sc, _quality.FINE)
     finish = final_eng.run(best_d)
     simultaneous = max(final_eng.run(zero)) if any(best_d) else max(finish)
     means = (0.0, 0.0)
     if any(best_d) and jitter:
-        spread = Spread(Evaluator(sc, _engine.FINE), jitter, OFFSETS_TWO if J == 2 else OFFSETS_MANY)
+        spread = Spread(Evaluator(sc, _quality.FINE), jitter, OFFSETS_TWO if J == 2 else OFFSETS_MANY)
         means = (spread(best_d), spread(zero))
     mine, together = means if jitter else (max(finish), simultaneous)
     if any(best_d) and mine > together * (1.0 - min_gain):
@@ -328,7 +327,7 @@ def _plan_many(sc: Scenario, ev: Evaluator, bound: list[float], points: int,
     it, except that its first sweep visits every job on the full grid (past that, without Brent)."""
     J = len(bound)
     scan_until, deadline = t0 + 0.25 * budget, t0 + 0.7 * budget
-    scan = Evaluator(sc, _engine.SEARCH)
+    scan = Evaluator(sc, _quality.SEARCH)
     t_eval = _cpu_clock()
     scan([0.0] * J)
     t_eval = _cpu_clock() - t_eval

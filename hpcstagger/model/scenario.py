@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Mapping, Sequence
 
-from .. import _schema as S
-from ..errors import ConfigError
+from hpcstagger import _schema as S
+from hpcstagger.errors import ConfigError
 
 __all__ = ["Dataset", "Storage", "Cache", "Loader", "Node", "Job", "Scenario", "POLICIES"]
 

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Callable, Hashable, Mapping, Sequence
 
-from .scenario import Scenario
+from hpcstagger.model.scenario import Scenario
 
 __all__ = ["SimResult", "simulate"]
 

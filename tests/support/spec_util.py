@@ -76,7 +76,7 @@ def fill(root: str, n: int, name: str = "warm") -> None:
 
 def fill_dataset(root: str, spec_path: str, samples: range, name: str = "warm") -> None:
     """Put the spec's dataset samples ``samples`` in cache ``name`` under ``root``, keyed as the jobs key them."""
-    from hpcstagger.colocated.spec import Spec
+    from hpcstagger.spec.jobspec import Spec
 
     source = Spec.from_toml(spec_path).base_source()
     cache = ShmCache(name, CAPACITY, root=root)

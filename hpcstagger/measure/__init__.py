@@ -1,0 +1,5 @@
+"""Tools over whole runs."""
+
+from __future__ import annotations
+
+__all__: list[str] = []

@@ -1,0 +1,476 @@
+"""Measuring the shared source for calibration: its aggregate bandwidth with 1, 2, ... k concurrent
+readers, a cache's hit bandwidth, and whether the node's page cache can hold the whole dataset.
+
+What is measured is the source, not the page cache or a library's own cache:
+
+- **Fresh samples.** Readers read samples no reader has read before (:class:`SamplePool`): each
+  level takes its own slice of a random permutation of the samples not read yet, split into
+  disjoint subsets, one per reader, and nothing is read twice. A reader stops when its subset is
+  done, and the level's window closes when the first reader stops. Only when the dataset is too
+  small for that are samples read again, and the measurements say so (``fresh: false``).
+- **Dropped pages.** For file sources (:class:`~hpcstagger.cache.HDF5Source`,
+  :class:`~hpcstagger.cache.DirectorySource`, also under a
+  :class:`~hpcstagger.cache.ThrottledSource`) the files' pages are dropped from the page cache with
+  ``posix_fadvise(POSIX_FADV_DONTNEED)`` before each level (:func:`drop_pages`).
+
+The page-cache rule (:func:`page_cache_holds`): a file source that is not an emulated
+ThrottledSource, whose dataset takes less than half of the node's ``MemAvailable``, stays in the
+page cache once read; the node then has a transparent shared cache holding the whole dataset.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import queue as queue_mod
+import random
+import shutil
+import tempfile
+import time
+from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+
+from hpcstagger.errors import ConfigError, ModelError
+from hpcstagger.cache.sources import DirectorySource, HDF5Source
+from hpcstagger.cache.throttle import ThrottledSource
+from hpcstagger._io import drop_cached_pages
+
+__all__ = ["SamplePool", "trusted_bandwidth", "measure_readers", "hit_bandwidth", "reread_bandwidth", "preload",
+           "source_files", "drop_pages", "parse_meminfo", "mem_available", "page_cache_holds", "PAGE_CACHE_SHARE",
+           "MAX_READERS", "SPREAD_LIMIT", "combine_levels", "disagreeing"]
+
+PAGE_CACHE_SHARE = 0.5   # a dataset below this share of MemAvailable stays in the page cache
+MAX_READERS = 16         # most concurrent readers a calibration measures (the last level holds beyond)
+SPREAD_LIMIT = 0.10      # measurements of one level further apart than this share are measured again
+
+
+class SamplePool:
+    """Sample indices of ``n`` that no reader has read yet, in a random order (``exclude`` counts as read).
+
+    :meth:`take` hands out disjoint subsets; :attr:`fresh` turns False once samples had to be read
+    again because the fresh ones ran out. With ``in_order`` each reader gets a contiguous run of
+    indices instead, read in file order: what the kernel reads ahead is then read, not wasted, as
+    it is over a job's whole pass of a file that the page cache keeps.
+    """
+
+    def __init__(self, n: int, seed: int = 0, exclude: Sequence[int] = (), in_order: bool = False):
+        self.n = n
+        self.in_order = in_order
+        order = list(range(n))
+        if not in_order:
+            random.Random(seed).shuffle(order)
+        skip = set(exclude)
+        self._left = [i for i in order if i not in skip]
+        self._rng = random.Random(seed + 1)
+        self.fresh = True
+
+    @property
+    def left(self) -> int:
+        """How many samples no reader has read yet."""
+        return len(self._left)
+
+    def take(self, readers: int, levels_left: int = 1, least: int = 4) -> list[list[int]]:
+        """``readers`` disjoint subsets for one level: its share (1 / ``levels_left``) of the fresh
+        samples, or, when that gives a reader fewer than ``least``, a fresh permutation of all of
+        them (samples read again: :attr:`fresh` becomes False)."""
+        count = len(self._left) // max(1, levels_left)
+        if count >= least * readers:
+            chosen, self._left = self._left[:count], self._left[count:]
+        else:
+            chosen = list(range(self.n))
+            if not self.in_order:
+                self._rng.shuffle(chosen)
+            self.fresh = False
+        if self.in_order:
+            return [chosen[r * len(chosen) // readers:(r + 1) * len(chosen) // readers] for r in range(readers)]
+        return [chosen[r::readers] for r in range(readers)]
+
+
+def _reader(source: Any, indices: list[int], barrier: Any, duration: float, queue: Any, cache: Any,
+            started: Any) -> None:
+    """Child process: read ``indices`` in order until ``duration`` seconds after the LAST reader
+    started (``started``: a shared [count, latest start] pair), or until they run out.
+
+    Every reader's window ends at the same instant, counted from the last start: readers pass the
+    barrier together but, with more readers than free cores, one may first run long after another
+    (whose own window would then be over before it read anything). The first index is read before
+    the barrier (files opened, connections made) and not measured. With ``cache``, every sample
+    read is put into it (outside the timed read).
+    """
+    try:
+        first = source[indices[0]]
+        if cache is not None:
+            cache.put(source.key(indices[0]), first)
+        barrier.wait(timeout=120)
+        start = time.monotonic()
+        with started.get_lock():
+            started[0] += 1
+            started[1] = max(started[1], start)
+        k = barrier.parties
+        records = []
+        exhausted = True
+        for i in indices[1:]:
+            t0 = time.monotonic()
+            if started[0] >= k and t0 >= started[1] + duration:
+                exhausted = False
+                break
+            data = source[i]
+            t1 = time.monotonic()
+            records.append((t0, t1, len(data)))
+            if cache is not None:
+                cache.put(source.key(i), data)
+        end = started[1] + duration if started[0] >= k else math.inf
+        # a reader that ran out of samples stopped reading at its last read's end
+        stop = records[-1][1] if exhausted and records else end
+        queue.put(("ok", (start, min(stop, end)), records))
+    except BaseException as exc:  # reported to the parent
+        try:
+            barrier.abort()
+        except Exception:
+            pass
+        queue.put(("error", f"{type(exc).__name__}: {exc}", []))
+
+
+def aggregate(results: list[tuple[tuple[float, float], list[tuple[float, float, int]]]]) -> tuple[float, float]:
+    """Bytes/s of all readers inside the window where every reader was reading, and its length.
+
+    Each result is ``((start, stop), [(t0, t1, bytes), ...])``; reads that straddle the window's
+    edges count in proportion to their overlap. Raises ModelError when a reader ran out of samples
+    before the last one started (the one way left for the windows not to overlap).
+    """
+    lo = max(span[0] for span, _ in results)
+    hi = min(span[1] for span, _ in results)
+    if hi <= lo:
+        first = min(span[0] for span, _ in results)
+        short = min(results, key=lambda r: r[0][1])
+        raise ModelError(f"a calibration reader read all of its {len(short[1]) + 1} samples in "
+                         f"{short[0][1] - short[0][0]:.3f} s, before the last of the {len(results)} readers "
+                         f"started ({lo - first:.3f} s after the first): too few fresh samples per reader; "
+                         "give calibrate a larger dataset or fewer readers (--readers)")
+    total = 0.0
+    for _, records in results:
+        for t0, t1, nbytes in records:
+            if t1 <= lo or t0 >= hi:
+                continue
+            if t1 > t0:
+                total += nbytes * (min(t1, hi) - max(t0, lo)) / (t1 - t0)
+    return total / (hi - lo), hi - lo
+
+
+def _start(procs: list[Any]) -> None:
+    try:
+        for p in procs:
+            p.start()
+    except Exception as exc:
+        for p in procs:
+            if p.pid is not None:
+                p.terminate()
+                p.join(timeout=5)
+        raise ConfigError(f"the source cannot be sent to a reader process ({type(exc).__name__}: {exc}); "
+                          "a source must be picklable: define its class at module level") from exc
+
+
+def _collect(procs: list[Any], queue: Any, k: int, limit: float) -> tuple[list[Any], list[str]]:
+    """The readers' results, or the errors that stopped them; every reader is joined or ended."""
+    results: list[Any] = []
+    errors: list[str] = []
+    try:
+        deadline = time.monotonic() + limit
+        while len(results) + len(errors) < k:
+            try:
+                status, a, b = queue.get(timeout=0.2)
+            except queue_mod.Empty:
+                dead = [p for p in procs if p.exitcode is not None and p.exitcode != 0]
+                if dead:  # a reader died without reporting (it could not even start)
+                    errors.append(f"a reader process exited with status {dead[0].exitcode} before reporting")
+                    break
+                if time.monotonic() > deadline:
+                    errors.append(f"no answer from a reader within {limit:.0f} s")
+                    break
+                continue
+            if status == "ok":
+                results.append((a, b))
+            else:
+                errors.append(a)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+    return results, errors
+
+
+def measure_readers(source: Any, subsets: list[list[int]], duration: float, ctx: Any, *,
+                    cache: Any = None) -> dict[str, Any]:
+    """The source's aggregate bytes/s with ``len(subsets)`` concurrent reader processes (context
+    ``ctx``), each reading its own subset for at most ``duration`` seconds; with ``cache`` the
+    readers put what they read into it. Raises ConfigError for a source that cannot reach a
+    process and ModelError when a reader fails."""
+    k = len(subsets)
+    if any(len(s) < 2 for s in subsets):
+        raise ModelError(f"too few samples for {k} concurrent readers; give calibrate a larger dataset")
+    barrier = ctx.Barrier(k)
+    queue = ctx.Queue()
+    started = ctx.Array("d", [0.0, 0.0])  # readers started, the latest start (monotonic: one clock per node)
+    procs = [ctx.Process(target=_reader, args=(source, subsets[r], barrier, duration, queue, cache, started),
+                         daemon=True) for r in range(k)]
+    t0 = time.monotonic()
+    _start(procs)
+    results, errors = _collect(procs, queue, k, duration + 120)
+    if errors:
+        raise ModelError(f"reading the source with {k} concurrent reader(s) failed: {errors[0]}; "
+                         "check that the source is picklable and readable from a fresh process")
+    bw, window = aggregate(results)
+    return {"readers": k, "bandwidth": bw, "window_s": window, "elapsed_s": time.monotonic() - t0,
+            "reads": sum(len(r) for _, r in results)}
+
+
+def preload(source: Any, n: int, count: int, seconds: float, seed: int) -> tuple[list[int], list[tuple[str, bytes]]]:
+    """Random samples read into memory for about ``seconds`` (at most ``count``, at least one):
+    (their indices, their (key, bytes)). Raises ModelError when a read fails and ConfigError when
+    the source does not return bytes."""
+    rng = random.Random(seed)
+    deadline = time.monotonic() + seconds
+    idx = list(range(n))
+    rng.shuffle(idx)
+    read: list[int] = []
+    held: list[tuple[str, bytes]] = []
+    for i in idx[:max(1, count)]:
+        try:
+            data = source[i]
+        except Exception as exc:
+            raise ModelError(f"reading sample {i} from the source failed: {type(exc).__name__}: {exc}") from exc
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise ConfigError(f"source[{i}] returned {type(data).__name__}; a source returns the sample's bytes")
+        key = source.key(i) if hasattr(source, "key") else str(i)
+        read.append(i)
+        held.append((str(key), bytes(data)))
+        if time.monotonic() > deadline and len(held) >= min(count, 16):
+            break
+    return read, held
+
+
+def hit_bandwidth(samples: list[tuple[str, bytes]], cache: Any, seconds: float) -> dict[str, Any]:
+    """Per-reader bytes/s of cache hits: through ``cache`` (put/get) or files in /dev/shm."""
+    nbytes, t_used = 0, 0.0
+    tmp = None
+    try:
+        if cache is not None:
+            for key, data in samples:
+                cache.put(key, data)
+            how = f"{type(cache).__name__}.get"
+
+            def read(i: int) -> int:
+                got = cache.get(samples[i][0])
+                if got is None:
+                    raise ModelError(f"the cache lost key {samples[i][0]!r} just put; give calibrate a cache "
+                                     "with room for a few samples")
+                return len(got)
+        else:
+            root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            tmp = tempfile.mkdtemp(prefix="hpcstagger-calibrate-", dir=root)
+            paths = []
+            for i, (_, data) in enumerate(samples):
+                path = os.path.join(tmp, f"s{i}")
+                with open(path, "wb") as f:
+                    f.write(data)
+                paths.append(path)
+            how = f"files in {root or tempfile.gettempdir()}"
+
+            def read(i: int) -> int:
+                with open(paths[i], "rb") as f:
+                    return len(f.read())
+        nbytes, t_used, reads = _timed_reads(read, len(samples), seconds)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return {"hit_bandwidth": nbytes / t_used if t_used > 0 else math.inf, "reads": reads, "how": how}
+
+
+def _timed_reads(read: Any, count: int, seconds: float) -> tuple[int, float, int]:
+    """Call ``read(i % count)`` for ``seconds`` (at least ``count`` times): (bytes, seconds, calls)."""
+    nbytes, i = 0, 0
+    start = time.perf_counter()
+    while True:
+        nbytes += read(i % count)
+        i += 1
+        t_used = time.perf_counter() - start
+        if t_used >= seconds and i >= count:
+            return nbytes, t_used, i
+
+
+def reread_bandwidth(source: Any, indices: list[int], seconds: float) -> dict[str, Any]:
+    """Per-reader bytes/s of reading ``indices`` again through ``source`` (pages already in the
+    page cache): what a hit of the page cache costs a reader."""
+    def read(i: int) -> int:
+        return len(source[indices[i]])
+
+    nbytes, t_used, reads = _timed_reads(read, len(indices), seconds)
+    return {"hit_bandwidth": nbytes / t_used if t_used > 0 else math.inf, "reads": reads,
+            "how": f"{type(source).__name__} reads of samples in the page cache"}
+
+
+# ---------------------------------------------------------------------------- files and the page cache
+
+
+def source_files(source: Any) -> tuple[str, bool, Any]:
+    """(kind, emulated, file source): kind is "hdf5", "directory" or "other"; emulated is True under
+    a ThrottledSource, whose pacing, not the files, sets the read time."""
+    emulated = isinstance(source, ThrottledSource)
+    inner = source.source if emulated else source
+    if isinstance(inner, HDF5Source):
+        return "hdf5", emulated, inner
+    if isinstance(inner, DirectorySource):
+        return "directory", emulated, inner
+    return "other", emulated, inner
+
+
+def _drop(path: str) -> bool:
+    try:
+        drop_cached_pages(path)
+        return True
+    except OSError:
+        return False
+
+
+def drop_pages(source: Any, indices: Sequence[int] | None = None) -> int:
+    """Drop the page-cache pages of ``source``'s files (an HDF5 file whole; a directory's files of
+    ``indices``, default all) with ``posix_fadvise(DONTNEED)``; return how many files were advised
+    (0 for a source that is not a file source)."""
+    kind, _, inner = source_files(source)
+    if not hasattr(os, "posix_fadvise"):
+        return 0
+    if kind == "hdf5":
+        return int(_drop(inner.path))
+    if kind == "directory":
+        chosen = range(len(inner)) if indices is None else indices
+        return sum(_drop(inner.path(i)) for i in chosen)
+    return 0
+
+
+def parse_meminfo(text: str) -> dict[str, int]:
+    """``/proc/meminfo`` text as {field: bytes} (the ``kB`` values times 1024)."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        name, sep, rest = line.partition(":")
+        words = rest.split()
+        if not sep or not words:
+            continue
+        try:
+            value = int(words[0])
+        except ValueError:
+            continue
+        out[name.strip()] = value * 1024 if len(words) > 1 and words[1].lower() == "kb" else value
+    return out
+
+
+def mem_available(path: str = "/proc/meminfo") -> int | None:
+    """The node's ``MemAvailable`` in bytes, or None when it cannot be read."""
+    try:
+        with open(path) as f:
+            return parse_meminfo(f.read()).get("MemAvailable")
+    except OSError:
+        return None
+
+
+def page_cache_holds(dataset_bytes: float, available: int | None, *, file_source: bool, emulated: bool) -> bool:
+    """True when the node's page cache keeps the whole dataset once read: a file source, not an
+    emulated one (ThrottledSource), taking less than ``PAGE_CACHE_SHARE`` (half) of ``available``
+    (MemAvailable, bytes; None: unknown, so False)."""
+    if not file_source or emulated or available is None:
+        return False
+    return dataset_bytes < PAGE_CACHE_SHARE * available
+
+
+def measure_levels(source: Any, pool: SamplePool, levels: Sequence[int], seconds: float, ctx: Any, bar: Any, *,
+                   later_levels: int = 0, cache: Any = None, longest: float = math.inf,
+                   on_level: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """The source's aggregate bandwidth at each reader count of ``levels``, in turn, sharing ``seconds``
+    (at most ``longest`` seconds each).
+
+    Before each level the files' pages are dropped (:func:`drop_pages`), and its readers read fresh
+    samples from ``pool`` (which keeps a share for ``later_levels`` levels measured afterwards).
+    With ``cache`` the readers put what they read into it. Each level's entry says what it did, and
+    is handed to ``on_level`` as soon as it is measured (to be kept).
+    """
+    deadline = time.monotonic() + seconds
+    overhead = 0.0
+    out: list[dict[str, Any]] = []
+    for pos, k in enumerate(levels):
+        left = len(levels) - pos
+        subsets = pool.take(k, left + later_levels)
+        dropped = drop_pages(source, [i for s in subsets for i in s])
+        how = "fresh samples" if pool.fresh else "samples read again (the dataset is too small)"
+        if dropped:
+            how += ", page cache dropped"
+        bar.set_postfix_str(f"source with {k} reader(s): {how}")
+        window = min(longest, max(0.2, (deadline - time.monotonic()) / left - overhead))
+        m = measure_readers(source, subsets, window, ctx, cache=cache)
+        overhead = max(0.0, m["elapsed_s"] - window)  # process start-up, learnt from the last level
+        m.update(fresh=pool.fresh, dropped_files=dropped, how=how)
+        out.append(m)
+        if on_level is not None:
+            on_level(m)
+        bar.update(1)
+    return out
+
+
+MIN_WINDOW_S = 0.05  # a level measured over less than this, or a tenth of its run, is not trusted
+
+
+def trusted_bandwidth(levels: Sequence[Mapping[str, Any]]) -> tuple[list[float], str]:
+    """Each level's bandwidth, with any level after the first whose readers overlapped for too
+    short a window (under :data:`MIN_WINDOW_S`, or under a tenth of its run: its samples came
+    from somewhere faster than the source, such as pages still cached) replaced by the level
+    before it; and a note naming the levels replaced ("" when none was)."""
+    out: list[float] = []
+    held = []
+    for k, m in enumerate(levels):
+        window, elapsed = float(m.get("window_s", 1.0)), float(m.get("elapsed_s", 0.0))
+        if k and (window < MIN_WINDOW_S or window < 0.1 * elapsed):
+            out.append(out[-1])
+            held.append(f"{m['readers']} reader(s) ({m['bandwidth'] / 1e6:.1f} MB/s over {window:.3f} s)")
+        else:
+            out.append(float(m["bandwidth"]))
+    note = (f"; not trusted, too short a window, so the level before holds: {', '.join(held)}" if held else "")
+    return out, note
+
+
+def _trusted(m: Mapping[str, Any]) -> bool:
+    """Whether a level's measurement counts: one reader always does; more readers only over a
+    window of at least :data:`MIN_WINDOW_S` and a tenth of its run (see :func:`trusted_bandwidth`)."""
+    window, elapsed = float(m.get("window_s", 1.0)), float(m.get("elapsed_s", 0.0))
+    return int(m["readers"]) == 1 or not (window < MIN_WINDOW_S or window < 0.1 * elapsed)
+
+
+def combine_levels(levels: Sequence[Mapping[str, Any]]) -> tuple[list[float], list[float], str]:
+    """The curve of repeated measurements of the levels 1 .. K (in any order, each level at least
+    once): per level the median of its trusted measurements (a level with none holds the level
+    before, as :func:`trusted_bandwidth` does), the spread of those measurements ((max - min) /
+    median; 0 with one), and a note naming the measurements not trusted ("" when none)."""
+    top = max(int(m["readers"]) for m in levels)
+    curve: list[float] = []
+    spread: list[float] = []
+    held = []
+    for k in range(1, top + 1):
+        mine = [m for m in levels if int(m["readers"]) == k]
+        values = sorted(float(m["bandwidth"]) for m in mine if _trusted(m))
+        held += [f"{k} reader(s) ({m['bandwidth'] / 1e6:.1f} MB/s over {float(m['window_s']):.3f} s)"
+                 for m in mine if not _trusted(m)]
+        if not values:
+            curve.append(curve[-1])
+            spread.append(spread[-1])
+            continue
+        n = len(values)
+        median = values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
+        curve.append(median)
+        spread.append((values[-1] - values[0]) / median if n > 1 else 0.0)
+    note = (f"; not trusted, too short a window: {', '.join(held)}" if held else "")
+    return curve, spread, note
+
+
+def disagreeing(levels: Sequence[Mapping[str, Any]], limit: float = SPREAD_LIMIT) -> list[int]:
+    """The reader counts whose repeated measurements lie further apart than ``limit`` (a share)."""
+    _, spread, _ = combine_levels(levels)
+    return [k for k, s in enumerate(spread, start=1) if s > limit]

@@ -1,0 +1,5 @@
+"""Deciding the stagger."""
+
+from __future__ import annotations
+
+__all__: list[str] = []

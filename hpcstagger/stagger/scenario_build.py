@@ -1,0 +1,215 @@
+"""The scenario of a spec's calibration (pure): its measurements in, the scenario and a comment
+per value out (:func:`build_scenario`), for ``hpcstagger calibrate --spec``
+(:mod:`hpcstagger.measure.spec_calibration`) and a learning run (:mod:`hpcstagger.stagger.learning`).
+
+Every comment states the value the file holds, never an intermediate figure: ``[storage]
+bandwidth`` holds the source's curve as the jobs see it (each level the median of its repeated
+measurements, with the cost a miss adds in the jobs folded in), and says so; the raw
+measurements stay in the reports' ``measurements.json``. ``[storage] spread`` holds how far each
+level's measurements lay apart.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+from collections.abc import Mapping, Sequence
+
+from hpcstagger import config
+from hpcstagger.errors import ConfigError
+from hpcstagger.model.calibrate import capacity_bytes
+from hpcstagger.model.source_probe import SPREAD_LIMIT, combine_levels
+from hpcstagger.model.scenario import POLICIES, Cache, Dataset, Job, Loader, Node, Scenario, Storage
+from hpcstagger.spec.jobspec import Spec
+from hpcstagger.model.runfit import counted_factor
+from hpcstagger.stagger.steering import MIN_READS
+
+__all__ = ["BASELINE_RANGE", "build_scenario", "describe_job", "fit_baseline", "scenario_cache", "scenario_job",
+           "source_note", "fold_miss_overhead"]
+
+BASELINE_RANGE = (0.5, 2.0)  # a fit baseline outside this is not a read pattern's: it is not used
+
+
+def describe_job(f: Mapping[str, Any]) -> str:
+    """One line: what a job's calibration measured."""
+    loader = (f"{f['workers']} worker(s), prefetch {f['prefetch']}" if f["workers"] else "main-process loading")
+    return (f"{f['batches']} batches on {f['ranks']} rank(s), batch {f['batch']}, {loader}: "
+            f"{f['sample_time'] * 1e3:.3f} ms/sample, handoff {f['handoff'] * 1e3:.2f} ms/batch, "
+            f"start-up {f['startup']:.2f} s (epoch restart {f['epoch_start']:.2f} s), "
+            f"order {f.get('order') or 'its own'}, "
+            f"prep {f['prep_time'] * 1e3:.3f} ms/sample, miss overhead {f['miss_overhead'] * 1e3:.3f} ms "
+            f"({f['hits']} hits, {f['misses']} misses; stopped: {f['stopped']})"
+            + ("" if f["samples_seen"] else "; no CachedDataset sample costs seen (a loader that is no DataLoader "
+               "over a CachedDataset, or workers started before session.loader): prep and miss overhead "
+               "not measured"))
+
+
+def _finite(bw: float) -> float:
+    return bw if math.isfinite(bw) and bw > 0 else math.inf
+
+
+def scenario_cache(meas: Mapping[str, Any], spec: Spec, capacity: float | str | None,
+           policy: str | None) -> tuple[Cache, dict[str, str]]:
+    """The scenario's cache, and how its capacity and hit bandwidth were found (comments)."""
+    n, size, pc = meas["samples"], meas["sample_bytes"], meas["page_cache"]
+    shm = meas["hits"]["hit_bandwidth"]
+    if pc["holds"]:
+        page = pc["hit_bandwidth"]
+        has_shm = spec.cache.capacity > 0 and spec.cache.policy != "none"
+        notes = {"cache.capacity": f"the page cache: the dataset ({pc['dataset_bytes'] / 1e6:.0f} MB) is below half "
+                                   f"of MemAvailable ({pc['mem_available'] / 1e6:.0f} MB), so the node keeps all of it "
+                                   "once read, a cache shared by every job",
+                 "cache.hit_bandwidth": f"the page cache's ({page / 1e9:.2f} GB/s, {pc['how']})" +
+                                        (f" or the ShmCache's ({shm / 1e9:.2f} GB/s), the slower" if has_shm else "")}
+        hit = min(page, shm) if has_shm else page
+        notes["cache.coalesce"] = "the page cache: a reader of a page being read waits for that read"
+        return Cache(capacity=n * size, policy="minio", hit_bandwidth=_finite(hit), coalesce=True), notes
+    cap = capacity_bytes(capacity, n, size) if capacity is not None else float(spec.cache.capacity)
+    pol = policy or (spec.cache.policy if cap > 0 else "none")
+    if pol not in POLICIES:
+        raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {pol!r}")
+    notes = {"cache.hit_bandwidth": f"measured per reader with {meas['hits']['how']}"}
+    entries = spec.cache_entries()
+    if entries < min(n, cap // size):  # the index fills before the arena
+        notes["cache.capacity"] = (f"{entries} entries of {size:.0f} bytes: the cache's index ([cache] max_entries) "
+                                   f"holds fewer samples than {cap:.0f} bytes would")
+        return _partitioned(spec, Cache(capacity=entries * size, policy=pol, hit_bandwidth=_finite(shm)), notes), notes
+    if not pc["holds"] and pc["source"] != "other":
+        notes["cache.capacity"] = ("the spec's [cache] (the source is emulated: no page cache)" if pc["emulated"] else
+                                   "the spec's [cache]: the dataset is too large for the page cache to keep")
+    return _partitioned(spec, Cache(capacity=cap, policy=pol, hit_bandwidth=_finite(shm)), notes), notes
+
+
+def _partitioned(spec: Spec, cache: Cache, notes: dict[str, str]) -> Cache:
+    """``cache`` partitioned when the spec's cache is (``[cache] partitioned`` or the knob), with the
+    default remote-hit bandwidth: calibration runs on one node and cannot measure a remote hit."""
+    if not spec.cache_partitioned() or cache.capacity <= 0:
+        return cache
+    remote = float(config.get("cache_remote_bandwidth"))
+    notes["cache.capacity"] = notes.get("cache.capacity", "the spec's [cache]") + "; per node (partitioned)"
+    notes["cache.nodes"] = "calibration runs on one node; a run plans with the nodes it spans"
+    notes["cache.remote_bandwidth"] = (f"NOT MEASURED (calibration runs on one node): the cache_remote_bandwidth "
+                                       f"knob ({remote / 1e9:.2f} GB/s); set your network's remote-hit throughput")
+    return replace(cache, partitioned=True, nodes=1, remote_bandwidth=remote)
+
+
+def scenario_job(name: str, m: Mapping[str, Any], epochs: int) -> Job:
+    """A job of the scenario from its measurement (a step factory's keeps the loader defaults, and
+    ``loader_seen = false``)."""
+    sample_time = max(float(m["sample_time"]), 1e-9)
+    if m["route"] == "step":  # its loader unseen: a plan makes no job wait on it
+        return Job(name=name, sample_time=sample_time, epochs=epochs, loader_seen=False)
+    return Job(name=name, sample_time=sample_time, epochs=epochs, ranks=m["ranks"], workers=m["workers"],
+               batch=m["batch"], prefetch=m["prefetch"], handoff=m["handoff"], prep_time=m["prep_time"],
+               startup=m["startup"], epoch_start=m["epoch_start"], order=m.get("order", ""))
+
+
+def fit_baseline(jobs: Mapping[str, Mapping[str, Any]], curve: tuple[float, ...],
+                 sample_bytes: float) -> tuple[float, str]:
+    """What the jobs' own source reads, counted in flight while each ran alone in calibration, got of
+    ``curve`` (:func:`~hpcstagger.model.runfit.counted_factor`, pooled over the jobs), and a comment.
+    1 when they read too little (fewer than :data:`~.steer.MIN_READS` samples) or were not counted;
+    1 as well, with the figure in the comment, outside :data:`BASELINE_RANGE`: the jobs' reads
+    then differ from the measured curve by more than a read pattern explains."""
+    counted = [m["source_reads"] for m in jobs.values() if m.get("source_reads")]
+    nbytes = sum(float(r["bytes"]) for r in counted)
+    seconds = sum(float(r["seconds"]) for r in counted)
+    spent = [sum(v) for v in zip(*[r["flight"] for r in counted], strict=True)] if counted else []
+    if not counted or sample_bytes <= 0 or nbytes / sample_bytes < MIN_READS:
+        return 1.0, (f"not measured: the jobs read {nbytes / max(sample_bytes, 1.0):.0f} sample(s) from the source "
+                     "while calibrated" if counted else "not measured: no cache counted the jobs' source reads")
+    factor = counted_factor(curve, spent, nbytes, seconds)
+    if factor is None:
+        return 1.0, "not measured: the jobs' source reads were not counted in flight"
+    lo, hi = BASELINE_RANGE
+    if not lo <= factor <= hi:
+        return 1.0, (f"not used: the jobs' {nbytes / sample_bytes:.0f} source reads got {factor:.2f} of the curve, "
+                     f"outside {lo}-{hi}; check the source or calibrate again")
+    return factor, (f"the jobs' {nbytes / sample_bytes:.0f} source reads, counted in flight while each ran alone, got "
+                    f"this share of the curve; the closed-loop watcher fits the source relative to it")
+
+
+def _mbs(values: Any) -> str:
+    return ", ".join(f"{b / 1e6:.1f}" for b in values)
+
+
+def source_note(meas: Mapping[str, Any]) -> tuple[list[float], list[float], str, str]:
+    """The source's curve as measured (each level's median), its spread, the comment on ``[storage]
+    spread`` and a line for the summary when levels still disagree ("" otherwise)."""
+    measured, spread, _ = combine_levels(meas["source"])
+    wide = [k for k, s in enumerate(spread, start=1) if s > SPREAD_LIMIT]
+    comment = ("how far each level's measurements lay apart, (max - min) / median: "
+               + ", ".join(f"{s * 100:.0f}%" for s in spread))
+    line = ""
+    if wide:
+        comment += (f"; with {', '.join(map(str, wide))} reader(s) they still disagree after measuring again: the "
+                    "source varies (other users, a busy node); calibrate again at a quieter time")
+        line = (f"the source's measurements disagree with {', '.join(map(str, wide))} reader(s) by "
+                + ", ".join(f"{spread[k - 1] * 100:.0f}%" for k in wide) + " after measuring again "
+                f"(more than {SPREAD_LIMIT * 100:.0f}%): the scenario keeps each level's median")
+    return measured, spread, comment, line
+
+
+def _storage_comment(meas: Mapping[str, Any], curve: tuple[float, ...], overhead: float) -> str:
+    """What ``[storage] bandwidth`` holds, and how it was found (no other figure: see the module docstring)."""
+    counts = sorted({sum(1 for m in meas["source"] if int(m["readers"]) == k) for k in range(1, len(curve) + 1)})
+    levels = meas["source"]
+    fresh = all(m.get("fresh", True) for m in levels)
+    dropped = any(m.get("dropped_files") for m in levels)
+    _, _, untrusted = combine_levels(levels)
+    return (f"holds {_mbs(curve)} MB/s with 1 .. {len(curve)} readers: per level the median of its "
+            f"{' or '.join(map(str, counts))} measurements with concurrent reader processes"
+            + (" less the time a miss costs the jobs besides the read (lookup and insert), folded in"
+               if overhead else "")
+            + "; " + ("fresh samples" if fresh else "some samples read again (small dataset)")
+            + (", page cache dropped before each level" if dropped else "")
+            + ("; in file order, each reader a contiguous run (the page cache keeps what readahead brings in)"
+               if meas["page_cache"]["holds"] else "")
+            + ("; more readers hold the last level (the jobs can have more reads in flight)"
+               if meas.get("reader_cap") else "")
+            + ("; a measurement read over too short a window was not trusted (measurements.json)"
+               if untrusted else ""))
+
+
+def build_scenario(meas: dict[str, Any], spec: Spec, epochs: int | Mapping[str, int] | None,
+                   capacity: float | str | None, policy: str | None) -> tuple[Scenario, dict[str, str]]:
+    """The scenario of the measurements, and a comment per value saying how it was measured; sets
+    ``meas``'s ``miss_overhead``, ``fit_baseline``, ``source_curve`` and ``source_spread``."""
+    size = meas["sample_bytes"]
+    measured, spread, comments_spread, meas["source_disagree"] = source_note(meas)
+    overheads = [m["miss_overhead"] for m in meas["jobs"].values()
+                 if m["route"] == "command" and m["misses"] and m["miss_overhead"] > 0]
+    overhead = sum(overheads) / len(overheads) if overheads else 0.0
+    meas.update(miss_overhead=overhead, source_measured=measured, source_spread=spread)
+    cache, comments = scenario_cache(meas, spec, capacity, policy)
+    comments["dataset.sample_bytes"] = f"mean of {meas['preloaded']} samples read"
+    jobs = []
+    for j in spec.jobs:
+        m = meas["jobs"][j.name]
+        n_epochs = (epochs.get(j.name, j.epochs) if isinstance(epochs, Mapping) else epochs) or j.epochs
+        jobs.append(scenario_job(j.name, m, int(n_epochs)))
+        comments[f"job.{j.name}"] = ("measured from its command: " + describe_job(m) if m["route"] == "command" else
+                                     f"its step factory: {m['sample_time'] * 1e3:.3f} ms/sample over {m['calls']} "
+                                     f"in-memory batches of {m['batch']}")
+    cores = float(meas["cores"])
+    if cores:
+        comments["node.cores"] = meas["cores_how"]
+    curve = tuple(fold_miss_overhead(measured, size, overhead))
+    meas["source_curve"] = list(curve)
+    comments["storage.bandwidth"] = _storage_comment(meas, curve, overhead)
+    comments["storage.spread"] = comments_spread
+    baseline, comments["storage.fit_baseline"] = fit_baseline(meas["jobs"], curve, size)
+    meas["fit_baseline"] = baseline
+    scenario = Scenario(dataset=Dataset(samples=meas["samples"], sample_bytes=size),
+                        storage=Storage(curve, fit_baseline=baseline, spread=tuple(spread)), jobs=tuple(jobs),
+                        cache=cache, loader=Loader(prefetch=2), node=Node(cores=cores))
+    return scenario, comments
+
+
+def fold_miss_overhead(bandwidth: Sequence[float], sample_bytes: float, overhead: float) -> list[float]:
+    """The source's aggregate bandwidth as the jobs see it when each read of ``sample_bytes`` costs
+    them ``overhead`` seconds more (its cache insert, ...): with ``k`` readers a read then takes
+    ``sample_bytes * k / bandwidth[k-1] + overhead``."""
+    size = float(sample_bytes)
+    return [k * size / (k * size / float(b) + overhead) for k, b in enumerate(bandwidth, start=1)]

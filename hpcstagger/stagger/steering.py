@@ -1,0 +1,431 @@
+"""Closed-loop staggering: when to release each waiting job, from what the run shows (pure).
+
+The plan's delays are the prior. While jobs wait, the watcher (:mod:`.release`) looks at the run
+often and hands :class:`Steering` a :class:`Look`: the source reads
+counted by the shared cache (bytes and seconds, :meth:`ShmCache.count_read`), each started job's
+progress (:mod:`.progress`) and state. :meth:`Steering.decide` then:
+
+1. **fits the source**: the bytes read over the last few seconds, against what the calibrated
+   curve delivers in the time the cache counted with 1, 2, ... reads in flight, gives a factor on
+   the source's bandwidth, taken relative to the same fit on the jobs' calibration runs
+   (``[storage] fit_baseline``: the jobs' sparse reads need not get what the calibration's
+   back-to-back readers got). Without counts, the mean number of reads in flight (read seconds
+   per second) stands in;
+2. **fits each running job**: the factor on its CPU costs (``sample_time``, ``prep_time``,
+   ``handoff``) under which the model, with the source fitted and the job's loop started when it
+   really did, predicts the progress the job has made (:func:`~hpcstagger.model.runfit.fit_scale`).
+   A job whose predicted progress does not fall as its costs grow (it follows another job through
+   the cache: slowed down, it hits more) keeps its factor: the window cannot tell its costs;
+3. **decides**: with the fitted model, the predicted makespan as a function of when the next group
+   of waiting jobs starts (:func:`~hpcstagger.model.runfit.best_release`); the group is released
+   when starting now is best. Later groups keep their planned gaps behind it in that prediction.
+   Starts are compared over the plan's start-time spread (its ``jitter``), as the plan compared
+   staggers: the best exact start is often on the edge of a cliff in the curve.
+
+It looks every 0.25 s and re-fits at most every ``steer_interval`` seconds (and when the best
+start it found comes due). Without evidence yet (no loop older than 0.5 s) the prior holds: the
+group is released at its planned delay. ``[plan] min_delay`` and ``max_delay`` bound every
+release, and a group is released as soon as every job started before it has finished. Every
+release says why (:attr:`Decision.reason`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+
+from hpcstagger.model import Scenario
+from hpcstagger.model.runfit import best_release, counted_factor, fit_scale, progress_series, source_factor
+from hpcstagger.spec.records import fraction_done, throughput
+
+__all__ = ["Look", "Decision", "Steering", "release_groups", "steer_record"]
+
+log = logging.getLogger(__name__)
+
+WINDOW = 3.0     # seconds of read counters the source fit uses
+MIN_READS = 16   # reads the window needs before the source fit counts
+MOVED = 0.05     # relative change of a fitted factor that asks for a new release curve
+MATCH = 0.03     # a job's progress predicted this close needs no new factor
+FIT_WINDOW = 2.0  # seconds of a job's recent progress its factor is fitted to
+LOOK = 0.25      # seconds between the watcher's looks at the run
+WARMUP = 0.5     # seconds of a job's loop before its progress and reads count as evidence
+PROBES = 3       # factors a job's fit tries first, to see that its progress falls as its costs grow
+ALPHA = (0.5, 2.0)  # the range of a job's fitted factor (a calibration off by more is not steered but redone)
+
+
+
+def release_groups(delays: Mapping[str, float], order: Sequence[str]) -> list[list[str]]:
+    """Jobs grouped by planned delay, earliest first (spec order within a group)."""
+    by: dict[float, list[str]] = {}
+    for name in order:
+        by.setdefault(round(float(delays[name]), 9), []).append(name)
+    return [by[d] for d in sorted(by)]
+
+
+def steer_record(delays: Mapping[str, float], order: Sequence[str], *, lo: float, hi: float | None, horizon: float,
+                 interval: float, observe_only: bool = False, min_gain: float = 0.0) -> dict[str, Any] | None:
+    """The plan's ``steer`` entry, or None when no job waits (pure).
+
+    It holds the release ``groups``, the ``host`` (world rank of the leader of the last group's
+    first job; None until every rank knows the ranks: :func:`set_host`), the bounds, and ``latest``:
+    each waiting job's latest possible release (seconds after time zero), which the watcher keeps
+    to: ``min(max_delay, planned + horizon)``, and at least ``min_delay``. With ``observe_only``
+    the watcher fits and records but releases at the planned delays (``[plan] steer = false``).
+    ``min_gain`` is the least predicted gain (fraction of the makespan) that moves a release off
+    the plan's delay (the ``steer_min_gain`` knob)."""
+    groups = release_groups(delays, order)
+    if len(groups) < 2:
+        return None
+    latest = {}
+    for g in groups[1:]:
+        planned = float(delays[g[0]])
+        last = planned + horizon if hi is None else min(hi, planned + horizon)
+        latest.update({n: max(last, lo) for n in g})
+    return {"groups": groups, "host": None, "min_delay": lo, "max_delay": hi, "horizon": horizon,
+            "interval": interval, "latest": latest, "observe_only": bool(observe_only),
+            "min_gain": float(min_gain)}
+
+
+@dataclass
+class Look:
+    """One look at the run, ``t`` seconds after its time zero.
+
+    ``read_bytes``/``read_seconds``: the cache's source-read counters (None without a cache);
+    ``flight``: the cache's seconds with 1, 2, ... source reads in flight (None without one);
+    ``progress``: each started job's latest progress record (:mod:`.progress`); ``state``: each
+    started job leader's status (``started``, ``done``, ...)."""
+
+    t: float
+    read_bytes: float | None = None
+    read_seconds: float | None = None
+    flight: list[float] | None = None
+    progress: dict[str, dict[str, Any]] = field(default_factory=dict)
+    state: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Decision:
+    """A release: the jobs, when (seconds since time zero), why, and what the model said then."""
+
+    jobs: list[str]
+    at: float
+    planned: float
+    reason: str
+    predicted: float | None = None
+    fit: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """As plain JSON-able types."""
+        return {"jobs": list(self.jobs), "at": self.at, "planned": self.planned, "reason": self.reason,
+                "predicted": self.predicted, "fit": dict(self.fit)}
+
+
+class Steering:
+    """Decides when each waiting group is released (see the module docstring).
+
+    ``build(source_scale, job_scales)`` makes the scenario (already with the spec's jobs, the
+    cache's state and each job's calibration) with those factors applied; ``bandwidth`` is the
+    calibrated source curve the source factor multiplies; ``epochs`` each job's epochs; ``delays``
+    the plan; ``lo``/``hi`` bound every release; ``interval`` is the watcher's period.
+    ``baseline`` is what the counted source fit gave on the jobs' own reads while calibrated
+    (the scenario's ``[storage] fit_baseline``): a fit is taken relative to it. ``jitter`` is the
+    start-time spread the plan was made for: release times are compared over it as the plan's were.
+    """
+
+    def __init__(self, build: Callable[[float, Mapping[str, float]], Scenario], bandwidth: Sequence[float],
+                 order: Sequence[str], delays: Mapping[str, float], epochs: Mapping[str, int], *,
+                 lo: float = 0.0, hi: float = math.inf, interval: float = 1.0, horizon: float | None = None,
+                 look: float = LOOK, observe_only: bool = False, min_gain: float = 0.0,
+                 baseline: float = 1.0, jitter: float = 0.0):
+        self.build = build
+        self.bandwidth = list(bandwidth)
+        self.order = list(order)
+        self.planned = {n: float(delays[n]) for n in order}
+        self.epochs = dict(epochs)
+        self.lo, self.hi, self.interval = float(lo), float(hi), float(interval)
+        self.observe_only = observe_only  # fit and record, but release at the planned delays
+        self.min_gain = max(0.0, float(min_gain))  # least predicted gain that moves a release off the plan
+        # what the counted source fit gave on the jobs' own calibration runs: "as calibrated"
+        self.baseline = float(baseline) if baseline and math.isfinite(baseline) and baseline > 0 else 1.0
+        self.jitter = float(jitter) if math.isfinite(jitter) and jitter > 0 else 0.0  # the plan's start spread
+        self.look = min(float(look), self.interval)  # seconds between looks (a look is cheap, a re-fit is not)
+        self.groups = release_groups(self.planned, self.order)
+        self.released: dict[str, float] = {}
+        self.decisions: list[Decision] = []
+        self.looks: list[Look] = []
+        self.fits: list[dict[str, Any]] = []  # every re-fit that asked the model for a release curve
+        self.source_seen: dict[str, Any] = {}
+        self.cpu_seconds = 0.0  # the watcher's own CPU time in decide()
+        self.prefetched: Callable[[], float] | None = None  # the share a waiting job prefetched (.prefetch)
+        self.beta = 1.0
+        self.alpha: dict[str, float] = {}
+        self._curve_at: tuple[float, dict[str, float]] | None = None
+        self.target: float | None = None
+        self._best = math.nan  # the predicted makespan at the target
+        self._optimum = (math.nan, math.nan)  # the best (start, makespan) found; the target may be nearer the plan
+        prior = build(1.0, {})
+        self._sample_bytes = float(prior.dataset.sample_bytes)
+        self._fetch = {j.name: j.fetchers() for j in prior.jobs}
+        plan_span = max(self.planned.values(), default=0.0)
+        self.horizon = float(horizon) if horizon else max(2.0 * plan_span, 10.0)
+
+    # ---- state ---------------------------------------------------------------------------------
+    @property
+    def waiting(self) -> list[list[str]]:
+        """The groups not yet released, in release order."""
+        return [g for g in self.groups if not all(n in self.released for n in g)]
+
+    def until_next_look(self, now: float) -> float:
+        """Seconds from ``now`` to the next look: the look period, or less when a release may come
+        due before it (the best start found, the next group's planned delay or a bound), so that a
+        release at the plan's delay is not a look late."""
+        if not self.waiting:
+            return self.look
+        planned = min(self.planned[n] for n in self.waiting[0])
+        due = [t for t in (max(planned, self.lo), self.hi, self.target) if t is not None and t > now]
+        return min([self.look] + [t - now for t in due])
+
+    def release(self, jobs: list[str], now: float, reason: str, predicted: float | None = None) -> Decision:
+        """Record the release of ``jobs`` at ``now``."""
+        planned = min(self.planned[n] for n in jobs)
+        fit = {"source": self.beta, "jobs": dict(self.alpha)}
+        d = Decision(list(jobs), float(now), planned, reason, predicted, fit)
+        for n in jobs:
+            self.released[n] = float(now)
+        self.decisions.append(d)
+        self._curve_at = None
+        self.target = None
+        log.info("releasing %s at +%.2f s (planned +%.2f s): %s", ", ".join(jobs), now, planned, reason)
+        return d
+
+    # ---- fitting -------------------------------------------------------------------------------
+    def _fetchers(self) -> int:
+        """Reads the started jobs can have in flight (their ranks times their workers)."""
+        return max(1, sum(self._fetch.get(n, 1) for n in self.released))
+
+    def _fit_source(self, since: float) -> bool:
+        """Fit the source from the read counters of the looks since ``since`` (the loops warmed up)."""
+        looks = [lk for lk in self.looks if lk.read_bytes is not None and lk.read_seconds is not None
+                 and lk.t >= since]
+        # the window ends at the last look that saw new reads: once the jobs stop reading (the cache
+        # holds what they need) the time without reads says nothing about the source
+        while len(looks) >= 2 and looks[-1].read_bytes == looks[-2].read_bytes:
+            looks.pop()
+        if len(looks) < 2:
+            return False
+        last = looks[-1]
+        first = next((lk for lk in looks if lk.t >= last.t - WINDOW), looks[0])
+        if first is last:
+            first = looks[-2]
+        assert last.read_bytes is not None and first.read_bytes is not None
+        assert last.read_seconds is not None and first.read_seconds is not None
+        nbytes = last.read_bytes - first.read_bytes
+        secs = last.read_seconds - first.read_seconds
+        size = self._sample_bytes
+        if size > 0 and nbytes / size < MIN_READS:
+            return False
+        scale, how = self._counted_factor(first, last, nbytes, secs), "reads in flight counted"
+        if scale is None:
+            scale = source_factor(self.bandwidth, self._fetchers(), nbytes, secs, last.t - first.t)
+            how = "mean in flight"
+        if scale is None:
+            return False
+        self.source_seen = {"readers": secs / (last.t - first.t), "bytes_per_s": nbytes / (last.t - first.t),
+                            "per_read": nbytes / secs if secs > 0 else None, "window": last.t - first.t,
+                            "estimator": how, "baseline": self.baseline}
+        self.beta = min(4.0, max(0.25, scale))
+        return True
+
+    def _counted_factor(self, first: Look, last: Look, nbytes: float, secs: float) -> float | None:
+        """The source factor from the cache's exact count of reads in flight: the ``nbytes`` read over
+        what the curve delivers in the time spent at each count, relative to the same fit on the
+        jobs' calibration runs (``baseline``), or None when the reads were not counted (a cache or a
+        loader that does not bracket its reads) over most of the window's ``secs`` read-seconds."""
+        if not first.flight or not last.flight:
+            return None
+        spent = [max(0.0, b - a) for a, b in zip(first.flight, last.flight, strict=True)]
+        scale = counted_factor(self.bandwidth, spent, nbytes, secs)
+        return None if scale is None else scale / self.baseline
+
+    def _loop_starts(self, look: Look, t0_wall: float) -> dict[str, float]:
+        out = {}
+        for n in self.released:
+            rec = look.progress.get(n)
+            if rec and rec.get("loop_start"):
+                out[n] = float(rec["loop_start"]) - t0_wall
+        return out
+
+    def scenario(self, loop_starts: Mapping[str, float],
+                 alpha: Mapping[str, float] | None = None) -> tuple[Scenario, list[float]]:
+        """The fitted scenario (with the job factors ``alpha``, default the fitted ones) and the
+        start times of the started jobs (inf for the others): a job whose loop has begun starts
+        then, with no start-up left."""
+        sc = self.build(self.beta, self.alpha if alpha is None else alpha)
+        jobs, starts = [], []
+        for job in sc.jobs:
+            if job.name in loop_starts:
+                jobs.append(replace(job, startup=0.0))
+                starts.append(max(0.0, loop_starts[job.name]))
+            else:
+                jobs.append(job)
+                starts.append(self.released.get(job.name, math.inf))
+        return replace(sc, jobs=tuple(jobs)), starts
+
+    def _fit_jobs(self, look: Look, loop_starts: Mapping[str, float]) -> None:
+        """Each running job's factor, from its progress over the last ``FIT_WINDOW`` seconds of its
+        record's history (a window, so that how its loop began does not bias it); kept when the
+        model with the current factor already predicts that progress within ``MATCH``."""
+        for name, start in loop_starts.items():
+            rec = look.progress.get(name) or {}
+            hist = rec.get("history") or []
+            per = (rec.get("per_epoch") or 0) * self.epochs.get(name, 1)
+            if len(hist) < 2 or per <= 0:
+                continue
+            tb = float(hist[-1][0])
+            ta = max(WARMUP, tb - FIT_WINDOW)
+            if tb - ta < WARMUP:
+                continue
+            observed = (throughput(rec, ta, tb) or 0.0) * (tb - ta) / per  # fraction done in the window
+            if observed <= 0:
+                continue
+
+            def make(a: float, name: str = name) -> Scenario:
+                return self.scenario(loop_starts, {**self.alpha, name: a})[0]
+
+            sc0, starts = self.scenario(loop_starts)
+            index = sc0.job_index(name)
+            window = [start + ta, start + tb]
+
+            def measure(sc: Scenario, index: int = index, starts: list[float] = starts,
+                        window: list[float] = window) -> float:
+                pa, pb = progress_series(sc, starts, window)
+                return pb[index] - pa[index]
+
+            if abs(measure(sc0) - observed) <= MATCH * observed:
+                continue
+            a = fit_scale(make, measure, observed, lo=ALPHA[0], hi=ALPHA[1], iterations=6, flat=0.1, probes=PROBES)
+            # None: its progress is not one-to-one with its speed here (it follows another job
+            # through the cache), so the window says nothing about its costs; at a bound the model
+            # cannot explain the progress this way. Either way: keep what there was
+            if a is not None and ALPHA[0] < a < ALPHA[1]:
+                self.alpha[name] = a
+
+    # ---- deciding ------------------------------------------------------------------------------
+    def decide(self, look: Look, t0_wall: float) -> list[Decision]:
+        """The releases due at ``look.t`` (usually none or one group), recorded."""
+        cpu = time.thread_time()
+        try:
+            return self._decide(look, t0_wall)
+        finally:
+            self.cpu_seconds += time.thread_time() - cpu
+
+    def _keep(self, look: Look) -> None:
+        self.looks.append(look)
+        self.looks = [lk for lk in self.looks if lk.t >= look.t - 4 * WINDOW] or [look]
+
+    def observe(self, look: Look, t0_wall: float) -> bool:
+        """After the last release, fit without deciding: the source, then each running job, once
+        the loops give evidence: one fit, over a full window (``WINDOW`` seconds) after the last loop
+        has warmed up, or over what there was once the source reads have stopped. A run whose
+        releases all came before any evidence (a plan's delay shorter than the jobs' start-up) thus
+        still measures what the history needs. True once done: the source fitted, or, when the run
+        has no read counters, the jobs."""
+        cpu = time.thread_time()
+        try:
+            self._keep(look)
+            loop_starts = self._loop_starts(look, t0_wall)
+            if not loop_starts or look.t < max(loop_starts.values()) + WARMUP:
+                return False
+            counted = [lk.read_bytes for lk in self.looks[-3:]]
+            stopped = len(counted) == 3 and counted[0] is not None and counted[0] == counted[1] == counted[2]
+            if look.t < max(loop_starts.values()) + WARMUP + WINDOW and not stopped:
+                return False
+            if not self._fit_source(max(loop_starts.values()) + WARMUP) and look.read_bytes is not None:
+                return False
+            self._fit_jobs(look, loop_starts)
+            self.fits.append({"t": look.t, "loops": dict(loop_starts), "seen": dict(self.source_seen),
+                              "source": self.beta, "jobs": dict(self.alpha), "after_release": True})
+            return True
+        finally:
+            self.cpu_seconds += time.thread_time() - cpu
+
+    def _decide(self, look: Look, t0_wall: float) -> list[Decision]:
+        self._keep(look)
+        out: list[Decision] = []
+        for group in self.waiting:
+            d = self._decide_group(group, look, t0_wall)
+            if d is None:
+                break
+            out.append(d)
+        return out
+
+    def _decide_group(self, group: list[str], look: Look, t0_wall: float) -> Decision | None:
+        now = look.t
+        planned = min(self.planned[n] for n in group)
+        if now < self.lo:
+            return None
+        if now >= self.hi:
+            return self.release(group, now, f"upper bound: max_delay {self.hi:g} s reached")
+        if self.observe_only and now >= max(planned, self.lo):
+            return self.release(group, now, "the plan's delay (observing only: [plan] steer = false)")
+        started = [n for n in self.released]
+        if started and not self.observe_only and all(look.state.get(n) in ("done", "exited") for n in started):
+            return self.release(group, now, "every job started before it has finished")
+        loop_starts = self._loop_starts(look, t0_wall)
+        evidence = any(look.t - s >= WARMUP for s in loop_starts.values())
+        if not evidence:
+            if now >= planned:
+                return self.release(group, now, "the plan's delay (no evidence from the run yet)")
+            return None
+        due = (self._curve_at is None or now - self._curve_at[0] >= self.interval
+               or (self.target is not None and now >= self.target - self.look / 2))
+        if not due:
+            return None
+        self._fit_source(max(loop_starts.values()) + WARMUP)
+        if look.read_bytes is not None and not self.source_seen and now < planned:
+            return None  # the cache counts reads: wait for the source's evidence (or the plan's time)
+        self._fit_jobs(look, loop_starts)
+        extra = min(1.0, max(0.0, self.prefetched())) if self.prefetched is not None else 0.0
+        fitted = {"source": self.beta, "prefetch": 1.0 + extra, **{f"job:{k}": v for k, v in self.alpha.items()}}
+        moved = (self._curve_at is None
+                 or any(abs(v / self._curve_at[1].get(k, 1.0) - 1.0) > MOVED for k, v in fitted.items()))
+        if not moved and self._curve_at is not None and self.target is not None:
+            self._curve_at = (now, self._curve_at[1])  # the fit stands: no new curve
+            if now >= self.target - self.look / 2 and not self.observe_only:
+                return self.release(group, now, self._why_target(), self._best)
+            return None
+        sc, starts = self.scenario(loop_starts)
+        if extra > 0:  # what the waiting job prefetched is in the cache too (as if from the start: approximate)
+            sc = replace(sc, cache=replace(sc.cache, initial=min(1.0, sc.cache.initial + extra)))
+        waiting = [n for g in self.waiting for n in g]
+        moving = {sc.job_index(n): self.planned[n] - planned for n in waiting}
+        latest = min(self.hi, max(now, planned + self.horizon))
+        r = best_release(sc, starts, moving, max(now, self.lo), latest, prior=planned, min_gain=self.min_gain,
+                         jitter=self.jitter)
+        self._curve_at = (now, fitted)
+        self.target, self._best = r.start, r.makespan
+        self._optimum = r.optimum
+        done = {n: fraction_done(look.progress.get(n), self.epochs.get(n, 1)) for n in loop_starts}
+        self.fits.append({"t": now, "loops": dict(loop_starts), "done": done, "seen": dict(self.source_seen),
+                          "source": self.beta, "jobs": dict(self.alpha), "best_start": r.start, "best": r.makespan,
+                          "if_now": r.if_now, "optimum_start": r.optimum[0], "optimum": r.optimum[1],
+                          "jitter": self.jitter})
+        if r.start <= now + self.look / 2 and not self.observe_only:
+            return self.release(group, now, self._why_target(now=True), r.if_now)
+        return None
+
+    def _why_target(self, *, now: bool = False) -> str:
+        """Why the group is released at the current target."""
+        s, m = self._optimum
+        if self.target is not None and abs(self.target - s) > 1e-9:  # held nearer the plan than the optimum
+            return (f"nearest the plan's delay: the fitted model's best start (+{s:.1f} s, predicted makespan "
+                    f"{m:.1f} s) gains less than steer_min_gain {self.min_gain:g} (source x{self.beta:.2f})")
+        if now:
+            return (f"the fitted model: starting now is best (predicted makespan {self._best:.1f} s; "
+                    f"source x{self.beta:.2f})")
+        return (f"the fitted model's best start has come (predicted makespan {self._best:.1f} s; "
+                f"source x{self.beta:.2f})")
