@@ -1,7 +1,7 @@
 """Bad input across every subcommand, never a traceback.
 
 Seeded (deterministic) random and mutated command lines over both TOML schemas (the job spec of
-colocated/spec.py and the scenario of model/scenario.py), stall profiles, checkpoint and run
+spec/jobspec.py and the scenario of model/scenario.py), stall profiles, checkpoint and run
 directories and a run history with damaged files: unknown flags, missing values, bad numbers, paths
 that are directories or missing, empty files, binary junk, values of the wrong type, unknown tables
 and keys, negative, NaN and huge numbers.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import math
 import os
 import time
@@ -10,7 +11,8 @@ import time
 import pytest
 
 from hpcstagger.stagger import history as H
-from hpcstagger.stagger.delays import plan_delays
+from hpcstagger.stagger.delays import plan_run
+from hpcstagger.stagger.runplan import PlanInputs
 from hpcstagger.spec.jobspec import Spec
 from support.cli import run_cli
 from support.spec_util import write_spec
@@ -64,8 +66,9 @@ def test_records_are_written_read_and_cleared(tmp_path):
 def test_the_plan_starts_from_the_history(tmp_path, shm_root, monkeypatch):
     spec = Spec.from_toml(write_spec(tmp_path, shm_root))
     order = list(spec.job_names)
-    plain = plan_delays(spec, order, {}, "plan")
-    slow = plan_delays(spec, order, {}, "plan", history={"runs": 2, "source": 0.5, "jobs": {}, "latest": 1.0})
+    plain = plan_run(spec, order, {}, "plan").to_dict()
+    slow = plan_run(spec, order, {}, "plan",
+                    PlanInputs(history={"runs": 2, "source": 0.5, "jobs": {}, "latest": 1.0})).to_dict()
     assert "history" not in plain and slow["history"]["runs"] == 2
     assert slow["predicted"]["simultaneous"] > plain["predicted"]["simultaneous"] * 1.2  # a slower source
     # plan_history: none yet; a record made here after the calibration applies; off by the env var or the spec
@@ -119,8 +122,8 @@ def test_the_watcher_fits_on_top_of_the_history_not_twice(tmp_path, shm_root):
     spec = Spec.from_toml(write_spec(tmp_path, shm_root))
     order = list(spec.job_names)
     history = {"runs": 1, "source": 1.5, "jobs": {"a": 0.8}, "latest": 1.0}
-    plan = plan_delays(spec, order, {}, "plan", history=history)
-    plan["steer"] = plan.get("steer") or {"interval": 1.0, "horizon": 10.0, "max_delay": None, "min_delay": 0.0}
+    plan = plan_run(spec, order, {}, "plan", PlanInputs(history=history))
+    plan = replace(plan, steer=plan.steer or {"interval": 1.0, "horizon": 10.0, "max_delay": None, "min_delay": 0.0})
     session = SimpleNamespace(spec=spec, plan=plan, jobs={n: [i] for i, n in enumerate(order)}, run_dir="")
     st = _steering(session)
     file_curve = Scenario.from_toml(spec.plan.scenario).storage.bandwidth
@@ -158,8 +161,8 @@ def test_start_ups_are_read_from_the_run_and_the_plan_starts_from_them(tmp_path,
     _run_files(run_dir, a, t0=1000.0, released=0.0, loop_start=1000.8)
     _run_files(run_dir, b, t0=1000.0, released=2.0, loop_start=None)  # still setting up
     assert startups(run_dir, [a, b, "nobody"]) == {a: pytest.approx(0.8)}
-    plan = plan_delays(spec, [a, b], {}, "plan")
-    plan["steer"] = plan.get("steer") or {"interval": 1.0, "horizon": 10.0, "max_delay": None, "min_delay": 0.0}
+    plan = plan_run(spec, [a, b], {}, "plan")
+    plan = replace(plan, steer=plan.steer or {"interval": 1.0, "horizon": 10.0, "max_delay": None, "min_delay": 0.0})
     session = SimpleNamespace(spec=spec, plan=plan, jobs={a: [0], b: [1]}, run_dir=run_dir)
     st = _steering(session)
     st.beta, st.alpha, st.source_seen = 1.0, {a: 1.0}, {"readers": 1.0}
@@ -170,9 +173,9 @@ def test_start_ups_are_read_from_the_run_and_the_plan_starts_from_them(tmp_path,
     corr = H.plan_history(spec, "plan", environ={})
     assert corr["startup"] == {a: pytest.approx(0.8), b: pytest.approx(1.5)}
     # the plan's scenario and the watcher's take the learned start-ups; without a history, the file's
-    learned = plan_delays(spec, [a, b], {}, "plan", history=corr)
-    assert [j["startup"] for j in learned["scenario"]["job"]] == [pytest.approx(0.8), pytest.approx(1.5)]
-    assert [j.get("startup", 0.0) for j in plan["scenario"]["job"]] != [pytest.approx(0.8), pytest.approx(1.5)]
+    learned = plan_run(spec, [a, b], {}, "plan", PlanInputs(history=corr))
+    assert [j["startup"] for j in (learned.scenario or {})["job"]] == [pytest.approx(0.8), pytest.approx(1.5)]
+    assert [j.get("startup", 0.0) for j in (plan.scenario or {})["job"]] != [pytest.approx(0.8), pytest.approx(1.5)]
     st2 = _steering(SimpleNamespace(spec=spec, plan=learned, jobs={a: [0], b: [1]}, run_dir=run_dir))
     assert [j.startup for j in st2.build(1.0, {}).jobs] == [pytest.approx(0.8), pytest.approx(1.5)]
     # the run directory gone: the record keeps what it had

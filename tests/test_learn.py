@@ -11,7 +11,8 @@ import pytest
 
 from hpcstagger import config
 from hpcstagger.stagger import learning as L
-from hpcstagger.stagger.delays import plan_delays
+from hpcstagger.stagger.delays import plan_run
+from hpcstagger.stagger.runplan import PlanInputs
 from hpcstagger.spec.jobspec import Spec
 from hpcstagger.errors import ModelError
 from hpcstagger.model import Scenario
@@ -86,7 +87,7 @@ def test_resolve_the_first_run_staggers_and_observes(tmp_path):
     assert learned["scenario"] is None and learned["runs"] == 0 and learned["stagger"] == 3.0
     meta = json.load(open(os.path.join(learned["observe"], "meta.json")))
     assert meta["jobs"] == ["a", "b", "c"] and meta["node"]["cores"] >= 1
-    out = plan_delays(spec, ["a", "b", "c"], {}, "plan", learned=learned)
+    out = plan_run(spec, ["a", "b", "c"], {}, "plan", PlanInputs(learned=learned)).to_dict()
     assert out["delays"] == {"a": 0.0, "b": 3.0, "c": 5.0}  # k * stagger, within max_delay
     assert out["learn"]["observe"] == learned["observe"] and "steer" not in out
     # learning is off: a scenario, no history, a mode that does not plan, or HPCSTAGGER_NO_HISTORY
@@ -102,8 +103,9 @@ def test_a_learned_scenario_is_planned_from(tmp_path):
     path = tmp_path / "learned.toml"
     path.write_text(SCENARIO.replace('name = "b"', 'name = "b"\n') +
                     '[[job]]\nname = "c"\nsample_time = 0.0003\nbatch = 8\n')
-    out = plan_delays(spec, ["a", "b", "c"], {}, "plan",
-                      learned={"scenario": str(path), "observe": str(tmp_path / "obs"), "why": "learned"})
+    out = plan_run(spec, ["a", "b", "c"], {}, "plan",
+                   PlanInputs(learned={"scenario": str(path), "observe": str(tmp_path / "obs"),
+                                       "why": "learned"})).to_dict()
     assert out["learn"]["scenario"] == str(path) and out["predicted"]["plan"] > 0
     assert {j["name"] for j in out["scenario"]["job"]} == {"a", "b", "c"}
 

@@ -7,7 +7,8 @@ import textwrap
 
 import pytest
 
-from hpcstagger.stagger.delays import plan_delays, scenario_for
+from hpcstagger.stagger.delays import plan_run, scenario_for
+from hpcstagger.stagger.runplan import PlanInputs
 from hpcstagger.spec.jobspec import PLAN_MODES, Spec
 from hpcstagger.errors import ConfigError
 from hpcstagger.model import Scenario, predict
@@ -39,30 +40,31 @@ def _spec(tmp_path, *, scenario=True, delays="{ b = 2.0 }", b_sample_time=""):
 
 def test_simultaneous_and_fixed_without_a_model(tmp_path):
     spec = _spec(tmp_path, scenario=False)
-    out = plan_delays(spec, ["a", "b"], {}, "simultaneous")
+    out = plan_run(spec, ["a", "b"], {}, "simultaneous").to_dict()
     assert out["delays"] == {"a": 0.0, "b": 0.0} and out["mode"] == "simultaneous" and "predicted" not in out
-    assert plan_delays(spec, ["a", "b"], {}, "fixed")["delays"] == {"a": 0.0, "b": 2.0}  # the spec's delays
+    assert plan_run(spec, ["a", "b"], {}, "fixed").to_dict()["delays"] == {"a": 0.0, "b": 2.0}  # the spec's delays
     # fixed delays passed in (the launcher's --delays) win over the spec's
-    assert plan_delays(spec, ["a", "b"], {}, "fixed", fixed={"a": 1.5})["delays"] == {"a": 1.5, "b": 0.0}
+    assert plan_run(spec, ["a", "b"], {}, "fixed",
+                    PlanInputs(fixed={"a": 1.5})).to_dict()["delays"] == {"a": 1.5, "b": 0.0}
     with pytest.raises(ConfigError, match="fixed delays name unknown job"):
-        plan_delays(spec, ["a", "b"], {}, "fixed", fixed={"z": 1.0})
+        plan_run(spec, ["a", "b"], {}, "fixed", PlanInputs(fixed={"z": 1.0})).to_dict()
 
 
 def test_modes_that_cannot_run_in_one_world(tmp_path):
     spec = _spec(tmp_path, scenario=False)
     with pytest.raises(ConfigError, match="'sequential' runs the jobs one after another"):
-        plan_delays(spec, ["a", "b"], {}, "sequential")
+        plan_run(spec, ["a", "b"], {}, "sequential").to_dict()
     with pytest.raises(ConfigError, match="plan mode must be one of " + ", ".join(PLAN_MODES)):
-        plan_delays(spec, ["a", "b"], {}, "staggered")
+        plan_run(spec, ["a", "b"], {}, "staggered").to_dict()
     with pytest.raises(ConfigError, match="needs a calibrated scenario"):
-        plan_delays(spec, ["a", "b"], {}, "plan")
-    assert plan_delays(spec.only(["a"]), ["a"], {}, "plan")["delays"] == {"a": 0.0}  # one job: nothing to plan
+        plan_run(spec, ["a", "b"], {}, "plan").to_dict()
+    assert plan_run(spec.only(["a"]), ["a"], {}, "plan").to_dict()["delays"] == {"a": 0.0}  # one job: nothing to plan
 
 
 def test_plan_mode_uses_the_calibrations_and_predicts_every_mode(tmp_path):
     spec = _spec(tmp_path)
     calib = {"a": {"sample_time": 0.0004}, "b": {"sample_time": 0.0002}}
-    out = plan_delays(spec, ["a", "b"], calib, "plan")
+    out = plan_run(spec, ["a", "b"], calib, "plan").to_dict()
     assert set(out["predicted"]) == {"plan", "simultaneous", "sequential"}
     assert out["predicted"]["plan"] <= out["predicted"]["simultaneous"] + 1e-9
     assert [j["sample_time"] for j in out["scenario"]["job"]] == [0.0004, 0.0002]
@@ -71,7 +73,7 @@ def test_plan_mode_uses_the_calibrations_and_predicts_every_mode(tmp_path):
     # the plan's predicted makespan is the model's for its delays
     sc = Scenario.from_dict(out["scenario"])
     assert predict(sc, out["delays"]).makespan == pytest.approx(out["predicted"]["plan"], rel=1e-9)
-    fixed = plan_delays(spec, ["a", "b"], calib, "fixed")
+    fixed = plan_run(spec, ["a", "b"], calib, "fixed").to_dict()
     assert fixed["delays"] == {"a": 0.0, "b": 2.0} and fixed["predicted"]["fixed"] == pytest.approx(
         predict(sc, fixed["delays"]).makespan, rel=1e-9)
 
@@ -100,9 +102,9 @@ def test_miss_overhead_slows_the_source_the_jobs_see(tmp_path):
                                             "b": {"sample_time": 0.0002}})
     assert plain.storage.bandwidth == (1.0e6, 1.5e6)
     # and the correction changes the plan's prediction: a slower source, a longer makespan
-    slow = plan_delays(spec, ["a", "b"], calib, "simultaneous")["predicted"]["simultaneous"]
-    fast = plan_delays(spec, ["a", "b"], {k: {"sample_time": v["sample_time"]} for k, v in calib.items()},
-                       "simultaneous")["predicted"]["simultaneous"]
+    slow = plan_run(spec, ["a", "b"], calib, "simultaneous").to_dict()["predicted"]["simultaneous"]
+    fast = plan_run(spec, ["a", "b"], {k: {"sample_time": v["sample_time"]} for k, v in calib.items()},
+                    "simultaneous").to_dict()["predicted"]["simultaneous"]
     assert slow > fast
 
 
@@ -120,15 +122,16 @@ def test_the_cache_state_at_the_start_reaches_the_scenario(tmp_path):
     assert scenario_for(spec, ["a", "b"], calib, cache_state={"entries": 0}).cache.initial == 0.0
     assert cached_fraction(-3, 10) == 0.0 and cached_fraction(5, 0) == 0.0 and cached_fraction(5, 10) == 0.5
 
-    out = plan_delays(spec, ["a", "b"], calib, "plan", cache_state={"entries": 50, "bytes": 50_000, "exists": True})
+    out = plan_run(spec, ["a", "b"], calib, "plan",
+                   PlanInputs(cache_state={"entries": 50, "bytes": 50_000, "exists": True})).to_dict()
     assert out["scenario"]["cache"]["initial"] == pytest.approx(0.25)
     assert out["cache"] == {"entries": 50, "bytes": 50_000, "exists": True, "fraction": pytest.approx(0.25),
                             "samples": 200, "initial_samples": 50}
     # without a scenario the state is still reported, with no fraction (the dataset's size is unknown)
-    bare = plan_delays(_spec(tmp_path, scenario=False), ["a", "b"], {}, "simultaneous",
-                       cache_state={"entries": 7, "bytes": 700})
+    bare = plan_run(_spec(tmp_path, scenario=False), ["a", "b"], {}, "simultaneous",
+                    PlanInputs(cache_state={"entries": 7, "bytes": 700})).to_dict()
     assert bare["cache"] == {"entries": 7, "bytes": 700} and "scenario" not in bare
-    assert "cache" not in plan_delays(spec, ["a", "b"], calib, "simultaneous")  # no cache, no state
+    assert "cache" not in plan_run(spec, ["a", "b"], calib, "simultaneous").to_dict()  # no cache, no state
 
 
 # Two I/O-bound jobs whose cache holds the whole dataset: cold, the second waits for the first.
@@ -155,8 +158,8 @@ def test_a_fully_warm_cache_plans_a_simultaneous_start(tmp_path):
     (tmp_path / "io.toml").write_text(IO_SCENARIO)
     jobs = [{"name": n, "command": "x", "epochs": 3} for n in ("a", "b")]
     spec = Spec.from_dict({"plan": {"mode": "plan", "scenario": "io.toml"}, "job": jobs}, base_dir=tmp_path)
-    cold = plan_delays(spec, ["a", "b"], {}, "plan", cache_state={"entries": 0, "bytes": 0})
-    warm = plan_delays(spec, ["a", "b"], {}, "plan", cache_state={"entries": 2000, "bytes": 2.0e8})
+    cold = plan_run(spec, ["a", "b"], {}, "plan", PlanInputs(cache_state={"entries": 0, "bytes": 0})).to_dict()
+    warm = plan_run(spec, ["a", "b"], {}, "plan", PlanInputs(cache_state={"entries": 2000, "bytes": 2.0e8})).to_dict()
     assert max(cold["delays"].values()) > 1.0 and cold["cache"]["fraction"] == 0.0
     assert warm["delays"] == {"a": 0.0, "b": 0.0} and warm["cache"]["fraction"] == 1.0
     assert warm["predicted"]["plan"] < cold["predicted"]["plan"]
@@ -174,7 +177,7 @@ def test_the_specs_jitter_reaches_the_planner(tmp_path):
         spec = Spec.from_dict({**base, "plan": {"mode": "plan", "scenario": "s.toml", "jitter": jitter}},
                               base_dir=tmp_path)
         assert spec.plan.jitter == jitter
-        out = plan_delays(spec, ["a", "b"], calib, "plan")
+        out = plan_run(spec, ["a", "b"], calib, "plan").to_dict()
         expected = optimal_plan(Scenario.from_dict(out["scenario"]), jitter=jitter)
         assert out["delays"] == pytest.approx(expected.delays)
         planned.append(out["delays"])
@@ -196,7 +199,7 @@ def test_jobs_sharing_a_loader_are_planned_as_their_slowest_member(tmp_path):
     calib = {"a": {"sample_time": 0.0002}, "b": {"sample_time": 0.0006}, "c": {"sample_time": 0.0003}}
     spec = _three(tmp_path, {"share": True})
     assert spec.loader_groups() == {"p": ["a", "b"]}  # c has a loader of its own: no group
-    out = plan_delays(spec, ["a", "b", "c"], calib, "plan")
+    out = plan_run(spec, ["a", "b", "c"], calib, "plan").to_dict()
     assert out["loader_groups"] == {"p": ["a", "b"]}
     assert out["delays"]["a"] == out["delays"]["b"]  # released as one
     # the model saw the group once, as b (the slower), beside c
@@ -207,10 +210,10 @@ def test_jobs_sharing_a_loader_are_planned_as_their_slowest_member(tmp_path):
     if "steer" in out:  # a group is one release group
         assert any(set(g) >= {"a", "b"} for g in out["steer"]["groups"])
     # without sharing, the three jobs are planned one by one
-    plain = plan_delays(_three(tmp_path, {"share": False}), ["a", "b", "c"], calib, "plan")
+    plain = plan_run(_three(tmp_path, {"share": False}), ["a", "b", "c"], calib, "plan").to_dict()
     assert "loader_groups" not in plain and len(plain["scenario"]["job"]) == 3
     # fixed delays stay the user's
-    fixed = plan_delays(spec, ["a", "b", "c"], calib, "fixed", fixed={"b": 1.0})
+    fixed = plan_run(spec, ["a", "b", "c"], calib, "fixed", PlanInputs(fixed={"b": 1.0})).to_dict()
     assert fixed["delays"] == {"a": 0.0, "b": 1.0, "c": 0.0}
 
 
@@ -266,7 +269,8 @@ def test_a_simultaneous_plan_carries_its_reason_and_a_staggered_one_none(tmp_pat
     def plan(cache_entries, **pl):
         spec = Spec.from_dict({"plan": {"mode": "plan", "scenario": "io.toml", **pl}, "job": jobs},
                               base_dir=tmp_path)
-        return plan_delays(spec, ["a", "b"], {}, "plan", cache_state={"entries": cache_entries, "bytes": 0})
+        return plan_run(spec, ["a", "b"], {}, "plan",
+                        PlanInputs(cache_state={"entries": cache_entries, "bytes": 0})).to_dict()
 
     cold = plan(0)
     assert max(cold["delays"].values()) > 1.0 and "simultaneous_reason" not in cold
@@ -281,18 +285,17 @@ def test_a_simultaneous_plan_carries_its_reason_and_a_staggered_one_none(tmp_pat
     assert warm["simultaneous_reason"] == simultaneous_reason(warm["delays"], warm["predicted"], warm["curve"],
                                                               min_gain=0.01, jitter=warm["jitter"])
     # a mode that takes no plan gives no reason
-    assert "simultaneous_reason" not in plan_delays(
-        Spec.from_dict({"plan": {"mode": "plan", "scenario": "io.toml"}, "job": jobs}, base_dir=tmp_path),
-        ["a", "b"], {}, "simultaneous")
+    bare = Spec.from_dict({"plan": {"mode": "plan", "scenario": "io.toml"}, "job": jobs}, base_dir=tmp_path)
+    assert "simultaneous_reason" not in plan_run(bare, ["a", "b"], {}, "simultaneous").to_dict()
 
 
 def test_one_launch_of_a_sequential_run_is_labelled_sequential(tmp_path):
     """``hpcstagger launch --mode sequential`` starts each job in a world of its own, in mode
     sequential: it starts at once and its records say sequential, not simultaneous."""
     spec = _spec(tmp_path)
-    out = plan_delays(spec.only(["a"]), ["a"], {"a": {"sample_time": 0.0004}}, "sequential")
+    out = plan_run(spec.only(["a"]), ["a"], {"a": {"sample_time": 0.0004}}, "sequential").to_dict()
     assert out["mode"] == "sequential" and out["delays"] == {"a": 0.0}
     sc = Scenario.from_dict(out["scenario"])
     assert out["predicted"] == {"sequential": pytest.approx(predict(sc, {"a": 0.0}).makespan, rel=1e-9)}
     with pytest.raises(ConfigError, match="'sequential' runs the jobs one after another"):
-        plan_delays(spec, ["a", "b"], {}, "sequential")
+        plan_run(spec, ["a", "b"], {}, "sequential").to_dict()

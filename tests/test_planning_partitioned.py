@@ -1,5 +1,5 @@
 """A run whose cache is partitioned across nodes, planned as one: the planner's scenario
-(``scenario_for``, ``plan_delays``), where its nodes and remote-hit bandwidth come from, the
+(``scenario_for``, ``plan_run``), where its nodes and remote-hit bandwidth come from, the
 coordinator's node count (``run_partition``), what calibration writes, and ``hpcstagger plan``'s
 header for a partitioned scenario. No MPI: one process is one node."""
 
@@ -12,7 +12,8 @@ import pytest
 from hpcstagger import config
 from hpcstagger.colocated.startcache import run_partition
 from hpcstagger.measure.spec_calibration import scenario_cache
-from hpcstagger.stagger.delays import plan_delays, scenario_for
+from hpcstagger.stagger.delays import plan_run, scenario_for
+from hpcstagger.stagger.runplan import PlanInputs
 from hpcstagger.spec.jobspec import Spec
 from hpcstagger.comm import Comm
 from hpcstagger.model import Scenario, optimal_plan
@@ -88,14 +89,14 @@ def test_one_nodes_cache_counts_for_its_share_of_the_partition(tmp_path):
     assert plain.cache.initial == pytest.approx(100 / 400)
 
 
-def test_plan_delays_plans_the_partitioned_scenario_and_returns_the_partition(tmp_path):
+def test_plan_run_plans_the_partitioned_scenario_and_returns_the_partition(tmp_path):
     spec = _spec(tmp_path)
-    out = plan_delays(spec, ["a", "b"], {}, "plan", partition=RUN)
+    out = plan_run(spec, ["a", "b"], {}, "plan", PlanInputs(partition=RUN)).to_dict()
     assert out["partition"] == RUN
     sc = Scenario.from_dict(out["scenario"])
     assert sc.cache.partitioned and sc.cache.nodes == 3
     assert out["predicted"]["plan"] == pytest.approx(optimal_plan(sc, jitter=spec.plan.jitter).makespan)
-    local = plan_delays(_spec(tmp_path, partitioned=False), ["a", "b"], {}, "plan")
+    local = plan_run(_spec(tmp_path, partitioned=False), ["a", "b"], {}, "plan").to_dict()
     assert "partition" not in local and not Scenario.from_dict(local["scenario"]).cache.partitioned
     # three nodes' caches hold more of the data than one: the prediction says so
     assert out["predicted"]["simultaneous"] < local["predicted"]["simultaneous"]

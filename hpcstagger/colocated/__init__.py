@@ -1,12 +1,12 @@
 """The co-located run: several training jobs in one MPI world on one node, started with a stagger.
 
-- :mod:`.spec`: the job spec (TOML) and its validation;
-- :mod:`.env`: the environment variables the launcher passes to the ranks;
+- :mod:`~hpcstagger.spec.jobspec`: the job spec (TOML) and its validation;
+- :mod:`~hpcstagger.spec.runenv`: the environment variables the launcher passes to the ranks;
 - :mod:`.coordinator`: :func:`init` on every rank (identity, rendezvous, plan, wait, backend);
-- :mod:`.planning`: the delays for a plan mode and the model's predictions (pure);
+- :mod:`~hpcstagger.stagger.delays`: the delays for a plan mode and the model's predictions (pure);
 - :mod:`.launch`: ``hpcstagger launch``, ``status`` and ``exec``, and the results from status files;
-- :mod:`.calibrate_spec`: ``hpcstagger calibrate --spec``, each job measured from its own command;
-- :mod:`.calibration`: calibration mode inside a job (``session.loader``) and its reports;
+- :mod:`~hpcstagger.measure.spec_calibration`: ``hpcstagger calibrate --spec``, each job measured from its own command;
+- :mod:`~hpcstagger.colocated.jobmeter`: calibration mode inside a job (``session.loader``) and its reports;
 - :mod:`.batch`: the sbatch script of a spec (pure rendering).
 
 ``hpcstagger.init`` and ``hpcstagger.Spec`` are the usual way in. This package exports those, the

@@ -32,28 +32,28 @@ from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
-from hpcstagger import _io, config
-from hpcstagger.comm import Comm, as_comm
-from hpcstagger.errors import CollectiveError, CollectiveTimeout, ConfigError
-from hpcstagger.spec import runenv
+from hpcstagger import _io, config, slurm
 from hpcstagger.colocated import source_watch
-from hpcstagger.stagger import learning as learn
 from hpcstagger.colocated._rendezvous import rendezvous
 from hpcstagger.colocated.dataloader import data_loader
-from hpcstagger.spec.identity import resolve_job
-from hpcstagger.colocated.jobmeter import calibration_dir, calibration_spec, no_plan, wrap_loader
-from hpcstagger.colocated.startcache import describe_start, observe_cache, run_partition
-from hpcstagger.stagger.delays import plan_delays
-from hpcstagger.stagger.history import describe as describe_history, plan_history
 from hpcstagger.colocated.idle import flush_root, flusher_for
+from hpcstagger.colocated.jobmeter import calibration_dir, calibration_spec, no_plan, wrap_loader
 from hpcstagger.colocated.prefetch import prefetcher_for
 from hpcstagger.colocated.progress import ProgressMeter, plain_metrics
-from hpcstagger.spec.records import status_path
+from hpcstagger.colocated.startcache import describe_start, observe_cache, run_partition
 from hpcstagger.colocated.watcher import set_host, wait_for_release
-from hpcstagger.spec.jobspec import Spec
+from hpcstagger.comm import Comm, as_comm
+from hpcstagger.errors import CollectiveError, CollectiveTimeout, ConfigError
 from hpcstagger.integrations.horovod import init as init_horovod
 from hpcstagger.integrations.torch_ddp import init_process_group
-from hpcstagger import slurm
+from hpcstagger.spec import runenv
+from hpcstagger.spec.identity import resolve_job
+from hpcstagger.spec.jobspec import Spec
+from hpcstagger.spec.records import status_path
+from hpcstagger.stagger import learning as learn
+from hpcstagger.stagger.delays import plan_run
+from hpcstagger.stagger.history import describe as describe_history, plan_history
+from hpcstagger.stagger.runplan import PlanInputs, RunPlan
 
 __all__ = ["Session", "init", "resolve_job"]
 
@@ -76,7 +76,7 @@ class Session:
     jobs: dict[str, list[int]]
     delays: dict[str, float]
     mode: str
-    plan: dict[str, Any]
+    plan: RunPlan
     spec: Spec | None
     t0: float
     timings: dict[str, float] = field(default_factory=dict)
@@ -130,7 +130,7 @@ class Session:
 
     def source(self) -> Any:
         """The spec's ``[dataset]`` as a source (:meth:`Spec.make_source`); a directory listed once per run."""
-        rid = self.plan.get("run_id")
+        rid = self.plan.run_id
         listing = os.path.join(self.run_dir, f"dataset-{rid}.listing") if self.run_dir and rid else None
         return self._need_spec("source").make_source(listing=listing)
 
@@ -174,7 +174,7 @@ class Session:
         prefetcher = prefetcher_for(self)  # [plan] prefetch: fill the cache in the source's idle time
         flusher = flusher_for(self)  # [checkpoint] flush = "queue": flush the running jobs' checkpoints
         work = list(idle_work) + [w for w in (prefetcher, flusher) if w is not None]  # the flusher lingers: last
-        if self.delay > 0 and self.plan.get("steer"):
+        if self.delay > 0 and self.plan.steer:
             self.say(f"waiting for release (planned +{self.delay:.1f} s; steered by the run)")
             self.release = wait_for_release(self, work)
             self.say(f"released at +{self.elapsed():.1f} s: {self.release.get('reason', '')}")
@@ -227,7 +227,7 @@ class Session:
         record = {"job": self.job, "rank": self.rank, "world_rank": self.world.rank, "state": state,
                   "host": socket.gethostname(), "pid": os.getpid(), "t0": self.t0, "time": time.time(),
                   "elapsed": self.elapsed(), "delay": self.delay, "mode": self.mode,
-                  "timings": self.timings, "plan": self.plan if self.rank == 0 else {},
+                  "timings": self.timings, "plan": self.plan.to_dict() if self.rank == 0 else {},
                   "release": self.release or None, **extra}
         _io.atomic_write_json(status_path(self.run_dir, self.job, self.rank), record, durable=False)
 
@@ -368,10 +368,11 @@ def _init(spec: Spec | str | os.PathLike[str] | None, *, job: str | None,
     jobs, index, comm = _meet_and_split(world, spec_obj, name, limit, timings)
     decided = (no_plan(list(jobs)) if calibrating else
                _exchange_plan(world, comm, spec_obj, name, list(jobs), calibration, limit, timings))
-    if decided.get("steer"):
-        set_host(decided["steer"], jobs)  # every rank names the same one
-    if spec_obj is not None and (decided.get("learn") or {}).get("scenario"):
-        spec_obj = learn.with_scenario(spec_obj, decided["learn"]["scenario"])  # what the plan was made from
+    if decided.steer:
+        set_host(decided.steer, jobs)  # every rank names the same one
+    learned = (decided.learn or {}).get("scenario")
+    if spec_obj is not None and learned:
+        spec_obj = learn.with_scenario(spec_obj, learned)  # what the plan was made from
     t0 = time.time()
     timings["init"] = time.perf_counter() - t_begin
     session = _open_session(world, comm, spec_obj, name, index, jobs, decided, t0, timings, backend, verbose)
@@ -443,9 +444,9 @@ def _meet_and_split(world: Comm, spec: Spec | None, name: str, limit: float,
 
 def _exchange_plan(world: Comm, comm: Comm, spec: Spec | None, name: str, order: list[str],
                    calibration: Mapping[str, float] | Callable[[], Mapping[str, float]] | None,
-                   limit: float, timings: dict[str, float]) -> dict[str, Any]:
+                   limit: float, timings: dict[str, float]) -> RunPlan:
     """Step 3: each job's leader calibrates; world rank 0 plans with every calibration
-    (:func:`~hpcstagger.stagger.delays.plan_delays`) and every rank gets the decision."""
+    (:func:`~hpcstagger.stagger.delays.plan_run`); every rank gets it (as its dictionary on the wire)."""
     t = time.perf_counter()
     calib = _calibration_of(calibration) if comm.rank == 0 else {}
     timings["calibration"] = time.perf_counter() - t
@@ -456,45 +457,44 @@ def _exchange_plan(world: Comm, comm: Comm, spec: Spec | None, name: str, order:
     def plan(hellos: list[Any]) -> dict[int, Any]:
         leaders = {h["job"]: h["calibration"] for h in hellos if h["leader"]}
         # plan from the cache as it is now: a warm cache (an earlier run's) changes the plan
-        decided = plan_delays(spec, order, leaders, mode, fixed=fixed, cache_state=observe_cache(spec),
-                              steer_interval=float(config.get("steer_interval")),
-                              steer_min_gain=float(config.get("steer_min_gain")), history=plan_history(spec, mode),
-                              learned=learn.resolve(spec, mode), partition=partition)
-        decided["run_id"] = os.urandom(8).hex()  # names what the run's processes share (the dataset's listing)
+        inputs = PlanInputs(fixed=fixed, cache_state=observe_cache(spec), history=plan_history(spec, mode),
+                            steer_interval=float(config.get("steer_interval")),
+                            steer_min_gain=float(config.get("steer_min_gain")),
+                            learned=learn.resolve(spec, mode), partition=partition)
+        # the run id names what the run's processes share (the dataset's listing)
+        decided = plan_run(spec, order, leaders, mode, inputs).with_run_id(os.urandom(8).hex()).to_dict()
         return {r: decided for r in range(len(hellos))}
 
     t = time.perf_counter()
     decided = rendezvous(world, {"job": name, "leader": comm.rank == 0, "calibration": calib}, plan,
                          timeout=limit, what="hpcstagger.init planning")
     timings["plan_exchange"] = time.perf_counter() - t
-    return decided
+    return RunPlan.from_dict(decided)
 
 
 def _open_session(world: Comm, comm: Comm, spec: Spec | None, name: str, index: int,
-                  jobs: dict[str, list[int]], decided: dict[str, Any], t0: float, timings: dict[str, float],
+                  jobs: dict[str, list[int]], decided: RunPlan, t0: float, timings: dict[str, float],
                   backend: str | None, verbose: bool) -> Session:
     """Step 4: the Session, with its status directory (``HPCSTAGGER_RUN_DIR``, else <workdir>/status)."""
     run_dir = os.environ.get(runenv.RUN_DIR) or (os.path.join(spec.run.workdir, "status") if spec else "")
     if run_dir:
         os.makedirs(run_dir, exist_ok=True)
     job_backend = backend or (spec.job(name).backend if spec else "none")
-    return Session(world=world, comm=comm, job=name, job_index=index, jobs=jobs, delays=decided["delays"],
-                   mode=decided["mode"], plan=decided, spec=spec, t0=t0, timings=timings,
+    return Session(world=world, comm=comm, job=name, job_index=index, jobs=jobs, delays=decided.delays,
+                   mode=decided.mode, plan=decided, spec=spec, t0=t0, timings=timings,
                    run_dir=run_dir, backend=job_backend, verbose=verbose)
 
 
-def _announce(session: Session, decided: Mapping[str, Any]) -> None:
-    summary = ", ".join(f"{n} +{d:.1f}s" for n, d in decided["delays"].items())
-    extra = ""
-    if decided.get("predicted"):
-        p = decided["predicted"]
-        extra = "; predicted makespan " + ", ".join(f"{k} {v:.1f}s" for k, v in p.items())
-    start = describe_start(decided.get("cache"))
+def _announce(session: Session, decided: RunPlan) -> None:
+    summary = ", ".join(f"{n} +{d:.1f}s" for n, d in decided.delays.items())
+    p = decided.predicted
+    extra = ("; predicted makespan " + ", ".join(f"{k} {v:.1f}s" for k, v in p.items())) if p else ""
+    start = describe_start(decided.cache)
     extra += f"; {start}" if start else ""
-    extra += f"; {decided['simultaneous_reason']}" if decided.get("simultaneous_reason") else ""
-    if decided.get("learn"):
-        extra += f"; {decided['learn'].get('why', '')}"
-    h = decided.get("history")
+    extra += f"; {decided.simultaneous_reason}" if decided.simultaneous_reason else ""
+    if decided.learn:
+        extra += f"; {decided.learn.get('why', '')}"
+    h = decided.history
     if h:
         extra += f"; from the history of {h['runs']} run(s): {describe_history(h)}"
-    session.say(f"mode {decided['mode']}: delays {summary}{extra} (coordinator {session.overhead * 1000:.0f} ms)")
+    session.say(f"mode {decided.mode}: delays {summary}{extra} (coordinator {session.overhead * 1000:.0f} ms)")

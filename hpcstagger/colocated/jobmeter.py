@@ -27,8 +27,8 @@ Each file has one writer (never a shared stream) and is replaced atomically:
 - ``samples.<pid>.<n>.json``: each process's sample costs (hits, misses, transforms, collates),
   and its CPU seconds over the samples it counted.
 
-:func:`~.jobfields.read_reports` and :func:`~.jobfields.job_fields` (pure) turn them into the
-scenario's job fields.
+:func:`~hpcstagger.stagger.jobfields.read_reports` and :func:`~hpcstagger.stagger.jobfields.job_fields`
+(pure) turn them into the scenario's job fields.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from hpcstagger import _io
 from hpcstagger.spec import runenv
+from hpcstagger.stagger.runplan import RunPlan
 from hpcstagger.stagger.jobfields import PROBE_EVERY, SAMPLE_FIELDS
 from hpcstagger.colocated.progress import Counted
 from hpcstagger.profile import batch_size_of
@@ -79,9 +80,9 @@ def calibration_spec(spec: Any, directory: str) -> Any:
                                       staging_dir=""))
 
 
-def no_plan(order: Sequence[str]) -> dict[str, Any]:
+def no_plan(order: Sequence[str]) -> RunPlan:
     """What :func:`hpcstagger.init` decides in calibration mode: no plan, no delay."""
-    return {"mode": "calibrate", "delays": {n: 0.0 for n in order}, "calibrations": {}}
+    return RunPlan(mode="calibrate", delays={n: 0.0 for n in order})
 
 
 def _until(environ: Mapping[str, str] | None = None) -> float:
@@ -238,7 +239,7 @@ def _cached_datasets(obj: Any, depth: int = 0) -> Iterator[Any]:
 class LoopMeter:
     """Measures one job's training loop in calibration mode (see the module docstring).
 
-    ``passive``: a learning run's meter (:mod:`.learn`) instead: it never pauses or stops the job,
+    ``passive``: a learning run's meter (:mod:`~hpcstagger.stagger.learning`) instead: it never pauses or stops the job,
     keeps at most :data:`PASSIVE_RECORDS` batches, writes its files every :data:`PASSIVE_FLUSH`
     batches, and calls ``on_batch()`` after each batch (the job leader's look at the source)."""
 
@@ -404,7 +405,7 @@ def wrap_loader(session: Any, iterable: Iterable[Any], profiler: Any = None) -> 
     """``session.loader(iterable)``: in calibration mode the measured loop (a :class:`LoopMeter` per
     session), else ``iterable`` (``profiler.wrap``-ed when given), counted on a job leader by its
     :class:`~hpcstagger.colocated.progress.ProgressMeter` for the run's watcher, and measured by the
-    session's passive ``observer`` in a run that learns (:mod:`.learn`)."""
+    session's passive ``observer`` in a run that learns (:mod:`~hpcstagger.stagger.learning`)."""
     if session.calibrating:
         meter = _METERS.get(id(session))
         if meter is None or meter.session is not session:

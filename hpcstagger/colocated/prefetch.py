@@ -15,7 +15,7 @@ one look can fall between two reads of a busy job. A source that the running job
 left to them.
 
 The prefetched share of the dataset is what the watcher's release decision adds to the cache the
-model starts the waiting job from (:meth:`~.steer.Steering`'s ``prefetched``). The session's
+model starts the waiting job from (:meth:`~hpcstagger.stagger.steering.Steering`'s ``prefetched``). The session's
 status records what was prefetched (``timings``: ``prefetch_samples``, ``prefetch_bytes``,
 ``prefetch_busy_s``).
 """

@@ -1,6 +1,6 @@
 """The passive observer of a run that learns: each job's loop costs and its leader's looks at the source.
 
-When a plan says the run is observed (``plan["learn"]["observe"]``, set by
+When a plan says the run is observed (``RunPlan.learn["observe"]``, set by
 :mod:`hpcstagger.stagger.learning` for a spec without a calibration), :func:`attach` gives the
 session a passive :class:`~hpcstagger.colocated.jobmeter.LoopMeter`, and each job leader a
 :class:`SourceLooks` that records the shared cache's source-read counters. What they write is what
@@ -69,7 +69,7 @@ class SourceLooks:
 
 def attach(session: Any) -> None:
     """Give ``session`` its passive observer when its plan says the run is observed."""
-    directory = (session.plan.get("learn") or {}).get("observe")
+    directory = (session.plan.learn or {}).get("observe")
     if not directory or session.calibrating:
         return
     looks = None

@@ -2,7 +2,7 @@
 
 - :func:`observe_cache`: what the spec's shared cache holds now (entries, bytes), looked at
   without creating anything. World rank 0 of :func:`hpcstagger.init` calls it at plan time and
-  plans from that state (:func:`~hpcstagger.stagger.delays.plan_delays`).
+  plans from that state (:func:`~hpcstagger.stagger.delays.plan_run`).
 - :func:`make_cold`: ``hpcstagger launch --cold-cache`` and ``hpcstagger sweep``: empty the
   spec's cache with the cache's own clear/remove (its ownership and permission checks apply), and
   ask the kernel to drop the dataset's files from its page cache (``posix_fadvise DONTNEED``,

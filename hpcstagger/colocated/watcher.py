@@ -1,13 +1,14 @@
 """Closed-loop release: the watcher that steers, and the waiting ranks that it releases.
 
-In mode ``"plan"`` with a calibrated scenario, :func:`~.planning.plan_delays` adds a ``steer``
-record to the plan (:func:`steer_record`) when some job is planned to wait. Then:
+In mode ``"plan"`` with a calibrated scenario, :func:`~hpcstagger.stagger.delays.plan_run` adds a ``steer``
+record to the plan (:func:`~hpcstagger.stagger.steering.steer_record`) when some job is planned to wait. Then:
 
 - **The host** is the leader of the job planned to start last. It is idle until its own release,
   so the watching costs no training process any Python time, and it watches from a thread at a
   lower CPU priority (``steer_nice``). While it waits it looks at the run
   every 0.25 s (the shared cache's counters, each started job leader's progress and status file),
-  re-fits the model at most every ``steer_interval`` seconds, lets :class:`~.steer.Steering` decide,
+  re-fits the model at most every ``steer_interval`` seconds, lets
+  :class:`~hpcstagger.stagger.steering.Steering` decide,
   and sends each released job's ranks a message (MPI point-to-point on the world communicator, tag
   :data:`TAG`). Its own job comes last.
 - **Every other waiting rank** blocks in :meth:`Session.wait` until that message comes, running
@@ -32,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from hpcstagger import _io, config
 from hpcstagger.errors import CacheError
+from hpcstagger.stagger.runplan import RunPlan
 from hpcstagger.spec.records import read_progress, read_status, startups
 from hpcstagger.cache.store import ShmCache
 from hpcstagger.stagger.steering import Look
@@ -104,27 +106,27 @@ class Watcher:
             self.cache = None
 
 
-def _history_factors(plan: Mapping[str, Any]) -> tuple[float, dict[str, float]]:
+def _history_factors(plan: RunPlan) -> tuple[float, dict[str, float]]:
     """The factors on the scenario file the plan started from (its history's; 1 without one): the
     watcher fits on top of them, and records its fits multiplied by them."""
-    h = plan.get("history") or {}
+    h = plan.history or {}
     return float(h.get("source") or 1.0), {n: float(v) for n, v in (h.get("jobs") or {}).items()}
 
 
 def _steering(session: Any) -> Steering:
     spec, plan = session.spec, session.plan
-    steer = plan["steer"]
+    steer = plan.steer or {}
     order = list(session.jobs)
-    calibrations = plan.get("calibrations", {})
-    cache_state = plan.get("cache")
+    calibrations = plan.calibrations
+    cache_state = plan.cache
     h_source, h_jobs = _history_factors(plan)
-    h_startups = (plan.get("history") or {}).get("startup")
+    h_startups = (plan.history or {}).get("startup")
 
     def build(beta: float, alpha: Mapping[str, float]) -> Scenario:
         # the fitted factors are on top of the history's (the plan's starting point)
         jobs = {n: float(alpha.get(n, 1.0)) * h_jobs.get(n, 1.0) for n in set(alpha) | set(h_jobs)}
         return scenario_for(spec, order, calibrations, cache_state=cache_state, source_scale=beta * h_source,
-                            job_scales=jobs, partition=plan.get("partition"),
+                            job_scales=jobs, partition=plan.partition,
                             startups=h_startups)
 
     # the source factor is fitted against the prior's curve: the file's, times the history's factor,
@@ -132,11 +134,11 @@ def _steering(session: Any) -> Steering:
     storage = Scenario.from_toml(spec.plan.scenario).storage
     bandwidth = [b * h_source for b in storage.bandwidth]
     hi = steer.get("max_delay")
-    return Steering(build, bandwidth, order, plan["delays"], {n: spec.job(n).epochs for n in order},
+    return Steering(build, bandwidth, order, plan.delays, {n: spec.job(n).epochs for n in order},
                     lo=float(steer.get("min_delay") or 0.0), hi=math.inf if hi is None else float(hi),
                     interval=float(steer["interval"]), horizon=float(steer["horizon"]),
                     observe_only=bool(steer.get("observe_only")), min_gain=float(steer.get("min_gain", 0.0)),
-                    baseline=storage.fit_baseline, jitter=float(plan.get("jitter") or 0.0))
+                    baseline=storage.fit_baseline, jitter=float(plan.jitter or 0.0))
 
 
 def _send(session: Any, jobs: Sequence[str], message: dict[str, Any]) -> None:
@@ -320,7 +322,7 @@ def _idle(idle: list[Callable[[float], bool]], interval: float) -> None:
 
 def _follower(session: Any, idle: list[Callable[[float], bool]]) -> dict[str, Any]:
     """A waiting rank that is not the host: wait for the host's message (or the safety deadline)."""
-    steer = session.plan["steer"]
+    steer = session.plan.steer
     host = int(steer["host"])
     cap = session.t0 + float(steer["latest"][session.job]) + float(config.get("collective_timeout"))
     mpi = session.world.mpi
@@ -343,7 +345,7 @@ def _follower(session: Any, idle: list[Callable[[float], bool]]) -> dict[str, An
 def wait_for_release(session: Any, idle_work: Sequence[Callable[[float], bool]] = ()) -> dict[str, Any]:
     """Block until this rank's job is released (see the module docstring); returns the release."""
     idle = list(idle_work)
-    if session.world.rank == int(session.plan["steer"]["host"]):
+    if session.world.rank == int(session.plan.steer["host"]):
         msg = _host(session, idle)
     else:
         msg = _follower(session, idle)

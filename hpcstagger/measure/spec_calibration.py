@@ -30,10 +30,10 @@ the summary and the scenario):
    read another node's cache, so no remote hit is measured. ``[storage] fit_baseline`` is what the
    jobs' counted reads got of the source curve; the closed-loop watcher's fits are relative to it.
    Every value is commented with how it
-   was measured (:mod:`.calibrate_scenario`), and the reports stay in ``<workdir>/calibrate/<time>/``.
+   was measured (:mod:`~hpcstagger.stagger.scenario_build`), and the reports stay in ``<workdir>/calibrate/<time>/``.
 
 Each job's measurement and each source level is kept the moment it is taken, in ``<out>.partial/``
-(:mod:`.calibrate_state`): the same call after a failure or an interrupt measures only what is
+(:mod:`~hpcstagger.measure.saved_parts`): the same call after a failure or an interrupt measures only what is
 missing or changed.
 """
 
@@ -388,7 +388,7 @@ def calibrate_spec(spec: Spec, *, steps: Mapping[str, Callable[[list[bytes]], An
     spec's. ``cores`` is the scenario's ``[node] cores`` (default :func:`usable_cores`; 0: CPU
     sharing not modelled). With ``out`` (checked before anything is measured) the scenario is
     written there atomically, and every part measured is kept in ``out.partial/`` as it is taken
-    (:mod:`.calibrate_state`): the same call after a failure or an interrupt measures only what is
+    (:mod:`~hpcstagger.measure.saved_parts`): the same call after a failure or an interrupt measures only what is
     missing; ``fresh`` drops the kept parts first. Raises ConfigError for a bad spec or output path,
     or a job that never calls ``session.loader``, LaunchError without mpiexec, and ModelError when
     a job's command or a measurement fails.

@@ -298,8 +298,8 @@ def run_sweep(spec: Spec, *, staggers: Sequence[float] | None = None, repeat: in
     ``json_path`` (default ``<workdir>/sweep/sweep-<timestamp>.json``) after every run.
 
     Every run plans from the calibration alone, so that the runs compare: the spec's run history
-    (what earlier runs measured, :mod:`.history`) is still recorded but not used, unless ``history``.
-    With ``history``, a spec without a scenario that has observed runs (:mod:`.learn`) also runs
+    (what earlier runs measured, :mod:`~hpcstagger.stagger.history`) is still recorded but not used, unless ``history``.
+    With ``history``, a spec without a scenario that has observed runs (:mod:`~hpcstagger.stagger.learning`) also runs
     its learned plan (steered and open), which goes on learning from each of those runs.
 
     ``progress`` gets one line per run (default: stderr). Raises ConfigError for bad input (one

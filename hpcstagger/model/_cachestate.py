@@ -56,7 +56,7 @@ class CacheState:
         counts as cached for half the step when another job looks for hits, which keeps the step
         second order. ``masks[j]`` (flat 0/1 over the classes) is where job j draws from: its
         unread samples (``bit1[j]``, the default), or for a job following another of its order
-        those its leader has read (:mod:`._order`); such a job draws both parts of that class in
+        those its leader has read (:mod:`._readorder`); such a job draws both parts of that class in
         proportion, whatever its miss fraction for the source.
         """
         np = self.np
@@ -148,7 +148,7 @@ class CacheState:
 
     def _follow(self, Nu: Any, uncached: Any, blocks: Any, dest: Any, fresh: Any, j: int, want: float,
                 mask: Any) -> None:
-        """Job j, a follower (:mod:`._order`), reads ``want`` samples of its class ``mask``, cached
+        """Job j, a follower (:mod:`._readorder`), reads ``want`` samples of its class ``mask``, cached
         (in any block, or inserted this step) and uncached in proportion; past the end of that
         class it overtakes its leader and reads on among all it has yet to read."""
         np = self.np

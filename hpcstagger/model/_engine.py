@@ -12,7 +12,7 @@ Rates. :meth:`Engine.rates` solves, at a state, the fixed point between each job
 pipeline (its read rate given the bandwidth its misses get, :mod:`._pipeline`) and the shared
 source (the bandwidth each reader's misses get given every job's think time between misses, by
 the product-form law of processor sharing, :meth:`Engine.share_product`), with ``[node] cores``
-also the CPU speeds (:mod:`._cpu`); jobs of one order draw from their leaders' classes (:mod:`._order`).
+also the CPU speeds (:mod:`._cpu`); jobs of one order draw from their leaders' classes (:mod:`._readorder`).
 
 Steps. Between events (job starts, epoch ends, the cache filling up) the rates are constant when
 the cache contents do not change, and the engine jumps to the next event. Otherwise it takes
@@ -95,7 +95,7 @@ class Engine(CacheState, OrderState):
         self.epochs = [j.epochs for j in sc.jobs]
         self.startup = [j.startup for j in sc.jobs]
         self.epoch_start = [j.epoch_start for j in sc.jobs]
-        # jobs that read the same order (:mod:`._order`), and the window their lookups are spread over
+        # jobs that read the same order (:mod:`._readorder`), and the window their lookups are spread over
         self.orders = [j.order for j in sc.jobs]
         self.grouped = any(o and self.orders.count(o) > 1 for o in self.orders)
         self.window = [float(max(1, L.W) * L.R * L.B) for L in self.loaders]

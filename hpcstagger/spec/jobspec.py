@@ -137,7 +137,7 @@ class PlanSpec:
     on (closed loop; with ``steer = false`` it only watches and keeps the planned delays);
     ``"open"`` keeps the plan's delays as fixed sleeps and does not watch. With ``history`` the plan
     starts from what earlier runs measured (:mod:`hpcstagger.stagger.history`). With ``prefetch``
-    the job planned to start last fills the cache while it waits (:mod:`.prefetch`)."""
+    the job planned to start last fills the cache while it waits (:mod:`~hpcstagger.colocated.prefetch`)."""
 
     mode: str = "plan"
     scenario: str = ""

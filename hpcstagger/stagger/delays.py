@@ -1,20 +1,23 @@
-"""Planning a co-located run: the delays for a mode, and what the model predicts (pure).
+"""Planning a co-located run: the delays for a mode, and what the model predicts.
 
-World rank 0 of :func:`hpcstagger.init` calls :func:`plan_delays` with every job leader's
-calibration, what the shared cache holds at that moment (``cache_state``, looked up by the
-coordinator) and, for a partitioned cache, the nodes the run spans (``partition``, found by the
-coordinator); nothing here reads the environment, the cache or talks to other ranks, so it is
-tested as a plain function.
-"""
+World rank 0 of :func:`hpcstagger.init` calls :func:`plan_run` with every job leader's
+calibration and :class:`~hpcstagger.stagger.runplan.PlanInputs`: what the shared cache holds at
+that moment (``cache_state``, looked up by the coordinator), the history and what was learned, and
+for a partitioned cache the nodes the run spans (``partition``). It returns a
+:class:`~hpcstagger.stagger.runplan.RunPlan`. Nothing here reads the environment or the cache,
+starts a thread or talks to other ranks; the spec's scenario file is the only file it reads. So it
+is tested as a plain function."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 from collections.abc import Mapping, Sequence
 
 from hpcstagger import config
 from hpcstagger.errors import ConfigError
 from hpcstagger.spec.jobspec import PLAN_MODES, PLAN_MODES_IN_WORLD, PLANNED_MODES, Spec
+from hpcstagger.stagger.runplan import PlanInputs, RunPlan
 from hpcstagger.stagger.scenario_build import fold_miss_overhead
 from hpcstagger.stagger.learning import with_scenario
 from hpcstagger.model import optimal_plan
@@ -24,7 +27,7 @@ from hpcstagger.model import predict
 from hpcstagger.stagger.steering import steer_record
 from hpcstagger.model import Scenario
 
-__all__ = ["plan_delays", "simultaneous_reason", "scenario_for", "cached_fraction",
+__all__ = ["plan_run", "plan_delays", "simultaneous_reason", "scenario_for", "cached_fraction",
            "loader_representatives", "partition_cache"]
 
 
@@ -41,16 +44,21 @@ def cached_fraction(entries: float, samples: float) -> float:
 
 
 def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[str, Mapping[str, float]],
-                mode: str, *, fixed: Mapping[str, float] | None = None,
-                cache_state: Mapping[str, Any] | None = None, steer_interval: float = 1.0,
-                steer_min_gain: float = 0.0, history: Mapping[str, Any] | None = None,
-                learned: Mapping[str, Any] | None = None,
-                partition: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The delays for ``mode`` (world rank 0 calls this), and what the model predicts when it can.
+                mode: str, **inputs: Any) -> dict[str, Any]:
+    """Deprecated: :func:`plan_run` with ``PlanInputs(**inputs)``, as a dictionary (:meth:`RunPlan.to_dict`)."""
+    warnings.warn("plan_delays is deprecated; use hpcstagger.stagger.delays.plan_run, which returns a RunPlan",
+                  DeprecationWarning, stacklevel=2)
+    return plan_run(spec, order, calibrations, mode, PlanInputs(**inputs)).to_dict()
+
+
+def plan_run(spec: Spec | None, order: Sequence[str], calibrations: Mapping[str, Mapping[str, float]],
+             mode: str, inputs: PlanInputs | None = None) -> RunPlan:
+    """The plan of a run in ``mode`` (world rank 0 calls this): the delays, and what the model predicts when it can.
 
     ``order`` lists the jobs in spec order; ``calibrations`` maps a job to what its leader
-    measured (``sample_time``, optionally ``miss_overhead``); ``fixed`` gives mode "fixed" its
-    delays (default: the spec's ``[plan] delays``). ``cache_state`` is what the shared cache holds
+    measured (``sample_time``, optionally ``miss_overhead``); ``inputs`` holds the rest
+    (:class:`~hpcstagger.stagger.runplan.PlanInputs`). ``inputs.fixed`` gives mode "fixed" its
+    delays (default: the spec's ``[plan] delays``). ``inputs.cache_state`` is what the shared cache holds
     when the run starts (``entries``, ``bytes``; None when the run has no cache or nobody looked);
     it is returned as ``cache``, with the ``fraction`` of the dataset it covers when the scenario
     says how many samples the dataset has, and the plan starts from it (``cache.initial``).
@@ -59,7 +67,7 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
     makespan of its delays and of the plan, a simultaneous start and sequential runs
     (``predicted``), and the scenario it used, with each job's own calibration in it
     (``scenario``). Modes ``"plan"`` and ``"open"`` take the plan's delays; ``"plan"`` also adds
-    ``steer`` when some job waits (:func:`~.release.steer_record`, with the watcher's period
+    ``steer`` when some job waits (:func:`~hpcstagger.stagger.steering.steer_record`, with the watcher's period
     ``steer_interval`` and the least predicted gain ``steer_min_gain`` that moves a release off
     the plan): the run then releases waiting jobs on evidence. ``history`` (from
     :func:`~.history.corrections`) gives factors on the scenario's source and jobs, and the jobs'
@@ -67,7 +75,7 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
     ``history``. Jobs that share a loader are planned as one (:func:`loader_representatives`;
     their groups are returned as ``loader_groups``).
 
-    ``learned`` (from :func:`~.learn.resolve`, for a spec without a scenario) is returned as
+    ``learned`` (from :func:`~hpcstagger.stagger.learning.resolve`, for a spec without a scenario) is returned as
     ``learn``: with its ``scenario`` the plan is made from that learned scenario; without one
     (nothing learned yet) job ``k`` (spec order) starts ``k * learned["stagger"]`` seconds late,
     within ``[plan] min_delay`` and ``max_delay``.
@@ -78,6 +86,14 @@ def plan_delays(spec: Spec | None, order: Sequence[str], calibrations: Mapping[s
 
     A plan of all zeros says why (:func:`simultaneous_reason`); mode "sequential" runs one job (one launch).
     """
+    i = inputs or PlanInputs()
+    return RunPlan.from_dict(_plan(spec, order, calibrations, mode, i))
+
+
+def _plan(spec: Spec | None, order: Sequence[str], calibrations: Mapping[str, Mapping[str, float]],
+          mode: str, i: PlanInputs) -> dict[str, Any]:
+    fixed, cache_state, history, learned, partition = i.fixed, i.cache_state, i.history, i.learned, i.partition
+    steer_interval, steer_min_gain = i.steer_interval, i.steer_min_gain
     out: dict[str, Any] = {"mode": mode, "delays": _mode_delays(spec, order, mode, fixed),
                            "calibrations": {n: dict(c) for n, c in calibrations.items()}}
     out.update({k: dict(v) for k, v in (("partition", partition), ("cache", cache_state)) if v is not None})
@@ -184,7 +200,7 @@ def simultaneous_reason(delays: Mapping[str, float], predicted: Mapping[str, flo
 
 def _steer(spec: Spec, delays: Mapping[str, float], order: Sequence[str], sequential: float,
            interval: float, min_gain: float) -> dict[str, Any]:
-    """Mode "plan"'s ``steer`` record (:func:`~.release.steer_record`) when some job waits, else {}."""
+    """Mode "plan"'s ``steer`` record (:func:`~hpcstagger.stagger.steering.steer_record`) when a job waits, else {}."""
     steer = steer_record(delays, order, lo=spec.plan.min_delay, hi=spec.plan.max_delay,
                          horizon=max(sequential, 1.0), interval=interval, observe_only=not spec.plan.steer,
                          min_gain=min_gain)
@@ -264,8 +280,8 @@ def scenario_for(spec: Spec | None, order: Sequence[str], calibrations: Mapping[
     then planned with the bandwidth the jobs actually see: with ``k`` readers each read of ``S``
     bytes takes ``S * k / bandwidth[k-1] + overhead``, the mean of the reported overheads.
 
-    The closed-loop watcher (:mod:`.steer`) refits the model with ``source_scale`` (a factor on the
-    source's bandwidth, before the overhead is added) and ``job_scales`` (job -> a factor on its
+    The closed-loop watcher (:mod:`~hpcstagger.colocated.watcher`) refits the model with ``source_scale`` (a factor
+    on the source's bandwidth, before the overhead is added) and ``job_scales`` (job -> a factor on its
     ``sample_time``, ``prep_time`` and ``handoff``). ``startups`` (job -> seconds, from the run
     history) replaces those jobs' ``startup``.
 

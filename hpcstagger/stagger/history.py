@@ -1,6 +1,6 @@
 """What each run of a spec measured, kept for the next plan.
 
-When the closed-loop watcher (:mod:`.release`) ends, it writes one record of what it fitted into
+When the closed-loop watcher (:mod:`~hpcstagger.colocated.watcher`) ends, it writes one record of what it fitted into
 ``<workdir>/history/<time>-<pid>-<ns>.json`` (one writer per file, written atomically, so concurrent
 runs of a spec never share a file):
 

@@ -5,7 +5,7 @@ from what its earlier runs on this kind of node measured:
 
 - **Every such run observes.** World rank 0 names a new directory
   ``<workdir>/history/obs-<time>-<pid>/`` in the plan (``observe``). Each rank's
-  ``session.loader(loader)`` is then measured passively (:class:`~.calibration.LoopMeter` with
+  ``session.loader(loader)`` is then measured passively (:class:`~hpcstagger.colocated.jobmeter.LoopMeter` with
   ``passive=True``: the same per-batch and per-sample records as ``hpcstagger calibrate --spec``,
   without its pauses and without stopping the job), into ``<dir>/<job>/``; and each job leader
   looks at the shared cache's source-read counters (bytes, and seconds from lookup to insert) at

@@ -109,7 +109,7 @@ def fit_baseline(jobs: Mapping[str, Mapping[str, Any]], curve: tuple[float, ...]
                  sample_bytes: float) -> tuple[float, str]:
     """What the jobs' own source reads, counted in flight while each ran alone in calibration, got of
     ``curve`` (:func:`~hpcstagger.model.runfit.counted_factor`, pooled over the jobs), and a comment.
-    1 when they read too little (fewer than :data:`~.steer.MIN_READS` samples) or were not counted;
+    1 when they read too little (fewer than :data:`~hpcstagger.stagger.steering.MIN_READS` samples) or were not counted;
     1 as well, with the figure in the comment, outside :data:`BASELINE_RANGE`: the jobs' reads
     then differ from the measured curve by more than a read pattern explains."""
     counted = [m["source_reads"] for m in jobs.values() if m.get("source_reads")]

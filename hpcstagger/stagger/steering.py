@@ -1,9 +1,9 @@
 """Closed-loop staggering: when to release each waiting job, from what the run shows (pure).
 
-The plan's delays are the prior. While jobs wait, the watcher (:mod:`.release`) looks at the run
+The plan's delays are the prior. While jobs wait, the watcher (:mod:`~hpcstagger.colocated.watcher`) looks at the run
 often and hands :class:`Steering` a :class:`Look`: the source reads
 counted by the shared cache (bytes and seconds, :meth:`ShmCache.count_read`), each started job's
-progress (:mod:`.progress`) and state. :meth:`Steering.decide` then:
+progress (:mod:`~hpcstagger.colocated.progress`) and state. :meth:`Steering.decide` then:
 
 1. **fits the source**: the bytes read over the last few seconds, against what the calibrated
    curve delivers in the time the cache counted with 1, 2, ... reads in flight, gives a factor on
@@ -96,7 +96,7 @@ class Look:
 
     ``read_bytes``/``read_seconds``: the cache's source-read counters (None without a cache);
     ``flight``: the cache's seconds with 1, 2, ... source reads in flight (None without one);
-    ``progress``: each started job's latest progress record (:mod:`.progress`); ``state``: each
+    ``progress``: each started job's latest progress record (:mod:`~hpcstagger.colocated.progress`); ``state``: each
     started job leader's status (``started``, ``done``, ...)."""
 
     t: float

@@ -197,7 +197,7 @@ def built(*js: Job) -> None:
 
 
 class FakeSession:
-    """What ``colocated.shared.data_loader`` needs of a Session: no spec, job "j", one rank."""
+    """What ``colocated.dataloader.data_loader`` needs of a Session (a LoaderOwner): no spec, job "j", one rank."""
 
     spec, job = None, "j"
     comm = type("Comm", (), {"size": 1, "rank": 0})()
