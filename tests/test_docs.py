@@ -249,3 +249,21 @@ def test_python_examples_import_what_exists(where, line, module, names):
     mod = importlib.import_module(module)
     missing = [n for n in names if not hasattr(mod, n) and importlib.util.find_spec(f"{module}.{n}") is None]
     assert not missing, f"{where}:{line}: {module} has no {', '.join(missing)}"
+
+
+def test_results_is_a_page_of_current_figures_each_with_its_command():
+    """benchmarks/RESULTS.md stays one short page: per part a table whose every row names the
+    machine, the commit and the command of its figure."""
+    lines = (REPO / "benchmarks" / "RESULTS.md").read_text().splitlines()
+    assert len(lines) <= 300, f"benchmarks/RESULTS.md has {len(lines)} lines (at most 300): history goes to git"
+    header = "| Target | Figure now | Machine | Commit | Command |"
+    assert lines.count(header) >= 8, "each part's figures are in one Target | ... | Command table"
+    rows, inside = [], False
+    for i, line in enumerate(lines, 1):
+        inside = line == header or (inside and line.startswith("|"))
+        if inside and line != header and not line.startswith("|---"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows.append((i, cells))
+    bad = [i for i, cells in rows if len(cells) < 5 or not all(cells[2:5]) or not ("`" in cells[4] or
+                                                                                cells[4] == "same")]
+    assert rows and not bad, f"RESULTS.md rows without a machine, commit or command: lines {bad}"
