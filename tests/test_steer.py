@@ -13,7 +13,7 @@ from hpcstagger.colocated.progress import ProgressMeter
 from hpcstagger.spec.records import fraction_done, read_progress, throughput
 from hpcstagger.colocated.watcher import set_host
 from hpcstagger.stagger.steering import release_groups, steer_record
-from hpcstagger.stagger.steering import Look, Steering
+from hpcstagger.stagger.steering import Look, SteerLimits, Steering
 from hpcstagger.errors import ModelError
 from hpcstagger.model import Scenario, optimal_plan, predict
 from hpcstagger.model.runfit import (best_release, counted_factor, fit_scale, progress_at, progress_series,
@@ -250,7 +250,9 @@ def _steering(truth_factor=1.0, sc=None, truth=None, **kw):
             out = with_cost(out, name, a)
         return out
 
-    st = Steering(build, sc.storage.bandwidth, order, plan.delays, {n: 3 for n in order}, interval=0.25, **kw)
+    other = {k: kw.pop(k) for k in ("baseline", "jitter") if k in kw}
+    st = Steering(build, sc.storage.bandwidth, order, plan.delays, {n: 3 for n in order},
+                  SteerLimits(interval=0.25, **kw), **other)
     fetch_bw = truth.storage.bandwidth[0]  # one fetcher of the first job, always reading
 
     per = 500  # batches per epoch in the progress record

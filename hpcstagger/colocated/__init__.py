@@ -1,13 +1,20 @@
 """The co-located run: several training jobs in one MPI world on one node, started with a stagger.
 
-- :mod:`~hpcstagger.spec.jobspec`: the job spec (TOML) and its validation;
-- :mod:`~hpcstagger.spec.runenv`: the environment variables the launcher passes to the ranks;
-- :mod:`.coordinator`: :func:`init` on every rank (identity, rendezvous, plan, wait, backend);
-- :mod:`~hpcstagger.stagger.delays`: the delays for a plan mode and the model's predictions (pure);
-- :mod:`.launch`: ``hpcstagger launch``, ``status`` and ``exec``, and the results from status files;
-- :mod:`~hpcstagger.measure.spec_calibration`: ``hpcstagger calibrate --spec``, each job measured from its own command;
-- :mod:`~hpcstagger.colocated.jobmeter`: calibration mode inside a job (``session.loader``) and its reports;
-- :mod:`.batch`: the sbatch script of a spec (pure rendering).
+What a run does, carried out on its ranks; what it decides comes from :mod:`hpcstagger.stagger`,
+and the words it speaks (the spec, the environment contract, the record files) from
+:mod:`hpcstagger.spec`.
+
+- :mod:`.coordinator`: :func:`init` and :class:`Session` on every rank (identity, rendezvous, plan
+  exchange, wait, backend); :mod:`._rendezvous`, the deadline rendezvous;
+- :mod:`.watcher`: the closed loop's watcher thread on the last job's leader, and the waiting ranks'
+  release; :mod:`.prefetch` and :mod:`.idle`: work done in the wait;
+- :mod:`.dataloader`: ``session.data_loader``, a SharedLoader or a plain DataLoader;
+- :mod:`.progress`: a job leader's progress records; :mod:`.jobmeter`: calibration mode in a job;
+  :mod:`.source_watch`: the observer of a run that learns;
+- :mod:`.startcache`: the shared cache at the start (what it holds, making it cold);
+- :mod:`.launch`: ``hpcstagger launch``, ``status`` and ``exec``, and the results from status
+  files; :mod:`.batch`: the sbatch script of a spec (pure); :mod:`.preflight`: the checks before
+  any rank starts; :mod:`.leftovers` and :mod:`._shm`: what runs leave in /dev/shm.
 
 ``hpcstagger.init`` and ``hpcstagger.Spec`` are the usual way in. This package exports those, the
 job spec's :class:`JobSpec`, and :func:`launch` with its :class:`RunResult` and :class:`JobResult`

@@ -28,22 +28,18 @@ import os
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
 from hpcstagger import _io, config
-from hpcstagger.errors import CacheError
-from hpcstagger.stagger.runplan import RunPlan
-from hpcstagger.spec.records import read_progress, read_status, startups
 from hpcstagger.cache.store import ShmCache
-from hpcstagger.stagger.steering import Look
+from hpcstagger.errors import CacheError
 from hpcstagger.model import Scenario
-from hpcstagger.stagger.delays import scenario_for
-from hpcstagger.stagger.steering import Steering
+from hpcstagger.spec.records import read_progress, read_status, startups
 from hpcstagger.stagger import history as H
-
-if TYPE_CHECKING:
-    from hpcstagger.stagger.steering import Look, Steering
+from hpcstagger.stagger.delays import scenario_for
+from hpcstagger.stagger.runplan import RunPlan
+from hpcstagger.stagger.steering import Look, SteerLimits, Steering
 
 __all__ = ["TAG", "set_host", "wait_for_release"]
 
@@ -134,10 +130,10 @@ def _steering(session: Any) -> Steering:
     storage = Scenario.from_toml(spec.plan.scenario).storage
     bandwidth = [b * h_source for b in storage.bandwidth]
     hi = steer.get("max_delay")
-    return Steering(build, bandwidth, order, plan.delays, {n: spec.job(n).epochs for n in order},
-                    lo=float(steer.get("min_delay") or 0.0), hi=math.inf if hi is None else float(hi),
-                    interval=float(steer["interval"]), horizon=float(steer["horizon"]),
-                    observe_only=bool(steer.get("observe_only")), min_gain=float(steer.get("min_gain", 0.0)),
+    limits = SteerLimits(lo=float(steer.get("min_delay") or 0.0), hi=math.inf if hi is None else float(hi),
+                         interval=float(steer["interval"]), horizon=float(steer["horizon"]),
+                         observe_only=bool(steer.get("observe_only")), min_gain=float(steer.get("min_gain", 0.0)))
+    return Steering(build, bandwidth, order, plan.delays, {n: spec.job(n).epochs for n in order}, limits,
                     baseline=storage.fit_baseline, jitter=float(plan.jitter or 0.0))
 
 

@@ -42,7 +42,7 @@ from hpcstagger.model import Scenario
 from hpcstagger.model.runfit import best_release, counted_factor, fit_scale, progress_series, source_factor
 from hpcstagger.spec.records import fraction_done, throughput
 
-__all__ = ["Look", "Decision", "Steering", "release_groups", "steer_record"]
+__all__ = ["Look", "Decision", "Steering", "SteerLimits", "release_groups", "steer_record"]
 
 log = logging.getLogger(__name__)
 
@@ -124,23 +124,41 @@ class Decision:
                 "predicted": self.predicted, "fit": dict(self.fit)}
 
 
+@dataclass(frozen=True)
+class SteerLimits:
+    """The bounds and the pace of steering: every release falls in [``lo``, ``hi``] seconds after time
+    zero and no later than ``horizon`` after its planned delay (default: twice the plan's span, at
+    least 10 s); the watcher re-fits every ``interval`` seconds and looks every ``look``; with
+    ``observe_only`` it fits and records but releases at the planned delays; ``min_gain`` is the
+    least predicted gain (fraction of the makespan) that moves a release off the plan."""
+
+    lo: float = 0.0
+    hi: float = math.inf
+    interval: float = 1.0
+    horizon: float | None = None
+    look: float = LOOK
+    observe_only: bool = False
+    min_gain: float = 0.0
+
+
 class Steering:
     """Decides when each waiting group is released (see the module docstring).
 
     ``build(source_scale, job_scales)`` makes the scenario (already with the spec's jobs, the
     cache's state and each job's calibration) with those factors applied; ``bandwidth`` is the
     calibrated source curve the source factor multiplies; ``epochs`` each job's epochs; ``delays``
-    the plan; ``lo``/``hi`` bound every release; ``interval`` is the watcher's period.
+    the plan; ``limits`` bound every release and set the pace (:class:`SteerLimits`).
     ``baseline`` is what the counted source fit gave on the jobs' own reads while calibrated
     (the scenario's ``[storage] fit_baseline``): a fit is taken relative to it. ``jitter`` is the
     start-time spread the plan was made for: release times are compared over it as the plan's were.
     """
 
     def __init__(self, build: Callable[[float, Mapping[str, float]], Scenario], bandwidth: Sequence[float],
-                 order: Sequence[str], delays: Mapping[str, float], epochs: Mapping[str, int], *,
-                 lo: float = 0.0, hi: float = math.inf, interval: float = 1.0, horizon: float | None = None,
-                 look: float = LOOK, observe_only: bool = False, min_gain: float = 0.0,
-                 baseline: float = 1.0, jitter: float = 0.0):
+                 order: Sequence[str], delays: Mapping[str, float], epochs: Mapping[str, int],
+                 limits: SteerLimits | None = None, *, baseline: float = 1.0, jitter: float = 0.0):
+        lim = limits or SteerLimits()
+        lo, hi, interval, horizon, look = lim.lo, lim.hi, lim.interval, lim.horizon, lim.look
+        observe_only, min_gain = lim.observe_only, lim.min_gain
         self.build = build
         self.bandwidth = list(bandwidth)
         self.order = list(order)
