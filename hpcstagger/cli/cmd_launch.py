@@ -122,11 +122,11 @@ def format_result(result: Any) -> str:
 
     why = []
     for j in result.jobs.values():
-        released = (s(j.release.get("at")) if j.release else s(0.0),) if steered else ()
+        released = (s(j.release.at) if j.release else s(0.0),) if steered else ()
         rows.append((j.name, str(j.ranks), s(j.delay), *released, s(j.start), s(j.finish), j.state))
         if j.release:
-            why.append(f"{j.name} released at +{j.release.get('at', 0.0):.1f} s (planned "
-                       f"+{j.release.get('planned', j.delay):.1f} s): {j.release.get('reason', '')}")
+            why.append(f"{j.name} released at +{j.release.at:.1f} s (planned "
+                       f"+{j.release.planned:.1f} s): {j.release.reason}")
         if j.blind():
             why.append(j.blind())
     return "\n".join(lines) + "\n" + table(rows) + "".join("\n" + w for w in why)

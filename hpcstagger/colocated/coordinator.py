@@ -54,6 +54,7 @@ from hpcstagger.stagger import learning as learn
 from hpcstagger.stagger.delays import plan_run
 from hpcstagger.stagger.history import describe as describe_history, plan_history
 from hpcstagger.stagger.runplan import PlanInputs, RunPlan
+from hpcstagger.stagger.steering import Decision
 
 __all__ = ["Session", "init", "resolve_job"]
 
@@ -84,7 +85,7 @@ class Session:
     backend: str = "none"
     verbose: bool = True
     calibrating: str = ""  # the reports directory when `hpcstagger calibrate --spec` runs this job
-    release: dict[str, Any] = field(default_factory=dict)  # closed loop: when and why this job was released
+    release: Decision | None = None  # closed loop: when and why this job was released
     progress_meter: ProgressMeter | None = None  # a job leader's, for the watcher (session.loader)
     observer: Any = None  # a passive LoopMeter when the run is observed for learning (.learn)
     _closed: bool = False
@@ -177,7 +178,7 @@ class Session:
         if self.delay > 0 and self.plan.steer:
             self.say(f"waiting for release (planned +{self.delay:.1f} s; steered by the run)")
             self.release = wait_for_release(self, work)
-            self.say(f"released at +{self.elapsed():.1f} s: {self.release.get('reason', '')}")
+            self.say(f"released at +{self.elapsed():.1f} s: {self.release.reason}")
             until = 0.0
         elif self.delay > 0:
             self.say(f"waiting {self.delay:.1f} s (planned start)")
@@ -228,7 +229,7 @@ class Session:
                   "host": socket.gethostname(), "pid": os.getpid(), "t0": self.t0, "time": time.time(),
                   "elapsed": self.elapsed(), "delay": self.delay, "mode": self.mode,
                   "timings": self.timings, "plan": self.plan.to_dict() if self.rank == 0 else {},
-                  "release": self.release or None, **extra}
+                  "release": self.release.to_dict() if self.release else None, **extra}
         _io.atomic_write_json(status_path(self.run_dir, self.job, self.rank), record, durable=False)
 
     def loader(self, iterable: Any, *, profiler: Any = None) -> Any:

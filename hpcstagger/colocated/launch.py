@@ -23,20 +23,19 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
-from hpcstagger.colocated._shm import remove_stale_mpich_segments
-from hpcstagger.spec import runenv
-from hpcstagger.colocated import leftovers, preflight
-from hpcstagger.spec.records import misshapen_status
-from hpcstagger import config
-from hpcstagger.errors import CacheError, ConfigError, LaunchError
-from hpcstagger.spec.records import progress_path
-from hpcstagger.spec.jobspec import PLAN_MODES, JobSpec, Spec
-from hpcstagger.spec.identity import resolve_job
-from hpcstagger.slurm import het_component
+from hpcstagger import _io, config
 from hpcstagger.cache.throttle import remove_if_idle, throttle_dir
+from hpcstagger.colocated import leftovers, preflight
+from hpcstagger.colocated._shm import remove_stale_mpich_segments
 from hpcstagger.colocated.batch import job_wrapper, multiprog_conf
-from hpcstagger import _io
 from hpcstagger.colocated.startcache import make_cold
+from hpcstagger.errors import CacheError, ConfigError, LaunchError
+from hpcstagger.slurm import het_component
+from hpcstagger.spec import runenv
+from hpcstagger.spec.identity import resolve_job
+from hpcstagger.spec.jobspec import PLAN_MODES, JobSpec, Spec
+from hpcstagger.spec.records import misshapen_status, progress_path
+from hpcstagger.stagger.steering import Decision
 
 __all__ = ["JobResult", "RunResult", "mpmd_command", "launch", "collect_results", "parse_delays", "exec_job",
            "run_group"]
@@ -56,8 +55,12 @@ class JobResult:
     finish: float | None = None
     error: str = ""
     metrics: dict[str, Any] = field(default_factory=dict)
-    release: dict[str, Any] = field(default_factory=dict)  # closed loop: when and why it was released
+    release: Decision | None = None  # closed loop: when and why it was released
     loader_seen: bool | None = None  # whether its leader's loop ran under session.loader (a progress record)
+
+    def to_dict(self) -> dict[str, Any]:
+        """As plain JSON-able types (its release as :meth:`Decision.to_dict`, or None)."""
+        return {**vars(self), "release": self.release.to_dict() if self.release else None}
 
     def blind(self) -> str:
         """One line when the job finished without ever calling ``session.loader``, else ""."""
@@ -122,7 +125,7 @@ class RunResult:
                 "overhead": self.overhead, "wall": self.wall, "scenario": self.scenario,
                 "calibrations": self.calibrations, "curve": self.curve, "cache": self.cache,
                 "cold_cache": self.cold_cache, "steer": self.steer, "learn": self.learn,
-                "jobs": {n: vars(j) for n, j in self.jobs.items()}}
+                "jobs": {n: j.to_dict() for n, j in self.jobs.items()}}
 
 
 _COORDINATOR_PHASES = ("rendezvous", "split", "plan_exchange")
@@ -258,7 +261,7 @@ def collect_results(spec: Spec, run_dir: str | os.PathLike[str], *, jobs: Sequen
                     phases.setdefault(phase, []).append(float(t[phase]))
             if r.get("rank") == 0:
                 jr.metrics = r.get("metrics", {})
-                jr.release = r.get("release") or {}
+                jr.release = Decision.from_dict(r["release"]) if r.get("release") else None
                 predicted.update((r.get("plan") or {}).get("predicted") or {})
                 plan_info = plan_info or (r.get("plan") or {})
             mode = mode or r.get("mode", "")

@@ -39,7 +39,7 @@ from hpcstagger.spec.records import read_progress, read_status, startups
 from hpcstagger.stagger import history as H
 from hpcstagger.stagger.delays import scenario_for
 from hpcstagger.stagger.runplan import RunPlan
-from hpcstagger.stagger.steering import Look, SteerLimits, Steering
+from hpcstagger.stagger.steering import Decision, Look, SteerLimits, Steering
 
 __all__ = ["TAG", "set_host", "wait_for_release"]
 
@@ -338,11 +338,11 @@ def _follower(session: Any, idle: list[Callable[[float], bool]]) -> dict[str, An
             time.sleep(POLL)
 
 
-def wait_for_release(session: Any, idle_work: Sequence[Callable[[float], bool]] = ()) -> dict[str, Any]:
+def wait_for_release(session: Any, idle_work: Sequence[Callable[[float], bool]] = ()) -> Decision:
     """Block until this rank's job is released (see the module docstring); returns the release."""
     idle = list(idle_work)
     if session.world.rank == int(session.plan.steer["host"]):
         msg = _host(session, idle)
     else:
         msg = _follower(session, idle)
-    return dict(msg.get("release") or {})
+    return Decision.from_dict(msg.get("release") or {"jobs": [session.job], "planned": session.delay})

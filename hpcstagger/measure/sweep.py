@@ -255,7 +255,7 @@ def _record(run: SweepRun, result: Any, repetition: int, order: Sequence[str],
     if run.mode == "sequential" and plan_result is not None:
         predicted = plan_result.predicted.get("sequential")
     measured = result.makespan
-    released = {n: float(j.release.get("at", j.delay)) if j.release else j.delay for n, j in result.jobs.items()}
+    released = {n: j.release.at if j.release else j.delay for n, j in result.jobs.items()}
     stagger = run.stagger if run.mode not in ("plan", "open") else planned_stagger(order, released)
     return {"repetition": repetition, "label": run.label, "mode": run.mode, "stagger": stagger,
             "delays": result.delays, "released": released,
@@ -266,7 +266,7 @@ def _record(run: SweepRun, result: Any, repetition: int, order: Sequence[str],
             "cold_cache": result.cold_cache, "predicted_all": result.predicted, "calibrations": result.calibrations,
             "scenario": result.scenario if run.mode == "plan" else {},
             "jobs": {n: {"delay": j.delay, "start": j.start, "finish": j.finish, "state": j.state,
-                         "release": j.release or None} for n, j in result.jobs.items()}}
+                         "release": j.release.to_dict() if j.release else None} for n, j in result.jobs.items()}}
 
 
 def _check(spec: Spec, repeat: int, staggers: Sequence[float] | None, max_stagger: float | None) -> None:

@@ -123,6 +123,15 @@ class Decision:
         return {"jobs": list(self.jobs), "at": self.at, "planned": self.planned, "reason": self.reason,
                 "predicted": self.predicted, "fit": dict(self.fit)}
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Decision:
+        """The release of :meth:`to_dict`'s output (a status file's ``release``, a release message);
+        a part it lacks takes its default (a release recorded without a fit, or by an older version)."""
+        predicted = data.get("predicted")
+        return cls(jobs=[str(j) for j in data.get("jobs") or []], at=float(data.get("at") or 0.0),
+                   planned=float(data.get("planned") or 0.0), reason=str(data.get("reason") or ""),
+                   predicted=None if predicted is None else float(predicted), fit=dict(data.get("fit") or {}))
+
 
 @dataclass(frozen=True)
 class SteerLimits:
