@@ -74,13 +74,19 @@ def test_no_import_against_the_layers(graph):
     assert not bad, "imports against the layers:\n" + "\n".join(bad)
 
 
+# Modules whose functions may defer any import, and why: the command line imports every
+# subcommand's module to build its parser, so each loads what it runs only when it runs, and
+# `hpcstagger --help` (or any one subcommand) does not load the planner, the run and the cache.
+DEFERRING = ("hpcstagger.cli.cmd_",)
+
+
 def test_imports_inside_functions_only_defer_heavy_modules(graph):
     """An import inside a function defers a heavy module (torch, numpy, mpi4py, h5py, matplotlib, or
     a module of the package that loads one at its top); every other import sits at the module's top."""
     heavy = graph.heavy()
     light = [f"{e.src}:{e.line} imports {e.dst}" for e in graph.edges
              if e.in_function and not e.lazy_export and e.dst.split(".")[0] == "hpcstagger" and e.dst not in heavy
-             and e.dst in graph.paths]
+             and e.dst in graph.paths and not e.src.startswith(DEFERRING)]
     assert not light, "imports inside functions of modules that are cheap to import:\n" + "\n".join(light)
 
 

@@ -19,9 +19,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import xxhash
 
-from hpcstagger.errors import ConfigError
+from hpcstagger.errors import ConfigError, DependencyError
 from hpcstagger.cache._listing import list_files, shared_listing, stat_token
-from hpcstagger.errors import DependencyError
 
 __all__ = ["Source", "DirectorySource", "HDF5Source", "read_file"]
 

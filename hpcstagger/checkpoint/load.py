@@ -20,10 +20,8 @@ from hpcstagger._io import checksum
 from hpcstagger.comm import as_comm
 from hpcstagger.errors import CheckpointError, CheckpointWarning, describe_exception
 from hpcstagger.checkpoint.catalog import Entry, as_dirs, candidates, scan, shard_problem
-from hpcstagger.checkpoint.manifest import FORMAT
-from hpcstagger.checkpoint.state import unflatten
-from hpcstagger.checkpoint.manifest import parse_step_dirname
-from hpcstagger.checkpoint.state import torch_dtype
+from hpcstagger.checkpoint.manifest import FORMAT, parse_step_dirname
+from hpcstagger.checkpoint.state import unflatten, torch_dtype
 
 __all__ = ["load", "load_entry", "restore", "read_checkpoint", "verify_checkpoint", "list_entries"]
 

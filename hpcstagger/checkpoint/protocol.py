@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from hpcstagger import config
-from hpcstagger.comm import Comm, poll_until
+from hpcstagger.comm import Comm, poll_until, mpi_module
 from hpcstagger.errors import CheckpointError, CollectiveError, describe_exception
 from hpcstagger.checkpoint import catalog, probe
 from hpcstagger.checkpoint.flushq import FlushQueue
@@ -26,7 +26,6 @@ from hpcstagger.checkpoint.manifest import build_manifest, shard_filename, step_
 from hpcstagger.checkpoint.sharding import ShardPlan
 from hpcstagger.checkpoint.state import Leaf
 from hpcstagger.checkpoint.writer import Pacer, ShardItem, ShardWriter
-from hpcstagger.comm import mpi_module
 
 __all__ = ["SaveHandle", "SaveTask", "Worker", "agree", "check_thread_level", "renice_thread"]
 

@@ -8,8 +8,6 @@ import sys
 from typing import Any
 
 from hpcstagger.measure.tables import human_bytes, table
-from hpcstagger import config
-from hpcstagger.cache.store import ShmCache
 
 
 def register(sub: Any) -> None:
@@ -49,12 +47,16 @@ def register(sub: Any) -> None:
 
 
 def _root(args: argparse.Namespace) -> str:
+    from hpcstagger import config
+
     import os
 
     return os.path.abspath(args.root or config.get("shm_root"))
 
 
 def run_ls(args: argparse.Namespace) -> int:
+    from hpcstagger.cache.store import ShmCache
+
     from hpcstagger.cache.admin import list_caches
 
     root = _root(args)
@@ -81,6 +83,8 @@ def run_ls(args: argparse.Namespace) -> int:
 
 
 def run_stats(args: argparse.Namespace) -> int:
+    from hpcstagger.cache.store import ShmCache
+
     from hpcstagger.cache.partitioned import partition_stats
 
     cache = ShmCache(args.name, None, root=_root(args))

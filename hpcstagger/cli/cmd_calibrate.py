@@ -10,11 +10,6 @@ from typing import Any
 
 from hpcstagger.cli._args import add_spec
 from hpcstagger.errors import ConfigError
-from hpcstagger.spec.jobspec import Spec
-from hpcstagger.colocated.preflight import check
-from hpcstagger.stagger.learning import seed_path
-from hpcstagger.model.calibrate import calibrate
-from hpcstagger._io import json_safe
 
 
 def register(sub: Any) -> None:
@@ -128,6 +123,10 @@ def _steps(values: list[str]) -> dict[str, Any]:
 
 def _with_spec(args: argparse.Namespace, jobs: dict[str, Any]) -> Any:
     """The command route: every job of the spec from its own command (or its --job step factory)."""
+    from hpcstagger.colocated.preflight import check
+    from hpcstagger.spec.jobspec import Spec
+    from hpcstagger.stagger.learning import seed_path
+
     from hpcstagger.measure.spec_calibration import calibrate_spec
 
     if args.source or args.cache:
@@ -150,6 +149,8 @@ def _with_spec(args: argparse.Namespace, jobs: dict[str, Any]) -> Any:
 
 def _with_factories(args: argparse.Namespace, jobs: dict[str, Any]) -> Any:
     """The step-factory route: a source factory and a step factory per job."""
+    from hpcstagger.model.calibrate import calibrate
+
     if not args.source:
         raise ConfigError("give a job spec (hpcstagger calibrate SPEC), or the source: --source MODULE:FUNCTION")
     if not jobs:
@@ -166,6 +167,8 @@ def _with_factories(args: argparse.Namespace, jobs: dict[str, Any]) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpcstagger._io import json_safe
+
     if args.history and not args.spec:
         raise ConfigError("--history seeds a spec's run history: give --spec SPEC, or SPEC as the first argument")
     jobs = _steps(args.job)

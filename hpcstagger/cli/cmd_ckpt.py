@@ -12,16 +12,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from hpcstagger.measure.tables import human_bytes
-from hpcstagger.checkpoint.catalog import file_problems
-from hpcstagger.checkpoint.load import verify_checkpoint
-from hpcstagger.checkpoint.catalog import Entry
-from hpcstagger.checkpoint.load import list_entries
-from hpcstagger.checkpoint.manifest import MANIFEST, parse_step_dirname
-from hpcstagger.errors import CheckpointError
-from hpcstagger.errors import CheckpointWarning
-from hpcstagger.errors import ConfigError
-from hpcstagger._io import atomic_write
-from hpcstagger.checkpoint.load import load_entry
+from hpcstagger.errors import CheckpointError, CheckpointWarning, ConfigError
 
 
 _DIR_HELP = "the checkpoint directory AsyncCheckpointer writes to, or one step-N directory in it"
@@ -72,6 +63,9 @@ def register(sub: Any) -> None:
 def _describe(entry: Any, verify: bool = False) -> dict[str, Any]:
     """One row of ``ckpt ls``: damaged when the files (sizes, presence; with ``verify`` every
     checksum) disagree with the manifest, naming the first problem and counting the others."""
+    from hpcstagger.checkpoint.catalog import file_problems
+    from hpcstagger.checkpoint.load import verify_checkpoint
+
     row: dict[str, Any] = {"step": entry.step, "path": entry.path, "committed": entry.committed}
     if not entry.committed:
         row["status"] = "incomplete"
@@ -97,6 +91,10 @@ def _one_line(text: str) -> str:
 
 def _entries(directory: str) -> list[Any]:
     """The step directories in ``directory``, or ``directory`` itself when it is one."""
+    from hpcstagger.checkpoint.catalog import Entry
+    from hpcstagger.checkpoint.load import list_entries
+    from hpcstagger.checkpoint.manifest import MANIFEST, parse_step_dirname
+
     if not os.path.isdir(directory):
         what = "does not exist" if not os.path.lexists(directory) else "is not a directory"
         raise CheckpointError(f"{directory} {what}; give the directory AsyncCheckpointer writes to")
@@ -123,6 +121,8 @@ def run_ls(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
+    from hpcstagger.checkpoint.load import verify_checkpoint
+
     entries = _entries(args.directory)
     if args.step is not None:
         entries = [e for e in entries if e.step == args.step]
@@ -217,6 +217,10 @@ def _check_out(out: str) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    from hpcstagger._io import atomic_write
+    from hpcstagger.checkpoint.load import load_entry
+    from hpcstagger.checkpoint.manifest import parse_step_dirname
+
     import torch
 
     _entries(args.directory)

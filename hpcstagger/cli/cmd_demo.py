@@ -7,7 +7,6 @@ import json
 import math
 import sys
 from typing import Any
-from hpcstagger.demo.run import DemoConfig, format_table, run_demo
 from hpcstagger.errors import ConfigError
 
 # How long the demo takes with its defaults on 2 cores: 106 to 144 s measured (four runs, each on a
@@ -38,6 +37,8 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpcstagger.demo.run import DemoConfig, format_table, run_demo
+
     if args.samples < 100:
         raise ConfigError(f"--samples must be at least 100, got {args.samples}")
     if args.epochs < 1:

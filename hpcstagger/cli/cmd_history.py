@@ -9,9 +9,6 @@ from typing import Any
 
 from hpcstagger.cli._args import add_spec
 from hpcstagger.measure.tables import table
-from hpcstagger.stagger import history as H, learning as L
-from hpcstagger.spec.jobspec import Spec
-from hpcstagger.stagger.steering import WARMUP, WINDOW
 
 
 def register(sub: Any) -> None:
@@ -38,6 +35,9 @@ def _s(x: Any) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpcstagger.spec.jobspec import Spec
+    from hpcstagger.stagger import history as H, learning as L
+
     import os
 
     spec = Spec.from_toml(args.spec)
@@ -89,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
 def why_unrecorded(spec: Any) -> str:
     """Why a spec's runs may have left no record: what the spec rules out, else what can stop a
     run's closed-loop watcher from fitting the model (it records only a fit)."""
+    from hpcstagger.stagger.steering import WARMUP, WINDOW
+
     if not spec.plan.history:
         return "the spec's [plan] history = false: its runs are not recorded"
     if spec.plan.mode != "plan":

@@ -8,7 +8,6 @@ from typing import Any
 
 from hpcstagger.measure.tables import human_bytes
 from hpcstagger.cli.sysinfo import collect
-from hpcstagger.comm import Comm
 
 
 def register(sub: Any) -> None:
@@ -87,6 +86,8 @@ def _render(info: dict[str, Any], as_json: bool) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpcstagger.comm import Comm
+
     info = collect()
     text = _render(info, args.json)
     if info["versions"]["mpi4py"].get("world_size", 1) > 1:  # set only when MPI is initialised

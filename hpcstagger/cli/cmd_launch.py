@@ -10,16 +10,12 @@ from typing import Any
 
 from hpcstagger.cli._args import add_spec
 from hpcstagger.measure.tables import table
-from hpcstagger.spec.jobspec import PLAN_MODES
-from hpcstagger.spec.jobspec import Spec
-from hpcstagger.spec import runenv
-from hpcstagger.colocated.preflight import check
-from hpcstagger.errors import ConfigError
-from hpcstagger.colocated.startcache import describe_cold, describe_start
-from hpcstagger.errors import LaunchError
+from hpcstagger.errors import ConfigError, LaunchError
 
 
 def register(sub: Any) -> None:
+    from hpcstagger.spec.jobspec import PLAN_MODES
+
     p = sub.add_parser("launch", help="run the jobs of a spec locally with MPMD mpiexec",
                        description="Run every job of a job spec in one MPI world with MPMD mpiexec. "
                                    "hpcstagger.init() in each job plans the start delays and holds the "
@@ -61,6 +57,10 @@ def register(sub: Any) -> None:
 
 
 def run_exec(args: argparse.Namespace) -> int:
+    from hpcstagger.colocated.preflight import check
+    from hpcstagger.spec import runenv
+    from hpcstagger.spec.jobspec import Spec
+
     import os
 
     from hpcstagger.colocated.launch import exec_job
@@ -74,6 +74,8 @@ def run_exec(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
+    from hpcstagger.spec.jobspec import Spec
+
     from pathlib import Path
 
     from hpcstagger.colocated.launch import collect_results
@@ -101,6 +103,8 @@ def run_status(args: argparse.Namespace) -> int:
 
 def format_result(result: Any) -> str:
     """The human-readable table of a RunResult."""
+    from hpcstagger.colocated.startcache import describe_cold, describe_start
+
     lines = [f"run {result.run_dir}", f"mode {result.mode}"]
     if result.makespan is not None:
         pred = result.predicted.get("plan") if result.mode == "plan" else result.predicted.get(result.mode)
@@ -133,6 +137,10 @@ def format_result(result: Any) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpcstagger.colocated.preflight import check
+    from hpcstagger.spec import runenv
+    from hpcstagger.spec.jobspec import Spec
+
     from hpcstagger.colocated.launch import launch, mpmd_command, parse_delays
 
     spec = Spec.from_toml(args.spec)

@@ -8,9 +8,6 @@ import sys
 from typing import Any
 
 from hpcstagger.measure.tables import human_bytes
-from hpcstagger._io import atomic_write
-from hpcstagger.model import predict
-from hpcstagger.model import Scenario, optimal_plan
 
 
 def register(sub: Any) -> None:
@@ -94,6 +91,9 @@ def format_plan(path: str, sc: Any, plan: Any) -> str:
 
 def plot_plan(sc: Any, plan: Any, out: str) -> None:
     """Write a PNG: predicted makespan versus stagger, and each job's timeline (plan vs together)."""
+    from hpcstagger._io import atomic_write
+    from hpcstagger.model import predict
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -129,6 +129,8 @@ def plot_plan(sc: Any, plan: Any, out: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpcstagger.model import Scenario, optimal_plan
+
     sc = Scenario.from_toml(args.scenario)
     plan = optimal_plan(sc, max_delay=args.max_delay, min_gain=args.min_gain, jitter=args.jitter)
     if args.plot:

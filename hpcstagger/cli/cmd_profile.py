@@ -6,9 +6,6 @@ import argparse
 import json
 import sys
 from typing import Any
-from hpcstagger.model import Scenario
-from hpcstagger.profile import StallProfiler, estimate_gains
-from hpcstagger._io import json_safe
 
 
 def register(sub: Any) -> None:
@@ -68,6 +65,10 @@ def format_report(path: str, s: dict[str, Any], gains: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpcstagger._io import json_safe
+    from hpcstagger.model import Scenario
+    from hpcstagger.profile import StallProfiler, estimate_gains
+
     prof = StallProfiler.load(args.profile)
     summary = prof.summary()
     scenario = Scenario.from_toml(args.scenario) if args.scenario else None

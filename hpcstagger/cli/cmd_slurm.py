@@ -10,13 +10,8 @@ from typing import Any
 
 from hpcstagger.cli._args import add_spec
 from hpcstagger._version import __version__
-from hpcstagger.colocated.batch import render_batch
-from hpcstagger._io import atomic_write
-from hpcstagger.spec.jobspec import Spec
-from hpcstagger.errors import LaunchError
-from hpcstagger.slurm import submit, wait_for_job
+from hpcstagger.errors import LaunchError, ConfigError
 from hpcstagger.cli.cmd_launch import format_result
-from hpcstagger.errors import ConfigError
 
 
 def register(sub: Any) -> None:
@@ -50,10 +45,15 @@ def register(sub: Any) -> None:
 
 
 def _render(spec: Any) -> str:
+    from hpcstagger.colocated.batch import render_batch
+
     return render_batch(spec, python_bin=os.path.dirname(sys.executable), version=__version__)
 
 
 def run_render(args: argparse.Namespace) -> int:
+    from hpcstagger._io import atomic_write
+    from hpcstagger.spec.jobspec import Spec
+
     text = _render(Spec.from_toml(args.spec))
     if args.out:
         atomic_write(args.out, text.encode(), mode=0o755)
@@ -64,6 +64,10 @@ def run_render(args: argparse.Namespace) -> int:
 
 
 def run_submit(args: argparse.Namespace) -> int:
+    from hpcstagger._io import atomic_write
+    from hpcstagger.slurm import submit, wait_for_job
+    from hpcstagger.spec.jobspec import Spec
+
     from hpcstagger.colocated.launch import collect_results
 
     spec = Spec.from_toml(args.spec)
@@ -94,6 +98,8 @@ def slurm_run_dir(workdir: str, job_id: str) -> str:
 
 
 def run_run_dir(args: argparse.Namespace) -> int:
+    from hpcstagger.spec.jobspec import Spec
+
     job_id = args.job_id or os.environ.get("SLURM_JOB_ID", "")
     if not job_id:
         raise ConfigError("no job id: run this inside a Slurm job (SLURM_JOB_ID) or pass --job-id")

@@ -7,9 +7,6 @@ from pathlib import Path
 from typing import Any
 
 from hpcstagger.cli._args import add_spec
-from hpcstagger.measure.sweep_report import format_sweep, plot_sweep
-from hpcstagger.spec.jobspec import Spec
-from hpcstagger.measure.sweep import parse_staggers, run_sweep
 
 
 def register(sub: Any) -> None:
@@ -44,6 +41,10 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpcstagger.measure.sweep import parse_staggers, run_sweep
+    from hpcstagger.measure.sweep_report import format_sweep, plot_sweep
+    from hpcstagger.spec.jobspec import Spec
+
     import sys
 
     spec = Spec.from_toml(args.spec)

@@ -495,7 +495,6 @@ def _announce(session: Session, decided: RunPlan) -> None:
     extra += f"; {decided.simultaneous_reason}" if decided.simultaneous_reason else ""
     if decided.learn:
         extra += f"; {decided.learn.get('why', '')}"
-    h = decided.history
-    if h:
+    if h := decided.history:
         extra += f"; from the history of {h['runs']} run(s): {describe_history(h)}"
     session.say(f"mode {decided.mode}: delays {summary}{extra} (coordinator {session.overhead * 1000:.0f} ms)")

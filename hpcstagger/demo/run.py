@@ -28,14 +28,12 @@ from collections.abc import Mapping
 
 from hpcstagger import _io, config, nodeload
 from hpcstagger.stagger.delays import simultaneous_reason
-from hpcstagger.errors import ConfigError
+from hpcstagger.errors import ConfigError, CacheError
 from hpcstagger.demo.report import figure, format_table, notes, plot
 from hpcstagger.cache import ShmCache
-from hpcstagger.errors import CacheError
-from hpcstagger.model import Scenario, optimal_plan
+from hpcstagger.model import Scenario, optimal_plan, predict
 from hpcstagger.spec.jobspec import Spec
 from hpcstagger.spec.records import read_status
-from hpcstagger.model import predict
 
 __all__ = ["DemoConfig", "DemoSetup", "check_node", "prepare", "run_demo", "format_table", "notes", "figure",
            "plot"]

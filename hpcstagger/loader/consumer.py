@@ -42,8 +42,7 @@ from hpcstagger import config
 from hpcstagger.cache import _fs
 from hpcstagger.comm import Backoff
 from hpcstagger.errors import CacheError, ConfigError, LoaderError
-from hpcstagger.loader import _cuda
-from hpcstagger.loader import _ring as R
+from hpcstagger.loader import _cuda, _ring as R
 from hpcstagger.loader._order import StreamOrder
 from hpcstagger.loader.producer import Pipeline, spawn_producer
 

@@ -36,8 +36,7 @@ from hpcstagger.comm import Backoff
 from hpcstagger.errors import LoaderError, describe_exception
 from hpcstagger.loader import _ring as R
 from hpcstagger.loader._order import StreamOrder
-from hpcstagger.cache._fs import start_time
-from hpcstagger.cache._fs import alive
+from hpcstagger.cache._fs import start_time, alive
 
 log = logging.getLogger(__name__)
 

@@ -31,8 +31,7 @@ from typing import Any
 
 from hpcstagger.comm import Backoff
 from hpcstagger.errors import LoaderError, describe_exception
-from hpcstagger.loader import _cuda
-from hpcstagger.loader import _ring as R
+from hpcstagger.loader import _cuda, _ring as R
 
 log = logging.getLogger(__name__)
 

@@ -33,11 +33,10 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
-from hpcstagger.errors import ConfigError, LaunchError
+from hpcstagger.errors import ConfigError, LaunchError, ModelError
 from hpcstagger.spec import runenv
 from hpcstagger.colocated import preflight
 from hpcstagger.spec.jobspec import Spec
-from hpcstagger.errors import ModelError
 from hpcstagger.model import Scenario, predict
 from hpcstagger.stagger.learning import observed_runs
 from hpcstagger import _io

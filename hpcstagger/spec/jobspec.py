@@ -63,8 +63,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Mapping, Sequence
 
-from hpcstagger import _schema as S
-from hpcstagger import config
+from hpcstagger import _schema as S, config
 from hpcstagger.errors import CacheError, ConfigError
 from hpcstagger.cache.sources import DirectorySource, HDF5Source
 from hpcstagger.cache.store import ShmCache, default_max_entries

@@ -20,12 +20,9 @@ from hpcstagger.spec.jobspec import PLAN_MODES, PLAN_MODES_IN_WORLD, PLANNED_MOD
 from hpcstagger.stagger.runplan import PlanInputs, RunPlan
 from hpcstagger.stagger.scenario_build import fold_miss_overhead
 from hpcstagger.stagger.learning import with_scenario
-from hpcstagger.model import optimal_plan
-from hpcstagger.model.plan import unseen_loaders
-from hpcstagger.model.plan import unseen_reason
-from hpcstagger.model import predict
+from hpcstagger.model import optimal_plan, predict, Scenario
+from hpcstagger.model.plan import unseen_loaders, unseen_reason
 from hpcstagger.stagger.steering import steer_record
-from hpcstagger.model import Scenario
 
 __all__ = ["plan_run", "plan_delays", "simultaneous_reason", "scenario_for", "cached_fraction",
            "loader_representatives", "partition_cache"]

@@ -46,11 +46,9 @@ from hpcstagger import _io, config
 from hpcstagger.errors import ConfigError, ModelError
 from hpcstagger.spec import runenv
 from hpcstagger.stagger.history import history_dir, node_identity, node_kind
-from hpcstagger.model.calibrate import write_scenario
-from hpcstagger.stagger.jobfields import read_reports
-from hpcstagger.stagger.jobfields import job_fields
+from hpcstagger.model.calibrate import write_scenario, source_length
+from hpcstagger.stagger.jobfields import read_reports, job_fields
 from hpcstagger.model import Scenario
-from hpcstagger.model.calibrate import source_length
 from hpcstagger.model.source_probe import MAX_READERS, mem_available, page_cache_holds, source_files
 from hpcstagger.model.scenario import Dataset, Loader, Node, Storage
 from hpcstagger.nodeload import usable_cores
