@@ -7,7 +7,6 @@ import json
 from typing import Any
 
 from hpcstagger.measure.tables import human_bytes
-from hpcstagger.cli.sysinfo import collect
 
 
 def register(sub: Any) -> None:
@@ -86,6 +85,7 @@ def _render(info: dict[str, Any], as_json: bool) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpcstagger.cli.sysinfo import collect
     from hpcstagger.comm import Comm
 
     info = collect()

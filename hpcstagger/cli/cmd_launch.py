@@ -14,7 +14,7 @@ from hpcstagger.errors import ConfigError, LaunchError
 
 
 def register(sub: Any) -> None:
-    from hpcstagger.spec.jobspec import PLAN_MODES
+    from hpcstagger.spec.runenv import PLAN_MODES
 
     p = sub.add_parser("launch", help="run the jobs of a spec locally with MPMD mpiexec",
                        description="Run every job of a job spec in one MPI world with MPMD mpiexec. "

@@ -64,6 +64,7 @@ from typing import Any
 from collections.abc import Mapping, Sequence
 
 from hpcstagger import _schema as S, config
+from hpcstagger.spec.runenv import PLAN_MODES
 from hpcstagger.errors import CacheError, ConfigError
 from hpcstagger.cache.sources import DirectorySource, HDF5Source
 from hpcstagger.cache.store import ShmCache, default_max_entries
@@ -72,9 +73,6 @@ from hpcstagger.cache.throttle import ThrottledSource
 __all__ = ["Spec", "RunSpec", "DatasetSpec", "CacheSpec", "CheckpointSpec", "PlanSpec", "SlurmSpec",
            "LoaderSpec", "JobSpec", "PLAN_MODES", "BACKENDS"]
 
-PLAN_MODES = ("plan", "open", "simultaneous", "sequential", "fixed")
-PLAN_MODES_IN_WORLD = ("plan", "open", "simultaneous", "fixed")  # sequential is one launch per job
-PLANNED_MODES = ("plan", "open")  # the model's delays: "plan" steers them while the run goes on, "open" does not
 BACKENDS = ("ddp", "horovod", "none")
 _NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
 _NAME_HINT = "use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"

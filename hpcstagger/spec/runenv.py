@@ -11,12 +11,15 @@ from collections.abc import Mapping
 
 from hpcstagger.errors import ConfigError
 
-__all__ = ["SPEC", "JOB", "MODE", "DELAYS", "RUN_DIR", "NO_HISTORY", "ONLY", "CALIBRATE", "CALIBRATE_UNTIL",
-           "encode_delays", "decode_delays"]
+__all__ = ["SPEC", "JOB", "MODE", "PLAN_MODES", "PLAN_MODES_IN_WORLD", "PLANNED_MODES", "DELAYS", "RUN_DIR",
+           "NO_HISTORY", "ONLY", "CALIBRATE", "CALIBRATE_UNTIL", "encode_delays", "decode_delays"]
 
 SPEC = "HPCSTAGGER_SPEC"          # path of the job spec
 JOB = "HPCSTAGGER_JOB"            # this rank's job: a name, or an index into the spec's jobs
 MODE = "HPCSTAGGER_PLAN_MODE"     # overrides [plan] mode (hpcstagger launch --mode)
+PLAN_MODES = ("plan", "open", "simultaneous", "sequential", "fixed")  # what MODE and [plan] mode take
+PLAN_MODES_IN_WORLD = ("plan", "open", "simultaneous", "fixed")  # sequential is one launch per job
+PLANNED_MODES = ("plan", "open")  # the model's delays: "plan" steers them while the run goes on, "open" does not
 DELAYS = "HPCSTAGGER_DELAYS"      # JSON {job: seconds}, for mode "fixed" (hpcstagger launch --delays)
 RUN_DIR = "HPCSTAGGER_RUN_DIR"    # where status files go (default: <workdir>/status)
 NO_HISTORY = "HPCSTAGGER_NO_HISTORY"  # "1": plan without the spec's run history (hpcstagger launch --no-history)

@@ -16,7 +16,8 @@ from collections.abc import Mapping, Sequence
 
 from hpcstagger import config
 from hpcstagger.errors import ConfigError
-from hpcstagger.spec.jobspec import PLAN_MODES, PLAN_MODES_IN_WORLD, PLANNED_MODES, Spec
+from hpcstagger.spec.jobspec import Spec
+from hpcstagger.spec.runenv import PLAN_MODES, PLAN_MODES_IN_WORLD, PLANNED_MODES
 from hpcstagger.stagger.runplan import PlanInputs, RunPlan
 from hpcstagger.stagger.scenario_build import fold_miss_overhead
 from hpcstagger.stagger.learning import with_scenario
