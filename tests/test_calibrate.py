@@ -55,8 +55,11 @@ def test_calibrate_measures_source_hits_and_jobs(h5file, tmp_path):
     sc = cal.scenario
     assert sc.dataset.samples == 48 and sc.dataset.sample_bytes == ROW
     bw1, bw2 = sc.storage.bandwidth
-    assert 0.6 * BW[0] < bw1 <= 1.02 * BW[0]                # h5py's own read time costs a little
-    assert 0.7 * BW[1] < bw2 <= 1.02 * BW[1] and bw2 < 0.85 * bw1   # concurrency loss is measured
+    # h5py's own read time costs a little; the window's edges may add a little (a read that straddles an
+    # edge counts in proportion to its overlap, exact only on average: 24.48 MB/s was once measured
+    # against a 24 MB/s emulated source)
+    assert 0.6 * BW[0] < bw1 <= 1.05 * BW[0]
+    assert 0.7 * BW[1] < bw2 <= 1.05 * BW[1] and bw2 < 0.85 * bw1   # concurrency loss is measured
     assert sc.job_names == ("small", "big")
     assert sc.jobs[0].sample_time == pytest.approx(0.003, rel=0.25) and sc.jobs[0].epochs == 3
     assert sc.jobs[1].sample_time == pytest.approx(0.001, rel=0.35) and sc.jobs[1].epochs == 1

@@ -86,7 +86,7 @@ def _launches(tmp_path: Path, job: str) -> int:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_an_interrupted_calibration_goes_on_without_measuring_a_job_again(tmp_path, shm_dir):
-    _spec(tmp_path)
+    _spec(tmp_path, b_args="--step-sleep 0.05")  # job b runs for seconds: the interrupt lands while it runs
     argv = [sys.executable, "-m", "hpcstagger", "calibrate", "--spec", "spec.toml", "--budget", "16",
             "-o", "scenario.toml"]
     kept = tmp_path / "scenario.toml.partial"
@@ -94,9 +94,10 @@ def test_an_interrupted_calibration_goes_on_without_measuring_a_job_again(tmp_pa
                             text=True)
     try:
         deadline = time.monotonic() + 120
-        while not (kept / "job.a.json").exists() and proc.poll() is None and time.monotonic() < deadline:
+        while _launches(tmp_path, "b") == 0 and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert (kept / "job.a.json").exists(), "job a's measurement was not kept as it was taken"
+        assert _launches(tmp_path, "b") == 1 and proc.poll() is None, "job b did not start"
         proc.send_signal(signal.SIGINT)  # Ctrl-C while job b runs
         out, err = proc.communicate(timeout=60)
     finally:

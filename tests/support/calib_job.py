@@ -1,7 +1,7 @@
 """A small torch training job written the usual way, for the calibration tests (run as a script).
 
     python calib_job.py [--workers W] [--batch B] [--epochs E] [--forever] [--out DIR] [--count FILE]
-        [--no-loader]
+        [--no-loader] [--step-sleep S]
 
 It joins the run (``hpcstagger.init``), reads the spec's dataset through ``CachedDataset`` over the
 spec's cache, shards it with a DistributedSampler, loads it with a DataLoader (W workers, batches
@@ -10,13 +10,15 @@ of B), trains a small MLP (DDP when the spec's backend is ddp) and iterates its 
 ``--forever`` it trains until stopped; with ``--out`` each rank writes ``after-loop.<rank>`` when
 its loop ends (a calibration's early exit never gets there). With ``--count`` each rank appends a
 line to FILE as it starts (how often the job was launched). With ``--no-loader`` it iterates its
-DataLoader directly, never through ``session.loader``, as a job not yet adapted would.
+DataLoader directly, never through ``session.loader``, as a job not yet adapted would. With
+``--step-sleep S`` each step takes S seconds longer (a slower job, for a test that acts while it runs).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import numpy as np
 import torch
@@ -42,6 +44,7 @@ def main() -> None:
     p.add_argument("--out", default="")
     p.add_argument("--count", default="")
     p.add_argument("--no-loader", action="store_true")
+    p.add_argument("--step-sleep", type=float, default=0.0)
     args = p.parse_args()
     if args.count:
         with open(args.count, "a") as f:
@@ -71,6 +74,8 @@ def main() -> None:
             loss.backward()
             opt.step()
             steps += 1
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
     if args.out:
         with open(os.path.join(args.out, f"after-loop.{session.rank}"), "w") as f:
             f.write(str(steps))
