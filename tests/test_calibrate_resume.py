@@ -23,7 +23,7 @@ from hpcstagger.measure.saved_parts import SavedParts, partial_dir
 from hpcstagger.spec.jobspec import Spec
 from hpcstagger.model import Scenario
 from support.calib_checks import comment_mismatches
-from support.cli import cli_env, run_cli
+from support.cli import cli_env, interruptible, run_cli
 
 JOB = Path(__file__).resolve().parent / "support" / "calib_job.py"
 ROW = 4097
@@ -91,7 +91,7 @@ def test_an_interrupted_calibration_goes_on_without_measuring_a_job_again(tmp_pa
             "-o", "scenario.toml"]
     kept = tmp_path / "scenario.toml.partial"
     proc = subprocess.Popen(argv, cwd=tmp_path, env=_env(shm_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=interruptible)
     try:
         deadline = time.monotonic() + 120
         while _launches(tmp_path, "b") == 0 and proc.poll() is None and time.monotonic() < deadline:

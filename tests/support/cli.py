@@ -24,6 +24,13 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def interruptible() -> None:
+    """For ``preexec_fn``: the child takes Ctrl-C (SIGINT) as a terminal's foreground process does,
+    even when this test run inherited SIGINT ignored (a shell's background job; ``nohup``), which an
+    exec'd program keeps."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None,
             cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
     """Run ``python -m hpcstagger ARGS`` in a subprocess and capture its output.
@@ -33,7 +40,7 @@ def run_cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None,
     fails with the command's whole output."""
     argv = [sys.executable, "-m", "hpcstagger", *args]
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or cli_env(),
-                          cwd=cwd) as proc:
+                          cwd=cwd, preexec_fn=interruptible) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
