@@ -313,3 +313,34 @@ def test_a_command_is_stopped_once_stop_when_says_so(tmp_path):
     time.sleep(0.2)
     assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
     assert run_group(["true"], dict(os.environ), str(tmp_path), 10, stop_when=lambda: False) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_third_round_that_cannot_be_measured_leaves_the_two_rounds_standing(tmp_path, shm_dir, monkeypatch):
+    """The third measurement of a reader count (where the first two disagree) is a check: when it
+    cannot be taken (the fresh samples ran out, as with 8 readers on a dataset the jobs mostly
+    read), the calibration says so and writes its scenario from the two rounds it has."""
+    from hpcstagger.errors import ModelError
+    from hpcstagger.measure import spec_calibration as sc_mod
+    from hpcstagger.spec.jobspec import Spec
+
+    spec_path = _spec(tmp_path)
+    real = sc_mod.measure_levels
+    rounds = []
+
+    def levels(*args, **kwargs):
+        rounds.append(list(args[2]))
+        if len(rounds) == 3:  # the third round: the readers' samples ran out (the fault, injected)
+            raise ModelError("a calibration reader read all of its 14 samples in 0.004 s: too few fresh samples")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sc_mod, "measure_levels", levels)
+    monkeypatch.setattr(sc_mod, "disagreeing", lambda found, limit=0.1: [1])
+    monkeypatch.chdir(tmp_path)
+    for name, value in _env(shm_dir).items():
+        monkeypatch.setenv(name, value)
+    cal = sc_mod.calibrate_spec(Spec.from_toml(spec_path), budget=16, out=tmp_path / "scenario.toml", progress=False)
+    assert len(rounds) == 3 and rounds[2] == [1]
+    assert cal.measurements["measured_again"] == []
+    assert (tmp_path / "scenario.toml").exists() and len(cal.scenario.storage.bandwidth) == 2
