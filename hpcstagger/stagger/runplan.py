@@ -87,7 +87,7 @@ class RunPlan:
             what = f"unknown parts {unknown}" if unknown else "no 'mode' or no 'delays'"
             raise ConfigError(f"not a run plan: {what} (a plan has {sorted(names)}); was it written by another "
                               f"version of hpcstagger?")
-        return cls(**{k: v for k, v in data.items()})
+        return cls(**data)
 
     def with_run_id(self, run_id: str) -> RunPlan:
         """This plan, naming its run ``run_id``."""
