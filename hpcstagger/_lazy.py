@@ -26,6 +26,12 @@ def _load(target: str, name: str) -> Any:
     return getattr(importlib.import_module(module), attr or name)
 
 
+def moved(package: str, homes: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """The ``deprecated`` table of :func:`lazy_exports` for names of ``package`` that now live in
+    the module ``homes[name]``: each warns "<package>.<name> is deprecated; use <module>.<name>"."""
+    return {name: (module, f"{package}.{name} is deprecated; use {module}.{name}") for name, module in homes.items()}
+
+
 def lazy_exports(package: str, exports: Mapping[str, str], namespace: dict[str, Any],
                  deprecated: Mapping[str, tuple[str, str]] | None = None,
                  ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:

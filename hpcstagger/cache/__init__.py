@@ -13,7 +13,7 @@ Importing this package imports neither torch nor h5py; each name is loaded on fi
 
 from __future__ import annotations
 
-from hpcstagger._lazy import lazy_exports
+from hpcstagger._lazy import lazy_exports, moved
 
 _EXPORTS: dict[str, str] = {
     "ShmCache": "hpcstagger.cache.store",
@@ -27,10 +27,7 @@ _EXPORTS: dict[str, str] = {
     "CachedDataset": "hpcstagger.cache.dataset",
 }
 # Kept for one release: name -> (target, warning).
-_DEPRECATED: dict[str, tuple[str, str]] = {
-    "key_hash": ("hpcstagger.cache.store",
-                 "hpcstagger.cache.key_hash is deprecated; use hpcstagger.cache.store.key_hash"),
-}
+_DEPRECATED = moved(__name__, {"key_hash": "hpcstagger.cache.store"})
 
 __all__ = ["ShmCache", "PartitionedCache", "list_caches", "Policy", "Source", "DirectorySource", "HDF5Source",
            "ThrottledSource", "CachedDataset"]

@@ -22,7 +22,7 @@ Names are imported lazily, so ``import hpcstagger.checkpoint.sharding`` does not
 
 from __future__ import annotations
 
-from hpcstagger._lazy import lazy_exports
+from hpcstagger._lazy import lazy_exports, moved
 
 _EXPORTS: dict[str, str] = {
     "AsyncCheckpointer": "hpcstagger.checkpoint.checkpointer",
@@ -42,12 +42,9 @@ _EXPORTS: dict[str, str] = {
     "restore_rng": "hpcstagger.checkpoint.rng",
 }
 # The writer's and the catalog's internals, exported for one release: name -> (target, warning).
-_DEPRECATED: dict[str, tuple[str, str]] = {
-    name: (module, f"hpcstagger.checkpoint.{name} is deprecated; use {module}.{name}")
-    for name, module in (("ShardWriter", "hpcstagger.checkpoint.writer"), ("Pacer", "hpcstagger.checkpoint.writer"),
-                         ("list_entries", "hpcstagger.checkpoint.load"), ("load_entry", "hpcstagger.checkpoint.load"),
-                         ("read_checkpoint", "hpcstagger.checkpoint.load"))
-}
+_DEPRECATED = moved(__name__, {"ShardWriter": "hpcstagger.checkpoint.writer", "Pacer": "hpcstagger.checkpoint.writer",
+                               "list_entries": "hpcstagger.checkpoint.load", "load_entry": "hpcstagger.checkpoint.load",
+                               "read_checkpoint": "hpcstagger.checkpoint.load"})
 
 __all__ = ["AsyncCheckpointer", "SaveHandle", "load", "restore", "load_checkpoint", "restore_checkpoint",
            "verify_checkpoint", "Gate", "ActivityGate", "StepGate", "AnyGate", "SharedActivityGate", "SourceReadHook",

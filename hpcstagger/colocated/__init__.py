@@ -23,7 +23,7 @@ job spec's :class:`JobSpec`, and :func:`launch` with its :class:`RunResult` and 
 
 from __future__ import annotations
 
-from hpcstagger._lazy import lazy_exports
+from hpcstagger._lazy import lazy_exports, moved
 
 _EXPORTS: dict[str, str] = {
     "Spec": "hpcstagger.spec.jobspec",
@@ -35,13 +35,10 @@ _EXPORTS: dict[str, str] = {
     "JobResult": "hpcstagger.colocated.launch",
 }
 # Internals of the launcher and the planner, exported for one release: name -> (target, warning).
-_DEPRECATED: dict[str, tuple[str, str]] = {
-    name: (module, f"hpcstagger.colocated.{name} is deprecated; use {module}.{name}")
-    for name, module in (("PLAN_MODES", "hpcstagger.spec.jobspec"), ("resolve_job", "hpcstagger.spec.identity"),
-                         ("plan_delays", "hpcstagger.stagger.delays"),
-                         ("collect_results", "hpcstagger.colocated.launch"),
-                         ("render_batch", "hpcstagger.colocated.batch"))
-}
+_DEPRECATED = moved(__name__, {"PLAN_MODES": "hpcstagger.spec.jobspec", "resolve_job": "hpcstagger.spec.identity",
+                               "plan_delays": "hpcstagger.stagger.delays",
+                               "collect_results": "hpcstagger.colocated.launch",
+                               "render_batch": "hpcstagger.colocated.batch"})
 
 __all__ = ["Spec", "JobSpec", "init", "Session", "launch", "RunResult", "JobResult"]
 
