@@ -151,6 +151,46 @@ def test_throttle_shares_bandwidth_between_processes(shm_root, slow_files):
     assert os.listdir(shm_root) == []  # the shared state is gone
 
 
+class _SlowInner:
+    """A source whose own read takes 3 ms (as an HDF5 read does on a busy node) before the throttle paces it."""
+
+    def __len__(self) -> int:
+        return 100_000
+
+    def key(self, i: int) -> int:
+        return i
+
+    def __getitem__(self, i: int) -> bytes:
+        time.sleep(0.003)
+        return bytes(3000)
+
+
+def _read_n(src: ThrottledSource, barrier, start: int, q) -> None:
+    barrier.wait(30)
+    t0 = time.monotonic()
+    for i in range(start, start + 60):
+        src[i]
+    q.put((t0, time.monotonic()))
+
+
+@pytest.mark.timeout(120)
+def test_throttle_counts_a_reader_while_its_inner_read_runs(shm_root):
+    """Four readers whose inner reads take 3 ms of each 4 ms read get the aggregate rate between
+    them, no more: a reader counts from the start of its read, not only while it is paced."""
+    src = ThrottledSource(_SlowInner(), 3_000_000, shared_name="inner")
+    barrier, q = FORK.Barrier(4), FORK.Queue()
+    procs = [FORK.Process(target=_read_n, args=(src, barrier, 1000 * r, q)) for r in range(4)]
+    for p in procs:
+        p.start()
+    spans = [q.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(30)
+    aggregate = 4 * 60 * 3000 / (max(b for _, b in spans) - min(a for a, _ in spans))
+    # 3 MB/s shared by 4: 4 ms a read. Counting a reader only while paced gave 3.7 MB/s here.
+    assert 2.4e6 < aggregate < 3.3e6, aggregate
+    src.unlink()
+
+
 @pytest.mark.timeout(120)
 def test_throttle_degradation_list(shm_root, slow_files):
     assert ThrottledSource(slow_files, [4, 6, 3], shared_name="x").per_reader_rate(1) == 4

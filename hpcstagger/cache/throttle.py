@@ -27,6 +27,7 @@ when no live process is left; ``unlink()`` removes it outright.
 from __future__ import annotations
 
 import fcntl
+import math
 import mmap
 import os
 import struct
@@ -250,8 +251,17 @@ class ThrottledSource:
         return self.source.key(i)
 
     def __getitem__(self, i: int) -> bytes:
+        st = self._state()
         t0 = time.monotonic()
-        data = self.source[i]
+        # reading from now on: the others count this reader while its inner read runs too (a
+        # reader that did not count while it waited for its inner read, on a busy CPU, left the
+        # others a larger share and the aggregate above the bandwidth)
+        st.busy[st.slot] = math.inf
+        try:
+            data = self.source[i]
+        except BaseException:
+            st.busy[st.slot] = time.monotonic()
+            raise
         self._pace(len(data), t0)
         return data
 
