@@ -14,6 +14,12 @@ concurrency and one whose bandwidth rises, and the emulated source against a rea
 (an ext4 image on a loop device whose reads a cgroup v1 blkio throttle limits; root only).
 
     python benchmarks/bench_userjobs.py [--only NAME,...] [--staggers 0,1,2,3,4,6,8] [--repeat N] [--list]
+                                        [--perturb bandwidth=1.3,jobs=0.7]
+
+``--perturb`` scales the calibrated scenario before the sweep plans from it: ``bandwidth`` every
+level of the source's curve, ``jobs`` every job's CPU costs (time per sample, prep, handoff). The
+measured staggers do not depend on the scenario; the plan and the closed loop start from a model
+that is off by that much, as a calibration on a noisy node can be.
 
 Writes benchmarks/out/bench_userjobs.json and prints one row per configuration.
 """
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -168,8 +175,39 @@ def real_fs(data: Path, bps: float, work: Path) -> Iterator[tuple[Path, str]]:
             os.rmdir(cg)
 
 
+def perturb(path: Path, factors: dict[str, float]) -> None:
+    """Scale the scenario at ``path``: the source's curve by ``factors["bandwidth"]``, every job's
+    CPU costs by ``factors["jobs"]`` (see ``--perturb``)."""
+    from dataclasses import replace
+
+    from hpcstagger.model import Scenario
+
+    sc = Scenario.from_toml(path)
+    b, j = factors.get("bandwidth", 1.0), factors.get("jobs", 1.0)
+    sc = replace(sc, storage=replace(sc.storage, bandwidth=tuple(b * x for x in sc.storage.bandwidth)),
+                 jobs=tuple(replace(job, sample_time=j * job.sample_time, prep_time=j * job.prep_time,
+                                    handoff=j * job.handoff) for job in sc.jobs))
+    note = f"perturbed for the benchmark: source bandwidth x{b:g}, job CPU costs x{j:g}"
+    path.write_text(f"# {note}\n" + sc.to_toml())
+
+
+def parse_perturb(text: str) -> dict[str, float]:
+    """``bandwidth=1.3,jobs=0.7`` as factors; SystemExit naming the problem otherwise."""
+    out: dict[str, float] = {}
+    for part in filter(None, text.split(",")):
+        key, _, value = part.partition("=")
+        try:
+            factor = float(value)
+        except ValueError:
+            factor = math.nan
+        if key not in ("bandwidth", "jobs") or not factor > 0:
+            raise SystemExit(f"--perturb: {part!r} is not bandwidth=F or jobs=F with a factor F > 0")
+        out[key] = factor
+    return out
+
+
 def run_config(name: str, cfg: dict[str, Any], data: Path, work: Path, staggers: str, budget: float,
-               repeat: int = 1) -> dict[str, Any]:
+               repeat: int = 1, factors: dict[str, float] | None = None) -> dict[str, Any]:
     work.mkdir(parents=True)
     log = work / "log.txt"
     spec = work / "spec.toml"
@@ -187,6 +225,9 @@ def run_config(name: str, cfg: dict[str, Any], data: Path, work: Path, staggers:
         if rc != 0:
             out["error"] = f"calibrate exited {rc}; see {log}"
             return out
+        if factors:
+            perturb(work / "scenario.toml", factors)
+            out["perturb"] = factors
         out["scenario"] = (work / "scenario.toml").read_text()
         t0 = time.monotonic()
         rc = _run(hs + ["sweep", str(spec), "--staggers", staggers, "--repeat", str(repeat), "--json",
@@ -229,7 +270,10 @@ def main() -> int:
     p.add_argument("--keep", action="store_true", help="keep the work directory (specs, scenarios, logs)")
     p.add_argument("--repeat", type=int, default=1,
                    help="runs per point (sweep --repeat); points are then medians (default 1)")
+    p.add_argument("--perturb", default="", help="scale the calibrated scenario before planning: "
+                   "bandwidth=F (the source's curve), jobs=F (every job's CPU costs), comma-separated")
     args = p.parse_args()
+    factors = parse_perturb(args.perturb)
     if args.list:
         for name, cfg in CONFIGS.items():
             print(name, json.dumps(cfg))
@@ -239,7 +283,8 @@ def main() -> int:
     with workspace("bench-userjobs", args.samples, args.keep) as (root, data):
         for name in names:
             print(f"[bench_userjobs] {name} ...", file=sys.stderr, flush=True)
-            res = run_config(name, CONFIGS[name], data, root / name, args.staggers, args.budget, args.repeat)
+            res = run_config(name, CONFIGS[name], data, root / name, args.staggers, args.budget, args.repeat,
+                             factors)
             res["summary"] = summarise(res)
             results.append(res)
             s = res["summary"]

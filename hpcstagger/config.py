@@ -147,6 +147,10 @@ _KNOB_LIST: list[Knob] = [
     Knob("plan_jitter", float, 0.25,
          "how far a job's real start may stray from its planned delay, as a fraction of the jobs' mean "
          "start-up; optimal_plan minimises the mean predicted makespan over that spread (0: exact starts)"),
+    Knob("plan_guard", float, 0.02,
+         "mode plan, steered: when the model plans a simultaneous start but predicts its best stagger "
+         "within this fraction of it, that stagger's waiting job is held until the run shows whether "
+         "starting it at once was right (0: never hold)"),
     Knob("steer_interval", float, 1.0,
          "seconds between the closed-loop watcher's re-fits of the model while jobs wait for release"),
     Knob("steer_min_gain", float, 0.01,

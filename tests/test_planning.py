@@ -299,3 +299,36 @@ def test_one_launch_of_a_sequential_run_is_labelled_sequential(tmp_path):
     assert out["predicted"] == {"sequential": pytest.approx(predict(sc, {"a": 0.0}).makespan, rel=1e-9)}
     with pytest.raises(ConfigError, match="'sequential' runs the jobs one after another"):
         plan_run(spec, ["a", "b"], {}, "sequential").to_dict()
+
+
+def test_a_barely_simultaneous_plan_holds_the_stagger_and_lets_the_closed_loop_decide(tmp_path, monkeypatch):
+    """The model predicts its best stagger within plan_guard of a simultaneous start: mode plan
+    holds that stagger's waiting job, with the model's own delays (zeros) as the watcher's prior;
+    mode open, steer = false, plan_guard 0 and a warm cache (whose best stagger is too short to
+    give evidence) start together as the model chose."""
+    monkeypatch.delenv("HPCSTAGGER_PLAN_GUARD", raising=False)
+    monkeypatch.setenv("HPCSTAGGER_PLAN_JITTER", "0")
+    (tmp_path / "io.toml").write_text(IO_SCENARIO.replace("[2.0e7, 8.0e6]", "[2.0e7, 2.0e7]"))
+    jobs = [{"name": n, "command": "x", "epochs": 1} for n in ("a", "b")]
+
+    def plan(mode="plan", entries=0, **pl):
+        spec = Spec.from_dict({"plan": {"mode": "plan", "scenario": "io.toml", **pl}, "job": jobs},
+                              base_dir=tmp_path)
+        return plan_run(spec, ["a", "b"], {}, mode, PlanInputs(cache_state={"entries": entries, "bytes": 0})).to_dict()
+
+    guarded = plan()
+    curve = dict(zip(guarded["curve"]["stagger"], guarded["curve"]["makespan"], strict=True))
+    assert guarded["delays"]["a"] == 0.0 and guarded["delays"]["b"] > 1.5
+    assert guarded["predicted"]["plan"] == pytest.approx(guarded["predicted"]["simultaneous"])  # the model's choice
+    assert min(m for x, m in curve.items() if x) > curve[0.0] * (1 - 0.01)  # no stagger gains plan_min_gain
+    assert guarded["steer"]["prior"] == {"a": 0.0, "b": 0.0} and guarded["steer"]["groups"] == [["a"], ["b"]]
+    assert guarded["simultaneous_reason"].startswith("a simultaneous start, guarded: ")
+    assert "plan_guard 2%" in guarded["steer"]["guard"] and "b up to +" in guarded["steer"]["guard"]
+    assert plan("open")["delays"] == {"a": 0.0, "b": 0.0}
+    assert plan(steer=False)["delays"] == {"a": 0.0, "b": 0.0}
+    assert plan(max_delay=1.0)["delays"] == {"a": 0.0, "b": 0.0}  # a hold of 1 s is shorter than any evidence
+    assert plan(entries=2000)["delays"] == {"a": 0.0, "b": 0.0}
+    monkeypatch.setenv("HPCSTAGGER_PLAN_GUARD", "0")
+    off = plan()
+    assert off["delays"] == {"a": 0.0, "b": 0.0} and "steer" not in off
+    assert off["simultaneous_reason"].startswith("a simultaneous start: the model predicts no stagger gains")

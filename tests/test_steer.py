@@ -251,7 +251,13 @@ def _steering(truth_factor=1.0, sc=None, truth=None, **kw):
         return out
 
     other = {k: kw.pop(k) for k in ("baseline", "jitter") if k in kw}
-    st = Steering(build, sc.storage.bandwidth, order, plan.delays, {n: 3 for n in order},
+    hold = kw.pop("hold", None)
+    delays = dict(plan.delays)
+    if hold is not None:  # a guarded plan: the model chose ``plan.delays``, the late job is held to ``hold``
+        late = max(order, key=lambda n: plan.staggered.get(n, 0.0)) if not any(delays.values()) else late
+        first = [n for n in order if n != late][0]
+        other["priors"], delays = dict(plan.delays), {first: 0.0, late: hold}
+    st = Steering(build, sc.storage.bandwidth, order, delays, {n: 3 for n in order},
                   SteerLimits(interval=0.25, **kw), **other)
     fetch_bw = truth.storage.bandwidth[0]  # one fetcher of the first job, always reading
 
@@ -268,7 +274,7 @@ def _steering(truth_factor=1.0, sc=None, truth=None, **kw):
         return Look(t=t, read_bytes=fetch_bw * t * 0.9, read_seconds=0.9 * t, progress={first: rec},
                     state={first: "started"})
 
-    return st, look, plan.delays[late], late
+    return st, look, delays[late], late
 
 
 def _run(st, look, until=20.0, dt=0.25):
@@ -313,6 +319,28 @@ def test_a_small_misfit_keeps_the_plan_under_steer_min_gain():
     assert kept.at == pytest.approx(planned, abs=0.3) and kept.at < free.at
     assert "nearest the plan's delay" in kept.reason and "steer_min_gain 0.2" in kept.reason
     assert st.fits[-1]["optimum_start"] > st.fits[-1]["best_start"]
+
+
+def test_a_guarded_hold_is_released_at_the_first_evidence_when_starting_at_once_was_right():
+    """The model chose a simultaneous start (a fast source) and the plan holds a job to +6 s as a
+    guard: the run confirms the model, and the watcher releases the job at its first fit."""
+    fast = with_source(pair(), 3.0)
+    assert not any(optimal_plan(fast, jitter=0.0).delays.values())
+    st, look, held, late = _steering(1.0, sc=fast, hold=6.0, min_gain=0.01)
+    (d,) = _run(st, look)
+    assert held == 6.0 and d.at < 2.0 and "fitted model" in d.reason, d
+    assert st.priors == {n: 0.0 for n in st.order} and st.planned[late] == 6.0
+
+
+def test_a_guarded_hold_keeps_the_job_waiting_when_the_source_is_slower_than_calibrated():
+    """The guard's case: calibrated, the source looked fast enough to start together; the run
+    shows it 3x slower, and the held job waits for the fitted model's best start, not the prior."""
+    fast = with_source(pair(), 3.0)
+    st, look, held, late = _steering(1 / 3.0, sc=fast, hold=6.0, min_gain=0.01)
+    (d,) = _run(st, look)
+    truth_best = optimal_plan(pair(), jitter=0.0).delays[late]
+    assert st.beta == pytest.approx(1 / 3.0, rel=0.1)
+    assert truth_best > 0.75 and d.at == pytest.approx(truth_best, abs=0.3), (d, truth_best)
 
 
 def test_the_next_look_comes_when_a_release_may_come_due():

@@ -134,7 +134,7 @@ def _steering(session: Any) -> Steering:
                          interval=float(steer["interval"]), horizon=float(steer["horizon"]),
                          observe_only=bool(steer.get("observe_only")), min_gain=float(steer.get("min_gain", 0.0)))
     return Steering(build, bandwidth, order, plan.delays, {n: spec.job(n).epochs for n in order}, limits,
-                    baseline=storage.fit_baseline, jitter=float(plan.jitter or 0.0))
+                    baseline=storage.fit_baseline, jitter=float(plan.jitter or 0.0), priors=steer.get("prior"))
 
 
 def _send(session: Any, jobs: Sequence[str], message: dict[str, Any]) -> None:

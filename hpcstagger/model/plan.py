@@ -67,6 +67,9 @@ class Plan:
     described by ``curve_label``. ``jitter`` is the start-time spread planned for (seconds);
     ``spread_makespan`` and ``spread_simultaneous`` are the mean predicted makespans over it of
     the plan and of a simultaneous start (0.0 when the plan is for exact starts or starts together).
+    ``staggered`` is the best stagger the search found whether or not the plan takes it (empty when
+    it found none), and ``staggered_makespan`` its predicted makespan: beside a simultaneous plan,
+    how near the model came to staggering.
     """
 
     delays: dict[str, float]
@@ -83,6 +86,8 @@ class Plan:
     jitter: float = 0.0
     spread_makespan: float = 0.0
     spread_simultaneous: float = 0.0
+    staggered: dict[str, float] = field(default_factory=dict)
+    staggered_makespan: float = math.nan
 
     @property
     def gain(self) -> float:
@@ -97,7 +102,9 @@ class Plan:
                 "curve": {"label": self.curve_label, "stagger": list(self.curve_stagger),
                           "makespan": list(self.curve_makespan)},
                 "evaluations": self.evaluations, "seconds": self.seconds, "jitter": self.jitter,
-                "spread_makespan": self.spread_makespan, "spread_simultaneous": self.spread_simultaneous}
+                "spread_makespan": self.spread_makespan, "spread_simultaneous": self.spread_simultaneous,
+                "staggered": dict(self.staggered),
+                "staggered_makespan": self.staggered_makespan if self.staggered else None}
 
 
 def _solo_times(sc: Scenario) -> list[float]:
@@ -165,14 +172,15 @@ def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain
         spread = Spread(Evaluator(sc, _quality.SEARCH) if spread_s > 0 else ev, spread_s, OFFSETS_MANY)
     simultaneous_coarse = ev([0.0] * J)
     unseen = unseen_loaders(sc)
+    staggered: list[float] | None = None
     if J >= 2 and not unseen:
-        best_d, curve, label = _search(sc, ev, spread, simultaneous_coarse, max_delay=max_delay,
-                                       min_gain=min_gain, grid=grid, budget=budget)
+        best_d, curve, label, staggered = _search(sc, ev, spread, simultaneous_coarse, max_delay=max_delay,
+                                                  min_gain=min_gain, grid=grid, budget=budget)
     else:  # one job; or a loader the model cannot see, whose stagger would rest on no evidence
         label = unseen_reason(unseen) if J >= 2 else _SIMULTANEOUS_ONLY
         best_d, curve = [0.0] * J, [(0.0, simultaneous_coarse)]
     return _final_plan(sc, best_d, curve, label, min_gain, evaluations=ev.count, t0=t0,
-                       jitter=spread.jitter)
+                       jitter=spread.jitter, staggered=staggered)
 
 
 def _cpu_clock() -> float:
@@ -195,9 +203,11 @@ def _check_args(max_delay: float | None, min_gain: float | None) -> float:
 
 
 def _search(sc: Scenario, ev: Evaluator, spread: Spread, simultaneous: float, *, max_delay: float | None,
-            min_gain: float, grid: int | None, budget: float) -> tuple[list[float], list[tuple[float, float]], str]:
+            min_gain: float, grid: int | None,
+            budget: float) -> tuple[list[float], list[tuple[float, float]], str, list[float] | None]:
     """2 or more jobs: the searched delays (all 0 unless they gain more than ``min_gain`` over a
-    simultaneous start, both over the start-time spread), the makespan-versus-delay curve and its label."""
+    simultaneous start, both over the start-time spread), the makespan-versus-delay curve, its label,
+    and the best stagger found whether or not it gains (None when the search found none)."""
     J = len(sc.jobs)
     names = sc.job_names
     solo = _solo_times(sc)
@@ -220,13 +230,17 @@ def _search(sc: Scenario, ev: Evaluator, spread: Spread, simultaneous: float, *,
             best_d, best, curve, label = _plan_scaled(ev, best_d, best, c0 + budget)
             if spread.jitter > 0:  # is the plan still worth it when the starts stray?
                 best = spread(best_d)
+    staggered = list(best_d) if any(best_d) else None
+    if staggered is None and J == 2:  # the simultaneous point won the grid: the best of the others
+        x = min(((s, m) for s, m in curve if s != 0), key=lambda p: (p[1], abs(p[0])), default=None)
+        staggered = None if x is None else ([0.0, x[0]] if x[0] >= 0 else [-x[0], 0.0])
     if spread.jitter > 0 and any(best_d):
         simultaneous = spread([0.0] * J)
     if best > simultaneous * (1.0 - min_gain):
         best_d = [0.0] * J
     elif J == 2:
         best_d, best = _tie_break(spread, best_d, best, min_gain)
-    return best_d, curve, label
+    return best_d, curve, label, staggered
 
 
 def _plan_scaled(ev: Evaluator, base: list[float], best: float,
@@ -260,7 +274,8 @@ def _plan_scaled(ev: Evaluator, base: list[float], best: float,
 
 
 def _final_plan(sc: Scenario, best_d: list[float], curve: list[tuple[float, float]], label: str,
-                min_gain: float, *, evaluations: int, t0: float, jitter: float = 0.0) -> Plan:
+                min_gain: float, *, evaluations: int, t0: float, jitter: float = 0.0,
+                staggered: list[float] | None = None) -> Plan:
     """The plan of delays ``best_d`` with its makespans recomputed at full accuracy, back to a
     simultaneous start if the stagger then gains less than ``min_gain``: with exact starts in its
     makespan, over a start-time spread of ``jitter`` seconds in its mean over the spread (the search
@@ -282,11 +297,14 @@ def _final_plan(sc: Scenario, best_d: list[float], curve: list[tuple[float, floa
         finish = final_eng.run(best_d)
     sequential = _sequential(sc) if J > 1 else max(finish)
     order = tuple(names[j] for j in sorted(range(J), key=lambda j: (best_d[j], j)))
+    stag_d = list(staggered) if staggered and any(staggered) else []
+    stag_m = (max(finish) if stag_d == best_d else max(final_eng.run(stag_d))) if stag_d else math.nan
     return Plan(delays=dict(zip(names, best_d, strict=True)), makespan=max(finish), simultaneous=simultaneous,
                 sequential=sequential, finish=dict(zip(names, finish, strict=True)), order=order,
                 curve_stagger=tuple(c[0] for c in curve), curve_makespan=tuple(c[1] for c in curve),
                 curve_label=label, evaluations=evaluations, seconds=time.perf_counter() - t0, jitter=jitter,
-                spread_makespan=means[0], spread_simultaneous=means[1])
+                spread_makespan=means[0], spread_simultaneous=means[1],
+                staggered=dict(zip(names, stag_d, strict=True)) if stag_d else {}, staggered_makespan=stag_m)
 
 
 def _plan_two(ev: Evaluator, spread: Spread, bound: list[float], points: int):

@@ -10,6 +10,7 @@ is tested as a plain function."""
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 from collections.abc import Mapping, Sequence
@@ -23,7 +24,7 @@ from hpcstagger.stagger.scenario_build import fold_miss_overhead
 from hpcstagger.stagger.learning import with_scenario
 from hpcstagger.model import optimal_plan, predict, Scenario
 from hpcstagger.model.plan import unseen_loaders, unseen_reason
-from hpcstagger.stagger.steering import steer_record
+from hpcstagger.stagger.steering import WARMUP, steer_record
 
 __all__ = ["plan_run", "plan_delays", "simultaneous_reason", "scenario_for", "cached_fraction",
            "loader_representatives", "partition_cache"]
@@ -125,12 +126,53 @@ def _plan(spec: Spec | None, order: Sequence[str], calibrations: Mapping[str, Ma
     out["predicted"] = _predicted(p, scenario, mode, out["delays"])
     out["delays"] = {n: out["delays"][rep[n]] for n in full_order} if mode in PLANNED_MODES else given
     order = full_order
+    guard = _guard(spec, p, out["delays"], rep, scenario, steer_interval) if mode == "plan" else None
+    if guard is not None:
+        out["delays"], why = guard
+        prior = {n: 0.0 for n in order}
+        out["simultaneous_reason"] = why
     if mode == "plan":
-        out.update(_steer(spec, out["delays"], order, float(p.sequential), steer_interval, steer_min_gain))
+        out.update(_steer(spec, out["delays"], order, float(p.sequential), steer_interval, steer_min_gain,
+                          **({"prior": prior, "guard": why} if guard is not None else {})))
     out["scenario"] = scenario.to_dict()
     out["curve"] = p.to_dict()["curve"]
     out["jitter"] = float(p.jitter)  # the start-time spread the plan was made for (seconds)
+    if guard is not None:
+        return out
     return _with_reason(out, spec, unseen_loaders(scenario)) if mode in PLANNED_MODES else out
+
+
+def _guard(spec: Spec, p: Any, delays: Mapping[str, float], rep: Mapping[str, str], scenario: Scenario,
+           interval: float | None) -> tuple[dict[str, float], str] | None:
+    """A steered simultaneous plan that the model barely chose: the held delays and why, else None.
+
+    When the model plans a simultaneous start but predicts its best stagger within the
+    ``plan_guard`` knob of it, the model cannot tell them apart, and an error in a calibrated term
+    (a source slower than measured, CPU contention it does not see) is enough to make the stagger
+    the better one by far. Nothing would wait, so the closed loop could not act. The guard holds
+    that stagger's waiting jobs (never past ``[plan] max_delay``); the watcher keeps to the model's
+    choice, a simultaneous start, and releases them as soon as the run's evidence confirms it, or
+    holds them while the fitted model says a later start is better. Not for mode ``open``, for
+    ``[plan] steer = false``, when a loader was not measured, or for a stagger shorter than the
+    first evidence can come (the first jobs' start-up, the watcher's warm-up and one re-fit): such
+    a hold would only cost."""
+    limit = float(config.get("plan_guard"))
+    if (limit <= 0 or not spec.plan.steer or any(float(d) > 0 for d in delays.values()) or not p.staggered
+            or not math.isfinite(p.staggered_makespan) or p.simultaneous <= 0
+            or p.staggered_makespan > p.simultaneous * (1.0 + limit)):
+        return None
+    hi = spec.plan.max_delay
+    hold = {n: min(float(p.staggered.get(rep[n], 0.0)), math.inf if hi is None else float(hi)) for n in delays}
+    first = [j.startup for j in scenario.jobs if float(p.staggered.get(j.name, 0.0)) <= 0]
+    evidence = min(first, default=0.0) + WARMUP + float(config.get("steer_interval") if interval is None else interval)
+    if max(hold.values()) < evidence:
+        return None
+    held = ", ".join(f"{n} up to +{d:.1f} s" for n, d in hold.items() if d > 0)
+    why = (f"a simultaneous start, guarded: the model predicts {p.simultaneous:.1f} s simultaneous and "
+           f"{p.staggered_makespan:.1f} s for its best stagger, within plan_guard {100 * limit:g}%, too near to tell "
+           f"apart; {held} is held until the run shows whether starting at once was right (the closed loop "
+           "releases it then, or later if the fitted model says so)")
+    return hold, why
 
 
 def _with_reason(out: dict[str, Any], spec: Spec, unseen: list[str]) -> dict[str, Any]:
@@ -197,11 +239,12 @@ def simultaneous_reason(delays: Mapping[str, float], predicted: Mapping[str, flo
 
 
 def _steer(spec: Spec, delays: Mapping[str, float], order: Sequence[str], sequential: float,
-           interval: float, min_gain: float) -> dict[str, Any]:
+           interval: float, min_gain: float, prior: Mapping[str, float] | None = None,
+           guard: str | None = None) -> dict[str, Any]:
     """Mode "plan"'s ``steer`` record (:func:`~hpcstagger.stagger.steering.steer_record`) when a job waits, else {}."""
     steer = steer_record(delays, order, lo=spec.plan.min_delay, hi=spec.plan.max_delay,
                          horizon=max(sequential, 1.0), interval=interval, observe_only=not spec.plan.steer,
-                         min_gain=min_gain)
+                         min_gain=min_gain, prior=prior, guard=guard)
     return {"steer": steer} if steer else {}
 
 

@@ -67,7 +67,8 @@ def release_groups(delays: Mapping[str, float], order: Sequence[str]) -> list[li
 
 
 def steer_record(delays: Mapping[str, float], order: Sequence[str], *, lo: float, hi: float | None, horizon: float,
-                 interval: float, observe_only: bool = False, min_gain: float = 0.0) -> dict[str, Any] | None:
+                 interval: float, observe_only: bool = False, min_gain: float = 0.0,
+                 prior: Mapping[str, float] | None = None, guard: str | None = None) -> dict[str, Any] | None:
     """The plan's ``steer`` entry, or None when no job waits (pure).
 
     It holds the release ``groups``, the ``host`` (world rank of the leader of the last group's
@@ -76,7 +77,8 @@ def steer_record(delays: Mapping[str, float], order: Sequence[str], *, lo: float
     to: ``min(max_delay, planned + horizon)``, and at least ``min_delay``. With ``observe_only``
     the watcher fits and records but releases at the planned delays (``[plan] steer = false``).
     ``min_gain`` is the least predicted gain (fraction of the makespan) that moves a release off
-    the plan's delay (the ``steer_min_gain`` knob)."""
+    the plan's delay (the ``steer_min_gain`` knob). ``prior`` and ``guard``, for a guarded plan: the
+    delays the model chose (the ``delays`` hold jobs past them until the run gives evidence) and why."""
     groups = release_groups(delays, order)
     if len(groups) < 2:
         return None
@@ -87,7 +89,8 @@ def steer_record(delays: Mapping[str, float], order: Sequence[str], *, lo: float
         latest.update({n: max(last, lo) for n in g})
     return {"groups": groups, "host": None, "min_delay": lo, "max_delay": hi, "horizon": horizon,
             "interval": interval, "latest": latest, "observe_only": bool(observe_only),
-            "min_gain": float(min_gain)}
+            "min_gain": float(min_gain),
+            **({"prior": {n: float(prior[n]) for n in order}, "guard": guard} if prior is not None else {})}
 
 
 @dataclass
@@ -160,11 +163,15 @@ class Steering:
     ``baseline`` is what the counted source fit gave on the jobs' own reads while calibrated
     (the scenario's ``[storage] fit_baseline``): a fit is taken relative to it. ``jitter`` is the
     start-time spread the plan was made for: release times are compared over it as the plan's were.
+    ``priors`` are the delays the model chose where the plan holds jobs past them (a guarded
+    simultaneous plan, :func:`steer_record`'s ``prior``): a release keeps nearest to them, and
+    ``delays`` only bound the wait for evidence.
     """
 
     def __init__(self, build: Callable[[float, Mapping[str, float]], Scenario], bandwidth: Sequence[float],
                  order: Sequence[str], delays: Mapping[str, float], epochs: Mapping[str, int],
-                 limits: SteerLimits | None = None, *, baseline: float = 1.0, jitter: float = 0.0):
+                 limits: SteerLimits | None = None, *, baseline: float = 1.0, jitter: float = 0.0,
+                 priors: Mapping[str, float] | None = None):
         lim = limits or SteerLimits()
         lo, hi, interval, horizon, look = lim.lo, lim.hi, lim.interval, lim.horizon, lim.look
         observe_only, min_gain = lim.observe_only, lim.min_gain
@@ -172,6 +179,9 @@ class Steering:
         self.bandwidth = list(bandwidth)
         self.order = list(order)
         self.planned = {n: float(delays[n]) for n in order}
+        # the delays the model chose, which a release keeps nearest to; a guarded plan holds a job
+        # past them (``planned``) until the run shows whether its own choice was right
+        self.priors = {n: float((priors or delays)[n]) for n in order}
         self.epochs = dict(epochs)
         self.lo, self.hi, self.interval = float(lo), float(hi), float(interval)
         self.observe_only = observe_only  # fit and record, but release at the planned delays
@@ -431,7 +441,8 @@ class Steering:
         waiting = [n for g in self.waiting for n in g]
         moving = {sc.job_index(n): self.planned[n] - planned for n in waiting}
         latest = min(self.hi, max(now, planned + self.horizon))
-        r = best_release(sc, starts, moving, max(now, self.lo), latest, prior=planned, min_gain=self.min_gain,
+        prior = min(self.priors[n] for n in group)
+        r = best_release(sc, starts, moving, max(now, self.lo), latest, prior=prior, min_gain=self.min_gain,
                          jitter=self.jitter)
         self._curve_at = (now, fitted)
         self.target, self._best = r.start, r.makespan
