@@ -127,23 +127,23 @@ def _plan(spec: Spec | None, order: Sequence[str], calibrations: Mapping[str, Ma
     out["delays"] = {n: out["delays"][rep[n]] for n in full_order} if mode in PLANNED_MODES else given
     order = full_order
     guard = _guard(spec, p, out["delays"], rep, scenario, steer_interval) if mode == "plan" else None
-    if guard is not None:
+    prior, why = None, None
+    if guard is not None:  # the model's choice (zeros) is the watcher's prior; the held delays bound the wait
         out["delays"], why = guard
         prior = {n: 0.0 for n in order}
-        out["simultaneous_reason"] = why
     if mode == "plan":
         out.update(_steer(spec, out["delays"], order, float(p.sequential), steer_interval, steer_min_gain,
-                          **({"prior": prior, "guard": why} if guard is not None else {})))
+                          prior=prior, guard=why))
     out["scenario"] = scenario.to_dict()
     out["curve"] = p.to_dict()["curve"]
     out["jitter"] = float(p.jitter)  # the start-time spread the plan was made for (seconds)
-    if guard is not None:
-        return out
+    if why is not None:
+        return {**out, "simultaneous_reason": why}
     return _with_reason(out, spec, unseen_loaders(scenario)) if mode in PLANNED_MODES else out
 
 
 def _guard(spec: Spec, p: Any, delays: Mapping[str, float], rep: Mapping[str, str], scenario: Scenario,
-           interval: float | None) -> tuple[dict[str, float], str] | None:
+           interval: float) -> tuple[dict[str, float], str] | None:
     """A steered simultaneous plan that the model barely chose: the held delays and why, else None.
 
     When the model plans a simultaneous start but predicts its best stagger within the
@@ -164,7 +164,7 @@ def _guard(spec: Spec, p: Any, delays: Mapping[str, float], rep: Mapping[str, st
     hi = spec.plan.max_delay
     hold = {n: min(float(p.staggered.get(rep[n], 0.0)), math.inf if hi is None else float(hi)) for n in delays}
     first = [j.startup for j in scenario.jobs if float(p.staggered.get(j.name, 0.0)) <= 0]
-    evidence = min(first, default=0.0) + WARMUP + float(config.get("steer_interval") if interval is None else interval)
+    evidence = min(first, default=0.0) + WARMUP + float(interval)
     if max(hold.values()) < evidence:
         return None
     held = ", ".join(f"{n} up to +{d:.1f} s" for n, d in hold.items() if d > 0)
