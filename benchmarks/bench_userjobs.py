@@ -14,7 +14,11 @@ concurrency and one whose bandwidth rises, and the emulated source against a rea
 (an ext4 image on a loop device whose reads a cgroup v1 blkio throttle limits; root only).
 
     python benchmarks/bench_userjobs.py [--only NAME,...] [--staggers 0,1,2,3,4,6,8] [--repeat N] [--list]
-                                        [--perturb bandwidth=1.3,jobs=0.7]
+                                        [--perturb bandwidth=1.3,jobs=0.7] [--grid]
+
+``--grid`` runs the grid of shapes instead of the named configurations (see ``grid_configs``):
+workers 0/2/4 x 2 or 3 jobs x a cache of 50 or 100% x the emulated source or the kernel-throttled
+file system, 24 shapes; with ``--repeat 3`` about 4 hours on a 2-core machine.
 
 ``--perturb`` scales the calibrated scenario before the sweep plans from it: ``bandwidth`` every
 level of the source's curve, ``jobs`` every job's CPU costs (time per sample, prep, handoff). The
@@ -78,6 +82,26 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "real-fs": {"jobs": [_job("cnn", "cnn", batch=64, workers=2), _job("mlp", "mlp", batch=64, workers=2)],
                 "cache": 1.0, "throttle": None, "real_fs": 6.0e6},
 }
+
+
+def grid_configs() -> dict[str, dict[str, Any]]:
+    """The shapes of ``--grid``: 0, 2 and 4 DataLoader workers per job; 2 jobs (cnn, mlp) and 3
+    (cnn, mlp, and a slower CNN for one epoch); a cache of 50% and 100% of the dataset; the
+    emulated source and an ext4 file system throttled by the kernel (root only). 24 shapes, named
+    ``grid-w<workers>-j<jobs>-c<cache %>-<emu|fs>``."""
+    out: dict[str, dict[str, Any]] = {}
+    for workers in (0, 2, 4):
+        for njobs in (2, 3):
+            for cache in (0.5, 1.0):
+                for fs in (False, True):
+                    jobs = [_job("cnn", "cnn", batch=64, workers=workers),
+                            _job("mlp", "mlp", batch=64 if njobs == 2 else 32, workers=workers)]
+                    if njobs == 3:
+                        jobs.append(_job("wide", "wide", batch=16, workers=workers, epochs=1))
+                    name = f"grid-w{workers}-j{njobs}-c{int(cache * 100)}-{'fs' if fs else 'emu'}"
+                    out[name] = {"jobs": jobs, "cache": cache, "throttle": None if fs else (FALLS3 if njobs == 3 else FALLS),
+                                 **({"real_fs": 6.0e6} if fs else {})}
+    return out
 
 
 def _toml(value: Any) -> str:
@@ -262,6 +286,9 @@ def summarise(res: dict[str, Any]) -> dict[str, Any]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", help="comma-separated configuration names")
+    p.add_argument("--grid", action="store_true",
+                   help="the grid of shapes instead (workers 0/2/4, 2 or 3 jobs, cache 50/100%%, emulated "
+                        "source or kernel-throttled ext4); --only picks among them")
     p.add_argument("--list", action="store_true", help="list the configurations and exit")
     p.add_argument("--staggers", default="0,1,2,3,4,6,8", help="fixed staggers, seconds, run in both orders")
     p.add_argument("--samples", type=int, default=3072, help="dataset samples of 3 KiB (default 3072, ~9.4 MB)")
@@ -274,16 +301,24 @@ def main() -> int:
                    "bandwidth=F (the source's curve), jobs=F (every job's CPU costs), comma-separated")
     args = p.parse_args()
     factors = parse_perturb(args.perturb)
+    configs = grid_configs() if args.grid else CONFIGS
     if args.list:
-        for name, cfg in CONFIGS.items():
+        for name, cfg in configs.items():
             print(name, json.dumps(cfg))
         return 0
-    names = args.only.split(",") if args.only else list(CONFIGS)
+    names = args.only.split(",") if args.only else list(configs)
+    unknown = [n for n in names if n not in configs]
+    if unknown:
+        raise SystemExit(f"unknown configuration(s) {', '.join(unknown)}; --list{' --grid' if args.grid else ''} "
+                         "names them")
+    if any(configs[n].get("real_fs") for n in names) and os.geteuid() != 0:
+        raise SystemExit("the real file-system shapes need root (a loop device, a blkio cgroup, drop_caches); "
+                         "run as root or pick the emulated ones with --only")
     results = []
     with workspace("bench-userjobs", args.samples, args.keep) as (root, data):
         for name in names:
             print(f"[bench_userjobs] {name} ...", file=sys.stderr, flush=True)
-            res = run_config(name, CONFIGS[name], data, root / name, args.staggers, args.budget, args.repeat,
+            res = run_config(name, configs[name], data, root / name, args.staggers, args.budget, args.repeat,
                              factors)
             res["summary"] = summarise(res)
             results.append(res)
