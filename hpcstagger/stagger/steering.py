@@ -1,7 +1,9 @@
 """Closed-loop staggering: when to release each waiting job, from what the run shows (pure).
 
-The plan's delays are the prior. While jobs wait, the watcher (:mod:`~hpcstagger.colocated.watcher`) looks at the run
-often and hands :class:`Steering` a :class:`Look`: the source reads
+The plan's delays are the prior (for a guarded simultaneous plan, ``steer.prior``: the model's own
+zeros, while the plan's delays only bound the wait for evidence). While jobs wait, the watcher
+(:mod:`~hpcstagger.colocated.watcher`) looks at the run often and hands :class:`Steering` a
+:class:`Look`: the source reads
 counted by the shared cache (bytes and seconds, :meth:`ShmCache.count_read`), each started job's
 progress (:mod:`~hpcstagger.colocated.progress`) and state. :meth:`Steering.decide` then:
 
