@@ -99,7 +99,8 @@ def grid_configs() -> dict[str, dict[str, Any]]:
                     if njobs == 3:
                         jobs.append(_job("wide", "wide", batch=16, workers=workers, epochs=1))
                     name = f"grid-w{workers}-j{njobs}-c{int(cache * 100)}-{'fs' if fs else 'emu'}"
-                    out[name] = {"jobs": jobs, "cache": cache, "throttle": None if fs else (FALLS3 if njobs == 3 else FALLS),
+                    throttle = None if fs else (FALLS3 if njobs == 3 else FALLS)
+                    out[name] = {"jobs": jobs, "cache": cache, "throttle": throttle,
                                  **({"real_fs": 6.0e6} if fs else {})}
     return out
 
