@@ -462,3 +462,29 @@ def test_readers_that_never_overlap_name_the_cause():
                                          r"readers started \(0\.500 s after the first\): too few fresh samples"):
         aggregate(results)
     assert aggregate([((0.0, 1.0), [(0.0, 1.0, 100)]), ((0.5, 2.0), [(0.5, 2.0, 300)])]) == (300.0, 0.5)
+
+
+def test_a_level_whose_readers_never_overlap_is_kept_untrusted_and_the_level_before_holds(monkeypatch):
+    """Readers that never read at once (few fresh samples per reader, or pages the kernel kept) give
+    a level with no window: kept, not trusted, and the curve holds the level before; one reader
+    alone still fails (it has no level before)."""
+    import multiprocessing
+
+    from hpcstagger.model import source_probe
+    from support.calib_sources import BusySource
+
+    def no_overlap(results):  # the fault, injected: every window closed before the last one opened
+        raise ModelError("a calibration reader read all of its 3 samples in 0.000 s, before the last of the "
+                         f"{len(results)} readers started: too few fresh samples per reader")
+
+    ctx = multiprocessing.get_context("fork")
+    two = source_probe.measure_readers(BusySource(), [list(range(0, 200)), list(range(200, 400))], 0.2, ctx)
+    monkeypatch.setattr(source_probe, "aggregate", no_overlap)
+    short = source_probe.measure_readers(BusySource(), [[400, 401, 402], [403, 404], [405, 406]], 0.05, ctx)
+    assert short["readers"] == 3 and short["window_s"] == 0.0 and "too few fresh samples" in short["short"]
+    with pytest.raises(ModelError, match="too few fresh samples"):
+        source_probe.measure_readers(BusySource(), [[407, 408, 409]], 0.05, ctx)
+    one = {"readers": 1, "bandwidth": 5.0e6, "window_s": 1.0, "elapsed_s": 1.1}
+    curve, _, note = source_probe.combine_levels([one, two, short])
+    assert two["window_s"] > 0 and two["bandwidth"] > 0
+    assert curve[2] == curve[1] and "3 reader(s) (0.0 MB/s over 0.000 s)" in note, (curve, note)

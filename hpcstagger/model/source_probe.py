@@ -206,7 +206,9 @@ def measure_readers(source: Any, subsets: list[list[int]], duration: float, ctx:
     """The source's aggregate bytes/s with ``len(subsets)`` concurrent reader processes (context
     ``ctx``), each reading its own subset for at most ``duration`` seconds; with ``cache`` the
     readers put what they read into it. Raises ConfigError for a source that cannot reach a
-    process and ModelError when a reader fails."""
+    process and ModelError when a reader fails. With 2 or more readers whose windows never
+    overlapped (one read all of its samples before the last started) the level comes back with no
+    window (``window_s`` 0, ``short`` saying why): not trusted (:func:`combine_levels`)."""
     k = len(subsets)
     if any(len(s) < 2 for s in subsets):
         raise ModelError(f"too few samples for {k} concurrent readers; give calibrate a larger dataset")
@@ -221,9 +223,17 @@ def measure_readers(source: Any, subsets: list[list[int]], duration: float, ctx:
     if errors:
         raise ModelError(f"reading the source with {k} concurrent reader(s) failed: {errors[0]}; "
                          "check that the source is picklable and readable from a fresh process")
-    bw, window = aggregate(results)
-    return {"readers": k, "bandwidth": bw, "window_s": window, "elapsed_s": time.monotonic() - t0,
-            "reads": sum(len(r) for _, r in results)}
+    reads = sum(len(r) for _, r in results)
+    try:
+        bw, window = aggregate(results)
+    except ModelError as exc:
+        if k < 2:
+            raise
+        # a reader ran out before the last one started (few fresh samples, or pages still cached):
+        # the level is kept as measured over no window, which is not trusted, and the level before holds
+        return {"readers": k, "bandwidth": 0.0, "window_s": 0.0, "elapsed_s": time.monotonic() - t0,
+                "reads": reads, "short": str(exc)}
+    return {"readers": k, "bandwidth": bw, "window_s": window, "elapsed_s": time.monotonic() - t0, "reads": reads}
 
 
 def preload(source: Any, n: int, count: int, seconds: float, seed: int) -> tuple[list[int], list[tuple[str, bytes]]]:
