@@ -285,7 +285,9 @@ def _final_plan(sc: Scenario, best_d: list[float], curve: list[tuple[float, floa
     zero = [0.0] * J
     final_eng = _engine.Engine(sc, _quality.FINE)
     finish = final_eng.run(best_d)
-    simultaneous = max(final_eng.run(zero)) if any(best_d) else max(finish)
+    searched_d, searched_m = list(best_d), max(finish)  # before any step back to a simultaneous start
+    together_finish = final_eng.run(zero) if any(best_d) else finish
+    simultaneous = max(together_finish)
     means = (0.0, 0.0)
     if any(best_d) and jitter:
         spread = Spread(Evaluator(sc, _quality.FINE), jitter, OFFSETS_TWO if J == 2 else OFFSETS_MANY)
@@ -293,12 +295,11 @@ def _final_plan(sc: Scenario, best_d: list[float], curve: list[tuple[float, floa
     mine, together = means if jitter else (max(finish), simultaneous)
     if any(best_d) and mine > together * (1.0 - min_gain):
         # the stagger does not pay at full accuracy: start together
-        best_d, means = list(zero), (0.0, 0.0)
-        finish = final_eng.run(best_d)
+        best_d, means, finish = list(zero), (0.0, 0.0), together_finish
     sequential = _sequential(sc) if J > 1 else max(finish)
     order = tuple(names[j] for j in sorted(range(J), key=lambda j: (best_d[j], j)))
     stag_d = list(staggered) if staggered and any(staggered) else []
-    stag_m = (max(finish) if stag_d == best_d else max(final_eng.run(stag_d))) if stag_d else math.nan
+    stag_m = (searched_m if stag_d == searched_d else max(final_eng.run(stag_d))) if stag_d else math.nan
     return Plan(delays=dict(zip(names, best_d, strict=True)), makespan=max(finish), simultaneous=simultaneous,
                 sequential=sequential, finish=dict(zip(names, finish, strict=True)), order=order,
                 curve_stagger=tuple(c[0] for c in curve), curve_makespan=tuple(c[1] for c in curve),
