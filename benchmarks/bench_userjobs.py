@@ -45,6 +45,8 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Iterator
 
+from hpcstagger._io import drop_cached_pages
+
 HERE = Path(__file__).resolve().parent
 TRAIN = HERE / "userjobs" / "train.py"
 FALLS = [6.0e6, 3.0e6]            # the emulated source: 6 MB/s alone, 3 MB/s aggregate for 2+
@@ -190,8 +192,11 @@ def real_fs(data: Path, bps: float, work: Path) -> Iterator[tuple[Path, str]]:
         os.makedirs(cg, exist_ok=True)
         with open(os.path.join(cg, "blkio.throttle.read_bps_device"), "w") as f:
             f.write(f"{os.major(rdev)}:{os.minor(rdev)} {int(bps)}")
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
+        # Only the dataset's pages go: a global drop_caches would also evict the Python and torch
+        # libraries, and calibration would then measure the first job's start-up cold (its first
+        # step faulting libtorch in from disk), which no later run repeats. Each run drops the
+        # dataset's pages again at its start.
+        drop_cached_pages(mnt / data.name)
         yield mnt / data.name, cg
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
@@ -313,7 +318,7 @@ def main() -> int:
         raise SystemExit(f"unknown configuration(s) {', '.join(unknown)}; --list{' --grid' if args.grid else ''} "
                          "names them")
     if any(configs[n].get("real_fs") for n in names) and os.geteuid() != 0:
-        raise SystemExit("the real file-system shapes need root (a loop device, a blkio cgroup, drop_caches); "
+        raise SystemExit("the real file-system shapes need root (a loop device, a blkio cgroup, mount); "
                          "run as root or pick the emulated ones with --only")
     results = []
     with workspace("bench-userjobs", args.samples, args.keep) as (root, data):
