@@ -35,6 +35,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -199,10 +200,28 @@ def real_fs(data: Path, bps: float, work: Path) -> Iterator[tuple[Path, str]]:
         drop_cached_pages(mnt / data.name)
         yield mnt / data.name, cg
     finally:
+        _kill_members(cg)  # a run cut short leaves its jobs reading from the mount
         subprocess.run(["umount", str(mnt)], check=False)
         subprocess.run(["losetup", "-d", dev], check=False)
         if os.path.isdir(cg):
             os.rmdir(cg)
+
+
+def _kill_members(cg: str) -> None:
+    """SIGKILL every process left in the cgroup ``cg`` and wait (up to 10 s) until it is empty."""
+    procs = os.path.join(cg, "cgroup.procs")
+    deadline = time.monotonic() + 10
+    while os.path.exists(procs) and time.monotonic() < deadline:
+        with open(procs) as f:
+            pids = [int(x) for x in f.read().split()]
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.2)
 
 
 def perturb(path: Path, factors: dict[str, float]) -> None:
@@ -306,6 +325,9 @@ def main() -> int:
     p.add_argument("--perturb", default="", help="scale the calibrated scenario before planning: "
                    "bandwidth=F (the source's curve), jobs=F (every job's CPU costs), comma-separated")
     args = p.parse_args()
+    # SIGTERM (a kill, a batch system's time limit) unwinds like Ctrl-C: the file system is unmounted,
+    # its loop device and cgroup removed, the work directory deleted.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     factors = parse_perturb(args.perturb)
     configs = grid_configs() if args.grid else CONFIGS
     if args.list:
