@@ -10,12 +10,14 @@ from typing import Any
 from hpcstagger import config
 from hpcstagger.errors import CacheError
 from hpcstagger.cache import _fs, _pstats
+from hpcstagger.cache._nodelisting import LISTINGS
 from hpcstagger.cache.store import ShmCache
 
 __all__ = ["list_caches", "cache_contents", "clear_cache", "remove_broken", "remove_empty_dirs", "ROOT_SUBDIRS"]
 
-# The root's own folders beside the caches: shared loader rings, throttle tables, partitioned stats.
-ROOT_SUBDIRS = (".loader", ".throttle", ".partition")
+# The root's own folders beside the caches: shared loader rings, throttle tables, partitioned stats,
+# dataset listings (:mod:`._nodelisting`).
+ROOT_SUBDIRS = (".loader", ".throttle", ".partition", LISTINGS)
 
 
 def remove_empty_dirs(root: str | None = None, *, keep_root: bool = False) -> list[str]:

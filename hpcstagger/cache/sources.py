@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import xxhash
 
 from hpcstagger.errors import ConfigError, DependencyError
-from hpcstagger.cache._listing import list_files, shared_listing, stat_token
+from hpcstagger.cache._listing import Selection, stat_token
+from hpcstagger.cache._nodelisting import dataset_listing
 
-__all__ = ["Source", "DirectorySource", "HDF5Source", "read_file"]
+__all__ = ["Source", "SampleRecord", "DirectorySource", "HDF5Source", "read_file", "record_of"]
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,28 @@ class Source(Protocol):
     def __getitem__(self, i: int) -> bytes: ...
 
     def key(self, i: int) -> str | int: ...
+
+
+class SampleRecord(NamedTuple):
+    """Where sample ``index`` comes from: the file that holds it and its key in the cache.
+
+    ``CachedDataset(..., with_record=True)`` hands it to the transform, which can then derive a
+    label from the path (a folder name, a file stem) without a wrapper class.
+    """
+
+    index: int
+    path: str | None  # the file that holds the sample (None: the source has no file, e.g. in memory)
+    key: str | int
+
+
+def record_of(source: Any, i: int) -> SampleRecord:
+    """``source.record(i)`` where the source has it; else a record from its ``path(i)`` (when it
+    has one) and ``key(i)``."""
+    record = getattr(source, "record", None)
+    if callable(record):
+        return record(i)
+    path = getattr(source, "path", None)
+    return SampleRecord(i, path(i) if callable(path) else path if isinstance(path, str) else None, source.key(i))
 
 
 def _index(i: Any, n: int) -> int:
@@ -73,29 +97,47 @@ def _read_fd(path: str | os.PathLike[str]) -> tuple[bytes, os.stat_result]:
 
 
 class DirectorySource:
-    """Every regular file under ``root`` matching ``pattern`` (pathlib glob rules), in sorted order.
+    """The regular files under ``root`` that match ``pattern`` (pathlib glob rules, default
+    ``**/*``), in sorted order; or, with ``files``, the files of a file list, in the list's order.
+
+    ``files`` is the path of a text file with one path per line (relative to ``root``, or absolute
+    under it; blank lines and lines starting with ``#`` are skipped, surrounding blanks stripped),
+    or a sequence of such paths (taken as they are).
 
     The listing records each file's identity (inode, size, mtime, ctime), and ``key(i)`` is the
     file's real absolute path with that identity: a file replaced, rewritten or grown since another
-    job cached it is a miss here, read from the file. A file that changes after this source was
-    built is read as it is now (and logged once); build a new source, or restart the job, to key
-    it by its new identity. ``listing`` names a file through which the processes of one run share
-    one listing (:func:`~hpcstagger.cache._listing.shared_listing`): the first lists and writes it,
-    the others read it; ``session.source()`` passes one in the run's directory. Raises ConfigError
-    if ``root`` does not exist, is not a directory, or nothing matches.
+    job cached it is a miss here, read from the file. A file that changes after the listing was
+    made is read as it is now (and logged once); a later run (without a run: a new source) lists
+    it anew.
+
+    ``listing`` says who lists. None (the default): the first process of the run on the node lists
+    and writes the listing under the shm root; every later process of the run on the node reads it
+    and makes no metadata call on the dataset's tree. The run is ``run`` when given, else what the
+    environment names (``hpcstagger launch``'s run directory, the Slurm job and srun step, torchrun's
+    run id: :func:`~hpcstagger.cache._nodelisting.run_identity`); without any, each process lists
+    for itself. A path: the same, and a node's first process reads the listing from that file, or
+    lists and writes it there, for the run's other nodes (``session.source()`` passes one in the
+    run's directory). False: this process lists for itself.
+
+    Raises ConfigError if ``root`` does not exist, is not a directory or nothing matches; if both
+    ``pattern`` and ``files`` are given; and for a listed path outside ``root``, missing, not a
+    regular file or listed twice (naming its line).
     """
 
-    def __init__(self, root: str | os.PathLike[str], pattern: str = "**/*", *, listing: str | None = None):
-        if not os.path.exists(root):
-            raise ConfigError(f"DirectorySource: {root} does not exist (check the dataset path)")
-        if not os.path.isdir(root):
-            raise ConfigError(f"DirectorySource: {root} is not a directory (an HDF5 file takes HDF5Source)")
-        self.root = os.path.realpath(root)
-        self.pattern = pattern
-        files, tokens = shared_listing(listing, self.root, pattern) if listing else list_files(self.root, pattern)
-        if not files:
-            raise ConfigError(f"DirectorySource: no files match {pattern!r} under {root}")
-        self.files: list[str] = files
+    def __init__(self, root: str | os.PathLike[str], pattern: str | None = None, *,
+                 files: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
+                 listing: str | os.PathLike[str] | bool | None = None, run: str | None = None):
+        if pattern is not None and files is not None:
+            raise ConfigError("DirectorySource: give a glob pattern or a file list (files=), not both")
+        selection = _file_list(files) if files is not None else Selection(pattern=pattern or "**/*")
+        given = os.path.abspath(os.fspath(root))
+        self.root, names, tokens = dataset_listing(given, selection, listing=listing, run=run)
+        self.pattern = selection.pattern
+        if not names:
+            what = f"no files match {self.pattern!r}" if self.pattern is not None else \
+                f"no files listed in {selection.origin}"
+            raise ConfigError(f"DirectorySource: {what} under {root}")
+        self.files: list[str] = names
         self.tokens = tokens
         self._prefix = "file:" + os.path.join(self.root, "")
         self._changed_logged = False
@@ -121,8 +163,36 @@ class DirectorySource:
         i = _index(i, len(self.files))
         return f"{self._prefix}{self.files[i]}@{self.tokens[i]:016x}"
 
+    def record(self, i: int) -> SampleRecord:
+        """Sample ``i``'s index, file and cache key."""
+        i = _index(i, len(self.files))
+        return SampleRecord(i, self.path(i), self.key(i))
+
     def __repr__(self) -> str:
-        return f"DirectorySource({self.root!r}, {self.pattern!r}) with {len(self)} files"
+        what = repr(self.pattern) if self.pattern is not None else "files=[...]"
+        return f"DirectorySource({self.root!r}, {what}) with {len(self)} files"
+
+
+def _file_list(files: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> Selection:
+    """The selection of a file list: a list file's text, or the paths of a sequence."""
+    if isinstance(files, (str, os.PathLike)):
+        path = os.fspath(files)
+        try:
+            with open(path, "rb") as f:
+                return Selection(text=f.read(), origin=path)
+        except FileNotFoundError:
+            raise ConfigError(f"DirectorySource: the file list {path} does not exist (files= takes a text "
+                              f"file of paths, one per line, or a list of paths)") from None
+        except OSError as exc:
+            raise ConfigError(f"DirectorySource: cannot read the file list {path}: {exc.strerror}") from None
+    if isinstance(files, (bytes, bytearray)) or not isinstance(files, Sequence):
+        raise ConfigError(f"DirectorySource: files= takes the path of a file list or a sequence of paths, "
+                          f"not {type(files).__name__}")
+    items = tuple(os.fspath(p) if isinstance(p, (str, os.PathLike)) else p for p in files)
+    bad = next((p for p in items if not isinstance(p, str)), None)
+    if bad is not None:
+        raise ConfigError(f"DirectorySource: files= holds {bad!r}; give each path as a str or a pathlib.Path")
+    return Selection(items=items)
 
 
 class HDF5Source:
@@ -189,6 +259,11 @@ class HDF5Source:
 
     def key(self, i: int) -> str:
         return f"{self._prefix}{_index(i, self._len)}{self._suffix}"
+
+    def record(self, i: int) -> SampleRecord:
+        """Sample ``i``'s row, the HDF5 file and the cache key."""
+        i = _index(i, self._len)
+        return SampleRecord(i, self.path, self.key(i))
 
     def close(self) -> None:
         """Close this process's handle (it reopens on the next read)."""

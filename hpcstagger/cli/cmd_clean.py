@@ -13,10 +13,10 @@ GATE_DIR = "/dev/shm"  # where SharedActivityGate makes its files by default
 def register(sub: Any) -> None:
     p = sub.add_parser("clean", help="remove everything hpcstagger keeps in /dev/shm for this user",
                        description="Remove this user's hpcstagger state from /dev/shm: the sample caches, shared "
-                                   "loader rings, throttle tables and partitioned-cache counters under the shm "
-                                   "root (HPCSTAGGER_SHM_ROOT, else /dev/shm/hpcstagger-<uid>), the checkpoint "
-                                   "gate files (/dev/shm/hpcstagger-gate-<uid>-*), and the root's folders once "
-                                   "empty. While a live process still has one of them open or mapped it refuses, "
+                                   "loader rings, throttle tables, partitioned-cache counters and dataset listings "
+                                   "under the shm root (HPCSTAGGER_SHM_ROOT, else /dev/shm/hpcstagger-<uid>), the "
+                                   "checkpoint gate files (/dev/shm/hpcstagger-gate-<uid>-*), and the root's folders "
+                                   "once empty. While a live process still has one of them open or mapped it refuses, "
                                    "naming the item and the pid, unless --force or --unused.")
     p.add_argument("--root", metavar="DIR", help="the shm root to clean (default: the shm_root knob)")
     p.add_argument("--gate-dir", metavar="DIR", default=GATE_DIR,

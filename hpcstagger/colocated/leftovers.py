@@ -2,12 +2,13 @@
 
 Everything lives in two places: the shm root (the ``shm_root`` knob, ``/dev/shm/hpcstagger-<uid>``
 by default: one folder per cache, shared loader rings in ``.loader``, throttle tables in
-``.throttle``, partitioned-cache counters in ``.partition``; the ``throttle_dir`` knob may move the
-tables) and this user's checkpoint gate files, ``/dev/shm/hpcstagger-gate-<uid>-<pid>-*``. A live
-process uses an item when it has one of its files open or mapped (``/proc/<pid>/fd`` and
-``/proc/<pid>/maps``): every attached cache, ring, table and gate maps its file. ``hpcstagger
-clean`` is :func:`clean`; a launch calls :func:`remove_unused` when its ranks are gone, so that
-what killed ranks could not remove goes with them.
+``.throttle``, partitioned-cache counters in ``.partition``, dataset listings in ``.listings``;
+the ``throttle_dir`` knob may move the tables) and this user's checkpoint gate files,
+``/dev/shm/hpcstagger-gate-<uid>-<pid>-*``. A live process uses an item when it has one of its
+files open or mapped (``/proc/<pid>/fd`` and ``/proc/<pid>/maps``): every attached cache, ring,
+table and gate maps its file, and every process that read a dataset listing keeps it open.
+``hpcstagger clean`` is :func:`clean`; a launch calls :func:`remove_unused` when its ranks are
+gone, so that what killed ranks could not remove goes with them.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ __all__ = ["Leftover", "find", "users_of", "clean", "remove_unused"]
 log = logging.getLogger(__name__)
 
 GATE_DIR = "/dev/shm"
-_KINDS = {".loader": "loader ring", ".throttle": "throttle table", ".partition": "partition counters"}
+_KINDS = {".loader": "loader ring", ".throttle": "throttle table", ".partition": "partition counters",
+          ".listings": "dataset listing"}
 
 
 @dataclass(frozen=True)
@@ -169,11 +171,11 @@ def clean(root: str | None = None, *, force: bool = False, dry_run: bool = False
 
 def remove_unused(environ: Mapping[str, str] | None = None, *, gate_dir: str = GATE_DIR,
                   keep_root: bool = True) -> list[str]:
-    """After a run: remove the gate files, loader rings and throttle tables that no live process
-    uses (caches stay: they are for the next run), each by its own liveness record where it has one
-    (a ring's producer and consumers, a table's readers), and the root's empty folders (the root
-    itself too when empty, unless ``keep_root``: it was there before the run); return the paths
-    removed. Never raises: a problem is logged."""
+    """After a run: remove the gate files, loader rings, throttle tables and dataset listings (a
+    listing is of one run) that no live process uses (caches stay: they are for the next run),
+    each by its own liveness record where it has one (a ring's producer and consumers, a table's
+    readers), and the root's empty folders (the root itself too when empty, unless ``keep_root``:
+    it was there before the run); return the paths removed. Never raises: a problem is logged."""
     from hpcstagger.loader.pipelines import remove_stale
 
     root = os.path.abspath(config.get("shm_root", environ))
@@ -186,6 +188,8 @@ def remove_unused(environ: Mapping[str, str] | None = None, *, gate_dir: str = G
                 removed.append(item.path)
             elif item.kind == "throttle table" and remove_if_idle(os.path.basename(item.path),
                                                                   os.path.dirname(item.path)):
+                removed.append(item.path)
+            elif item.kind == "dataset listing" and _remove(item):
                 removed.append(item.path)
         removed += [os.path.join(root, ".loader", key) for key in remove_stale(root)]
         if os.path.isdir(root):
