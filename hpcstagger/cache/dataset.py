@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 import torch.utils.data
 
-from hpcstagger.cache.sources import Source
+from hpcstagger.errors import ConfigError
+from hpcstagger.cache.sources import SampleRecord, Source, record_of
 from hpcstagger.cache.store import ShmCache
 
 __all__ = ["CachedDataset", "SourceReadHook", "SampleMeter"]
@@ -57,16 +58,33 @@ class CachedDataset(torch.utils.data.Dataset):
 
     ``meter`` (None by default) is told the cost of every sample; ``session.loader(loader)`` sets
     it in calibration mode (``hpcstagger calibrate --spec``), before the loader's workers start.
+
+    ``with_index=True`` calls ``transform(data, i)``, and ``with_record=True`` calls
+    ``transform(data, record)``, the record being the sample's
+    :class:`~hpcstagger.cache.sources.SampleRecord` (its ``index``, ``path``, the file behind it,
+    and cache ``key``), so a transform can derive a label without a wrapper class. Either needs a
+    transform; the two exclude each other. Raises ConfigError otherwise.
+
+    A DataLoader with a batch size calls :meth:`__getitems__` with a batch's indices: its lookups
+    go to ``cache.get_many(keys)`` when the cache has it, in one call.
     """
 
     meter: SampleMeter | None = None
 
-    def __init__(self, source: Source, cache: ShmCache, transform: Callable[[Any], Any] | None = None, *,
-                 source_read_hook: SourceReadHook | None = None):
+    def __init__(self, source: Source, cache: ShmCache, transform: Callable[..., Any] | None = None, *,
+                 source_read_hook: SourceReadHook | None = None, with_index: bool = False, with_record: bool = False):
+        if with_index and with_record:
+            raise ConfigError("CachedDataset: with_index and with_record exclude each other (a transform takes "
+                              "(data, i) or (data, record)); choose one")
+        if (with_index or with_record) and transform is None:
+            raise ConfigError(f"CachedDataset: {'with_index' if with_index else 'with_record'}=True needs a "
+                              f"transform to hand it to")
         self.source = source
         self.cache = cache
         self.transform = transform
         self.source_read_hook = source_read_hook
+        self.with_index = with_index
+        self.with_record = with_record
 
     def __len__(self) -> int:
         return len(self.source)
@@ -82,7 +100,31 @@ class CachedDataset(torch.utils.data.Dataset):
             if not self.cache.put(key, data):
                 self._refused()
             self._count_miss(data, time.perf_counter() - t)
-        return self._finish(data)
+        return self._finish(data, i)
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        """``[self[i] for i in indices]``, with the batch's lookups in one ``cache.get_many(keys)``
+        where the cache has it (else one ``get`` each); misses read the source one by one and are
+        inserted, as in ``__getitem__``. With a meter set, item by item."""
+        meter = self.meter
+        if meter is not None:
+            return [self._measured(i, meter) for i in indices]
+        keys = [self.source.key(i) for i in indices]
+        get_many = getattr(self.cache, "get_many", None)
+        found: list[Any] = list(get_many(keys)) if get_many is not None else [self.cache.get(k) for k in keys]
+        if len(found) != len(keys):
+            raise TypeError(f"{type(self.cache).__name__}.get_many returned {len(found)} results for {len(keys)} "
+                            f"keys; it must return one (a view or None) per key")
+        out = []
+        for i, key, data in zip(indices, keys, found, strict=True):
+            if data is None:
+                t = time.perf_counter()
+                data = self._read(i)
+                if not self.cache.put(key, data):
+                    self._refused()
+                self._count_miss(data, time.perf_counter() - t)
+            out.append(self._finish(data, i))
+        return out
 
     def _refused(self) -> None:
         """Log once per process that the cache refuses inserts while it stores: the samples it does
@@ -119,10 +161,19 @@ class CachedDataset(torch.utils.data.Dataset):
             finally:
                 hook.exit()
 
-    def _finish(self, data: Any) -> Any:
-        if self.transform is not None:
-            return self.transform(data)
-        return data if isinstance(data, bytes) else bytes(data)
+    def _finish(self, data: Any, i: int) -> Any:
+        transform = self.transform
+        if transform is None:
+            return data if isinstance(data, bytes) else bytes(data)
+        if self.with_index:
+            return transform(data, i)
+        if self.with_record:
+            return transform(data, self._record(i))
+        return transform(data)
+
+    def _record(self, i: int) -> SampleRecord:
+        """What ``with_record`` hands the transform (:func:`~hpcstagger.cache.sources.record_of`)."""
+        return record_of(self.source, i)
 
     def _measured(self, i: int, meter: SampleMeter) -> Any:
         """``self[i]``, each part timed into ``meter``."""
@@ -141,7 +192,7 @@ class CachedDataset(torch.utils.data.Dataset):
             read_s, insert_s = t2 - t1, t3 - t2
             self._count_miss(data, t3 - t0)
         t4 = time.perf_counter()
-        out = self._finish(data)
+        out = self._finish(data, i)
         meter.sample(hit, len(data), t1 - t0, read_s, insert_s, time.perf_counter() - t4)
         return out
 

@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from hpcstagger import config
 from hpcstagger.errors import CacheError, ConfigError
 from hpcstagger.cache import _fs
-from hpcstagger.cache.sources import Source
+from hpcstagger.cache.sources import SampleRecord, Source, record_of
 
 __all__ = ["ThrottledSource", "throttle_dir", "remove_if_idle"]
 
@@ -249,6 +249,10 @@ class ThrottledSource:
 
     def key(self, i: int) -> str | int:
         return self.source.key(i)
+
+    def record(self, i: int) -> SampleRecord:
+        """The wrapped source's record of sample ``i``."""
+        return record_of(self.source, i)
 
     def __getitem__(self, i: int) -> bytes:
         st = self._state()
