@@ -53,9 +53,9 @@ class LoadThrough:
         real path and its identity (inode, size, mtime, ctime), so a changed file is never served
         stale. A hit costs one ``stat`` of the file; a miss also opens, reads and ``fstat``s it and
         inserts it. ``listed_root`` takes the identities of the files under that directory from one
-        listing made now (one ``stat`` per file, once) instead: a hit then costs no system call, and
-        a file changed afterwards is served as it was listed (as ``DirectorySource`` does). Raises
-        ConfigError for a bad ``decode`` or ``listed_root``.
+        listing instead, made once per node and run as ``DirectorySource`` makes it: a hit then
+        costs no system call, and a file changed afterwards is served as it was listed (as
+        ``DirectorySource`` does). Raises ConfigError for a bad ``decode`` or ``listed_root``.
         """
         return wholefile.FileLoader(self, decode, listed_root=listed_root)
 

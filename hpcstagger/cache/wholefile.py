@@ -32,7 +32,8 @@ from typing import Any, Protocol, cast
 from urllib.parse import urlparse
 
 from hpcstagger.errors import ConfigError, DependencyError
-from hpcstagger.cache._listing import list_files, stat_token
+from hpcstagger.cache._listing import Selection, stat_token
+from hpcstagger.cache._nodelisting import dataset_listing
 
 __all__ = ["FileLoader", "ViewFile", "ShardOpener", "pil_rgb", "read_file", "open_file", "file_key",
            "shard_samples", "cached_webdataset"]
@@ -248,8 +249,9 @@ class FileLoader:
             if not os.path.isdir(listed_root):
                 raise ConfigError(f"file_loader: listed_root {listed_root} is not a directory (give the dataset's "
                                   f"root, or leave it out to stat each file when it is read)")
-            self.listed_root = os.path.realpath(listed_root)
-            self._names, self._tokens = list_files(self.listed_root, "**/*")
+            # once per node and run, as DirectorySource lists (the run's later processes read it)
+            self.listed_root, self._names, self._tokens = dataset_listing(os.path.abspath(listed_root),
+                                                                          Selection(pattern="**/*"))
         self._prefix = os.path.join(self.listed_root, "") if self.listed_root else ""
 
     def __call__(self, path: str | os.PathLike[str]) -> Any:
