@@ -17,8 +17,19 @@ Results: benchmarks/RESULTS.md, section Shared cache.
 (c) Stress: 4 processes x 20,000 random get / get_or_load / put calls on overlapping keys, capacity
     40% of the dataset, occasional clear() so the cache refills under contention; every returned
     sample is compared byte for byte with the source.
+(d) Small-sample hits against LMDB: the same samples (1, 4, 16, 128 KB and 1 MB) in a ShmCache and
+    in an LMDB environment in /dev/shm (the ``lmdb`` package; a private directory, removed after),
+    each LMDB value stored with its xxh3-64 checksum and verified on every get, as a ShmCache hit
+    is. LMDB is read through one read-only transaction per process, opened once and reused for
+    every get and batch (``buffers=True``: zero-copy views, like ShmCache's): what an efficient
+    reader of a dataset that does not change does, since a transaction per get would add its
+    begin/abort to every get. Single random gets (``get``) and batches of 64 random keys
+    (``get_many``; LMDB: a loop in the one transaction), by 1 and 4 processes at once; per-process
+    µs per get, the median over repetitions (methods interleaved) and then over the processes.
+    Ratios are ShmCache / LMDB times: below 1, ShmCache is faster.
 
-Usage: python benchmarks/bench_cache.py [--quick] [--parts abc] [--json PATH] [--file-dir DIR]
+Usage: python benchmarks/bench_cache.py [--quick] [--parts abcd] [--json PATH] [--file-dir DIR]
+       python benchmarks/bench_cache.py --lmdb-only [--sizes 1,4,16,128,1024] [--procs 1,4] [--smoke]
 Prints tables with the ratios, and writes JSON (default benchmarks/out/bench_cache.json).
 """
 
@@ -327,16 +338,148 @@ def stress(procs: int, nops: int, nkeys: int, shm: str) -> dict:
     return res
 
 
+# ---- (d) small samples against LMDB ------------------------------------------------------------
+
+def _lmdb_worker(shm: str, name: str, lmdb_dir: str, n: int, reps: int, seed: int, go, q) -> None:
+    import struct
+
+    import lmdb
+    import xxhash
+
+    cache = ShmCache(name, None, root=shm)
+    env = lmdb.open(lmdb_dir, readonly=True, lock=True, readahead=False, max_readers=64)
+    txn = env.begin(buffers=True)  # one read-only transaction for all of this process's gets
+    tget, checksum, stored = txn.get, xxhash.xxh3_64_intdigest, struct.Struct("<Q").unpack_from
+
+    def lmdb_get(k):
+        v = tget(b"%d" % k)
+        if v is None:
+            return None
+        if checksum(v[8:]) != stored(v)[0]:
+            raise ValueError(f"LMDB value {k} failed its checksum")
+        return v[8:]
+
+    for k in range(0, n, max(1, n // 16)):  # both hold the same bytes
+        assert bytes(cache.get(k)) == bytes(lmdb_get(k)), k
+
+    def shm_get(order):
+        get = cache.get
+        for k in order:
+            get(k)
+
+    def lmdb_single(order):
+        for k in order:
+            v = tget(b"%d" % k)
+            if checksum(v[8:]) != stored(v)[0]:
+                raise ValueError(f"LMDB value {k} failed its checksum")
+
+    def shm_many(order):
+        get_many = cache.get_many
+        for j in range(0, len(order), 64):
+            get_many(order[j:j + 64])
+
+    def lmdb_many(order):
+        for j in range(0, len(order), 64):
+            out = []
+            for k in order[j:j + 64]:
+                v = tget(b"%d" % k)
+                if checksum(v[8:]) != stored(v)[0]:
+                    raise ValueError(f"LMDB value {k} failed its checksum")
+                out.append(v[8:])
+
+    methods = {"shm get": shm_get, "lmdb get": lmdb_single, "shm get_many 64": shm_many, "lmdb batch 64": lmdb_many}
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    rng = random.Random(seed)
+    go.wait(120)
+    for r in range(reps + 1):
+        order = list(range(n))
+        rng.shuffle(order)
+        for m, fn in methods.items():
+            t = time.perf_counter()
+            fn(order)
+            if r:  # repetition 0 warms up (page tables, caches)
+                times[m].append((time.perf_counter() - t) / n * 1e6)
+    txn.abort()
+    env.close()
+    cache.close()
+    q.put({m: statistics.median(ts) for m, ts in times.items()})
+
+
+def lmdb_compare(sizes_kb: list[int], procs_list: list[int], budget: int, max_n: int, reps: int, shm: str) -> dict:
+    try:
+        import lmdb
+        import xxhash
+    except ImportError as exc:
+        raise SystemExit(f"part (d) needs the lmdb package ({exc}); install it with 'pip install lmdb'") from None
+    res: dict = {"transaction": "one read-only transaction per process, reused for every get and batch",
+                 "lmdb_version": lmdb.__version__, "reps": reps, "sizes": {}}
+    for kb in sizes_kb:
+        size = kb * 1024
+        n = max(64, min(max_n, budget // size))
+        log(f"(d) {kb} KB: {n} samples")
+        name = f"lmdb-vs-{kb}k"
+        cache = ShmCache(name, n * size, root=shm, max_entries=n + 16)
+        lmdb_dir = tempfile.mkdtemp(prefix=f"lmdb-{kb}k-", dir=shm)
+        env = lmdb.open(lmdb_dir, map_size=n * (size + 4096) * 2 + (16 << 20), sync=False, metasync=False,
+                        readahead=False)
+        with env.begin(write=True) as txn:
+            for k in range(n):
+                blob = os.urandom(size)
+                assert cache.put(k, blob)
+                txn.put(b"%d" % k, xxhash.xxh3_64_intdigest(blob).to_bytes(8, "little") + blob)
+        env.close()  # the workers open their own (an environment must not cross a fork)
+        per_size: dict = {"n": n, "sample_bytes": size, "procs": {}}
+        for procs in procs_list:
+            go, q = FORK.Event(), FORK.Queue()
+            ps = [FORK.Process(target=_lmdb_worker, args=(shm, name, lmdb_dir, n, reps, 1000 * procs + i, go, q))
+                  for i in range(procs)]
+            for p in ps:
+                p.start()
+            time.sleep(0.2)
+            go.set()
+            outs = [q.get(timeout=600) for _ in ps]
+            for p in ps:
+                p.join(60)
+                assert p.exitcode == 0, p.exitcode
+            us = {m: statistics.median(o[m] for o in outs) for m in outs[0]}
+            per_size["procs"][procs] = {
+                "us_per_get": us, "per_process": outs,
+                "ratios": {"get": us["shm get"] / us["lmdb get"],
+                           "batch 64": us["shm get_many 64"] / us["lmdb batch 64"]}}
+        s = cache.stats()
+        assert s["misses"] == 0 and s["corrupt"] == 0, s
+        cache.destroy()
+        shutil.rmtree(lmdb_dir)
+        res["sizes"][kb] = per_size
+    print(f"\n(d) ShmCache against LMDB + xxh3-64 in /dev/shm: µs per get, per process (median of {reps}); "
+          "ratio = ShmCache / LMDB, below 1 ShmCache is faster")
+    print(f"  {'size':>7s} {'procs':>5s} {'shm get':>8s} {'lmdb get':>8s} {'ratio':>6s}   "
+          f"{'shm get_many':>12s} {'lmdb batch':>10s} {'ratio':>6s}  (batches of 64, µs per key)")
+    for kb, v in res["sizes"].items():
+        for procs, r in v["procs"].items():
+            u = r["us_per_get"]
+            print(f"  {kb:>5d}KB {procs:>5d} {u['shm get']:8.2f} {u['lmdb get']:8.2f} {r['ratios']['get']:6.2f}   "
+                  f"{u['shm get_many 64']:12.2f} {u['lmdb batch 64']:10.2f} {r['ratios']['batch 64']:6.2f}")
+    return res
+
+
 # ---- main --------------------------------------------------------------------------------------
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes and one repetition (about 30 s)")
-    ap.add_argument("--parts", default="abc", help="which parts to run (default: abc)")
+    ap.add_argument("--parts", default="abcd", help="which parts to run (default: abcd)")
+    ap.add_argument("--lmdb-only", action="store_true", help="run only part (d), the comparison with LMDB")
+    ap.add_argument("--sizes", default="1,4,16,128,1024", help="part (d): sample sizes in KB (default 1,4,16,128,1024)")
+    ap.add_argument("--procs", default="1,4", help="part (d): numbers of processes reading at once (default 1,4)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="part (d) in a few seconds: few samples, one repetition (the figures mean nothing)")
     ap.add_argument("--json", default=str(HERE / "out" / "bench_cache.json"), help="where to write the JSON")
     ap.add_argument("--file-dir", default=str(HERE / "out"),
                     help="a directory on a regular file system for the page-cache files (default benchmarks/out)")
     args = ap.parse_args()
+    if args.lmdb_only:
+        args.parts = "d"
     os.makedirs(args.file_dir, exist_ok=True)
     q = args.quick
     shm = tempfile.mkdtemp(prefix="hpcs-bench-", dir="/dev/shm")
@@ -357,6 +500,13 @@ def main() -> int:
                                 else colocated(200, 100_000, 10e6, 2, shm, args.file_dir))
         if "c" in args.parts:
             out["stress"] = stress(4, 3000 if q else 20_000, 2000, shm)
+        if "d" in args.parts:
+            sizes = [int(x) for x in args.sizes.split(",") if x]
+            procs = [int(x) for x in args.procs.split(",") if x]
+            if args.smoke:
+                out["lmdb"] = lmdb_compare(sizes, procs, 2 << 20, 512, 1, shm)
+            else:
+                out["lmdb"] = lmdb_compare(sizes, procs, (16 if q else 64) << 20, 20_000, 2 if q else 7, shm)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
     out["machine"]["loadavg_end"] = os.getloadavg()
@@ -371,6 +521,15 @@ def main() -> int:
     if "colocated" in out:
         for start, v in out["colocated"]["speedup"].items():
             targets[f"co-located, second starts {start}: second process >= 3x faster with cache"] = v["second"] >= 3
+    if "lmdb" in out and not args.smoke:
+        for kb, v in out["lmdb"]["sizes"].items():
+            one = v["procs"].get(1)
+            if one is None:
+                continue
+            if kb == 4:
+                targets["lmdb: 4 KB get within 1.1x of LMDB + xxh3 (1 process)"] = one["ratios"]["get"] <= 1.1
+            batch = one["ratios"]["batch 64"]
+            targets[f"lmdb: {kb} KB batch of 64 at least as fast as LMDB's (1 process)"] = batch <= 1.0
     if "stress" in out:
         targets["stress: zero wrong bytes"] = out["stress"]["wrong_bytes"] == 0 and out["stress"]["wrong_samples"] == 0
     out["targets"] = targets

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import xxhash
 
@@ -40,7 +41,8 @@ class Source(Protocol):
     def key(self, i: int) -> str | int: ...
 
 
-class SampleRecord(NamedTuple):
+@dataclass(frozen=True)
+class SampleRecord:
     """Where sample ``index`` comes from: the file that holds it and its key in the cache.
 
     ``CachedDataset(..., with_record=True)`` hands it to the transform, which can then derive a

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import errno
 import logging
-import operator
 import os
-import struct
 import weakref
 from typing import Any
 
@@ -23,13 +21,12 @@ from hpcstagger._io import CHECKSUM_ALGORITHM
 from hpcstagger.errors import CacheError
 from hpcstagger.cache import _flight, _fs
 from hpcstagger.cache._layout import (ENTRY, ENTRY_HDR, ENTRY_MAGIC, H_ENTRIES, H_GEN, H_INDEX_USED, H_MAX_ENTRIES,
-                                      H_POLICY, H_RESERVED, H_RESERVED_ENTRIES, H_TOP, H_USED, H_WASTED, LEN_MASK, LIVE,
-                                      SLOT, S_CORRUPT, S_DUPLICATES, S_HITS, S_INSERTS, S_INSERT_BYTES, S_READ_BYTES,
-                                      S_READ_NS, S_MISSES, S_REFUSED, S_RES_GEN, S_RES_OFF, S_RES_PAYLOAD, S_RES_SIZE,
-                                      TOMB, align)
+                                      H_POLICY, H_RESERVED, H_RESERVED_ENTRIES, H_TOP, H_USED, H_WASTED, LIVE, SLOT,
+                                      S_DUPLICATES, S_INSERTS, S_INSERT_BYTES, S_READ_BYTES, S_READ_NS, S_REFUSED,
+                                      S_RES_GEN, S_RES_OFF, S_RES_PAYLOAD, S_RES_SIZE, align)
 from hpcstagger.cache._base import LoadThrough
 from hpcstagger.cache._ledger import Ledger
-from hpcstagger.cache._wire import verify_entry
+from hpcstagger.cache._reads import Reads, key_hash
 from hpcstagger.cache.policy import Policy, Space, get_policy
 
 __all__ = ["ShmCache", "key_hash", "default_max_entries"]
@@ -38,25 +35,7 @@ log = logging.getLogger(__name__)
 
 assert CHECKSUM_ALGORITHM == "xxh3_64"  # entries carry hpcstagger's checksum, as an integer
 _checksum = xxhash.xxh3_64_intdigest
-_hash128 = xxhash.xxh3_128_digest
 _OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
-_unpack_slot, _unpack_entry, _unpack_hash = SLOT.unpack_from, ENTRY.unpack_from, struct.Struct("<QQ").unpack
-
-
-def key_hash(key: str | int) -> tuple[int, int]:
-    """The 128-bit xxh3 hash (hi, lo) a key is stored under; str and int keys never collide by type.
-
-    Raises TypeError for keys that are neither str nor int (anything with ``__index__`` is an int).
-    """
-    if isinstance(key, str):
-        d = _hash128(str(key).encode("utf-8", "surrogatepass"), 1)
-    else:
-        try:
-            d = _hash128(b"%d" % operator.index(key), 2)
-        except TypeError:
-            raise TypeError(f"cache keys are str or int, not {type(key).__name__}") from None
-    hi, lo = _unpack_hash(d)
-    return hi, lo if (hi or lo) else 1
 
 
 def default_max_entries(capacity_bytes: int) -> int:
@@ -65,7 +44,7 @@ def default_max_entries(capacity_bytes: int) -> int:
     return max(64, capacity_bytes // max(1, int(config.get("cache_min_sample_bytes"))))
 
 
-class ShmCache(LoadThrough):
+class ShmCache(Reads, LoadThrough):
     """A named cache of byte samples in shared memory, shared by every process on the node.
 
     ``ShmCache(name, capacity_bytes)`` creates the cache or attaches to it; ``capacity_bytes=None``
@@ -73,6 +52,9 @@ class ShmCache(LoadThrough):
     entry also costs a 64-byte header). ``max_entries`` caps the number of entries (default
     ``capacity_bytes // cache_min_sample_bytes``; the index is sized for it). ``root`` defaults to
     the ``shm_root`` knob (``HPCSTAGGER_SHM_ROOT``, else ``/dev/shm/hpcstagger-<uid>``).
+
+    ``get(key)`` returns a verified, read-only view of a sample or None; ``get_many(keys)`` does the
+    same for a batch of keys in one call (see :mod:`hpcstagger.cache._reads`).
 
     Policies: ``"minio"`` (default) inserts while samples fit and then never changes the contents;
     ``"none"`` is pass-through. Keys are str or int, stored under a 128-bit hash. Stats are counted
@@ -142,58 +124,7 @@ class ShmCache(LoadThrough):
         """
         self._count(S_READ_BYTES, max(0, int(nbytes)), S_READ_NS, max(0, int(seconds * 1e9)))
 
-    # ---- reading -------------------------------------------------------------------------------
-
-    def get(self, key: str | int) -> memoryview | None:
-        """The sample stored under ``key`` as a read-only memoryview, or None (a miss).
-
-        The view is verified against its checksum before it is returned and never changes
-        afterwards (entries are never rewritten in place). A corrupt entry counts as a miss, is
-        dropped, and is replaced by the next ``put``.
-        """
-        # The hit path is written out flat: at 4 KB samples every call and attribute lookup shows.
-        if type(key) is str:
-            hi, lo = _unpack_hash(_hash128(key.encode("utf-8", "surrogatepass"), 1))
-        elif type(key) is int:
-            hi, lo = _unpack_hash(_hash128(b"%d" % key, 2))
-        else:
-            hi, lo = key_hash(key)
-        if not (hi or lo):
-            lo = 1
-        led = self._led
-        view = None
-        if self._stores:
-            if led.w[H_GEN] == led.gen:
-                khi, klo, off, meta = _unpack_slot(led.imv, (lo & led.mask) << 5)
-                if klo == lo and khi == hi and meta >> 56 == LIVE:
-                    n = meta & LEN_MASK
-                    start = off + ENTRY_HDR
-                    if start + n <= led.w[H_TOP]:  # never read unwritten arena (see _create_file)
-                        amv = led.amv
-                        magic, ehi, elo, elen, ck, _ = _unpack_entry(amv, off)
-                        if magic == ENTRY_MAGIC and elo == lo and ehi == hi and elen == n:
-                            view = amv[start:start + n]
-                            if _checksum(view) != ck:
-                                view = None
-            if view is None:  # everything else, corruption included, takes the careful path
-                view = self._read(hi, lo)
-        lock = led.clock
-        lock.acquire()
-        try:
-            b = led.base
-            if b < 0:
-                b = led.claim_slot()
-            if view is None:
-                led.w[b + S_MISSES] += 1
-            else:
-                led.w[b + S_HITS] += 1
-        finally:
-            lock.release()
-        return view
-
-    def contains(self, key: str | int) -> bool:
-        """Whether a valid entry is stored under ``key``; unlike :meth:`get` it counts no lookup."""
-        return self._read(*key_hash(key)) is not None
+    # ---- source reads ----------------------------------------------------------------------------
 
     def read_counters(self) -> tuple[int, float]:
         """:meth:`stats`' ``read_bytes`` and ``read_seconds`` alone, cheap enough to poll often."""
@@ -217,84 +148,6 @@ class ShmCache(LoadThrough):
         on the node, from the reads bracketed with :meth:`reading` while watched. Cheap enough to
         poll often."""
         return _flight.seconds(self._led)
-
-    def regions(self) -> tuple[memoryview, memoryview, int]:
-        """(index, arena, generation): this process's read-only mappings of the current index and
-        arena files, which :mod:`hpcstagger.cache.partitioned` exposes to the other nodes."""
-        led = self._led
-        if led.w[H_GEN] != led.gen:
-            with led.lock():
-                led.map_generation()
-        return led.imv, led.amv, led.gen
-
-    def _read(self, hi: int, lo: int, retry: bool = True) -> memoryview | None:
-        led = self._led
-        if led.w[H_GEN] != led.gen:
-            self.regions()
-        i, state = self._probe(hi, lo)
-        if state != LIVE:
-            return None
-        imv = led.imv
-        _, _, off, meta = _unpack_slot(imv, i << 5)  # the entry check below catches a slot that moved on
-        if meta >> 56 != LIVE:
-            return None
-        n = meta & LEN_MASK
-        if off + ENTRY_HDR + n <= led.w[H_TOP]:
-            view = verify_entry(led.amv[off:off + ENTRY_HDR + n], hi, lo, n)
-            if view is not None:
-                return view
-        if self._drop_corrupt(i, hi, lo, off, meta, imv) or not retry:
-            return None
-        return self._read(hi, lo, retry=False)  # the slot changed under us: look again
-
-    def _drop_corrupt(self, i: int, hi: int, lo: int, off: int, meta: int, imv: Any) -> bool:
-        """Under the lock: if slot ``i`` still holds this entry and it is still bad, tombstone it."""
-        led = self._led
-        with led.lock():
-            if led.imv is not imv or SLOT.unpack_from(imv, i << 5) != (hi, lo, off, meta):
-                return False
-            n = meta & LEN_MASK
-            try:
-                data = os.pread(led.arena_fd, ENTRY_HDR + n, off) if off + ENTRY_HDR + n <= led.w[H_TOP] else b""
-            except OSError:
-                data = b""
-            if verify_entry(data, hi, lo, n) is not None:
-                return False  # a torn read of a slot being published, not corruption
-            os.pwrite(led.index_fd, ((TOMB << 56) | n).to_bytes(8, "little"), (i << 5) + 24)
-            # The region is abandoned (someone may still hold a view of it). The index's own length
-            # may be what was corrupt, so recount the occupancy rather than subtract it.
-            led.recount()
-        log.warning("cache %s: entry at offset %d failed verification; dropped it", self.name, off)
-        self._count(S_CORRUPT)
-        return True
-
-    def __contains__(self, key: object) -> bool:
-        """Whether ``key`` has a live entry (its checksum is not verified; not counted as a lookup)."""
-        if not self._stores:
-            return False
-        try:
-            hi, lo = key_hash(key)  # type: ignore[arg-type]  # any object may be tested; TypeError if not a key
-        except TypeError:
-            return False
-        led = self._led
-        if led.w[H_GEN] != led.gen:
-            self.regions()
-        found = self._probe(hi, lo)
-        return found[1] == LIVE
-
-    def _probe(self, hi: int, lo: int) -> tuple[int, int]:
-        """(slot, state): the slot holding ``key`` (state LIVE or TOMB) or the empty slot ending its chain."""
-        led = self._led
-        imv, mask = led.imv, led.mask
-        i = lo & mask
-        for _ in range(led.index_slots):
-            khi, klo, _, meta = SLOT.unpack_from(imv, i << 5)
-            if klo == lo and khi == hi:
-                return i, meta >> 56
-            if not (khi or klo):
-                return i, 0
-            i = (i + 1) & mask
-        return -1, 0
 
     # ---- writing -------------------------------------------------------------------------------
 
