@@ -20,12 +20,16 @@ disk (``--dir``, default the system's temporary directory; never /dev/shm) and, 
   ``pathlib.Path.glob("**/*")`` with ``is_file()`` (one stat per entry, no identities), in this
   process.
 
+With ``--cold`` (root only) a first process of another run also lists the tree after the
+kernel's dentry and inode caches are dropped (``/proc/sys/vm/drop_caches`` 2), as on a node that
+has not seen the tree, and ``os.walk`` is timed after the same drop.
+
 Targets it checks (construction times): 1,000,000 files listed with identities in at most 10 s
 by the first process; every later process done in at most 1 s with no metadata call on the tree.
 The trees and the shm root are removed afterwards, also after Ctrl-C (``--keep`` keeps the trees).
 
 Usage: python benchmarks/bench_listing.py [--sizes 10000,100000,1000000] [--per-folder 1000] [--procs 4]
-       [--dir DIR] [--keep] [--no-strace] [--json benchmarks/out/bench_listing.json]
+       [--dir DIR] [--keep] [--no-strace] [--cold] [--json benchmarks/out/bench_listing.json]
 """
 
 from __future__ import annotations
@@ -137,6 +141,13 @@ def calls_on_tree(root: str, env: dict[str, str], cwd: str, trace: Path) -> int:
         return sum(1 for line in f if any(m in line for m in marks))
 
 
+def drop_metadata_caches() -> None:
+    """Write back, then drop the kernel's dentry and inode caches (``drop_caches`` 2; root only)."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("2")
+
+
 def baselines(root: Path) -> dict[str, float]:
     t = time.perf_counter()
     n_walk = sum(len(files) for _, _, files in os.walk(root))
@@ -161,6 +172,13 @@ def measure(size: int, args: argparse.Namespace, work: Path, shm_root: str) -> d
     assert first["files"] == size and all(r["files"] == size for r in later), (first, later)
     row: dict[str, Any] = {"files": size, "per_folder": args.per_folder, "write_seconds": made,
                            "first": first, "later": later}
+    if args.cold:  # a node that has not seen the tree: its dentries and inodes are read from the disk
+        drop_metadata_caches()
+        row["first_cold"] = run_one(str(root), child_env(shm_root, str(work / f"run-{size}-cold")), cwd)
+        drop_metadata_caches()
+        t = time.perf_counter()
+        sum(len(files) for _, _, files in os.walk(root))
+        row["os.walk_cold"] = time.perf_counter() - t
     if args.strace:
         env_b = child_env(shm_root, str(work / f"run-{size}-b"))
         floor_env = child_env(shm_root, str(work / "run-floor"))
@@ -190,6 +208,9 @@ def report(row: dict[str, Any]) -> None:
         for who, c in row["calls"].items():
             print(f"  calls, {who}: stat {c['stat']}, getdents64 {c['getdents64']}, openat {c['openat']}")
         print(f"  later process, calls naming a path under the tree: {row['later_calls_on_tree']}")
+    if "first_cold" in row:
+        print(f"  first process, dentry and inode caches dropped: {row['first_cold']['seconds']:.4f} s to build "
+              f"(wall {row['first_cold']['wall']:.2f} s); os.walk after the same drop {row['os.walk_cold']:.3f} s")
     print("  baselines: " + ", ".join(f"{k} {v:.3f} s" for k, v in row["baselines"].items()))
     print("  targets: " + ", ".join(f"{k}: {'-' if v is None else 'met' if v else 'MISSED'}"
                                     for k, v in row["targets"].items()))
@@ -207,11 +228,15 @@ def main() -> int:
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the trees go (a local disk, not /dev/shm)")
     ap.add_argument("--keep", action="store_true", help="keep the trees (their folder is printed)")
     ap.add_argument("--no-strace", dest="strace", action="store_false", help="skip the system-call counts")
+    ap.add_argument("--cold", action="store_true", help="also time a first process after the kernel's dentry and "
+                    "inode caches are dropped, as on a node that has not seen the tree (root only)")
     ap.add_argument("--json", default=str(HERE / "out" / "bench_listing.json"), help="where to write the results")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
     if os.path.realpath(args.dir).startswith("/dev/shm"):
         ap.error("--dir must be on a disk: the point is a file system's metadata calls, not tmpfs's")
+    if args.cold and os.geteuid() != 0:
+        ap.error("--cold drops the kernel's dentry and inode caches, which needs root; leave it out")
     if args.strace and not os.path.exists(STRACE):
         ap.error(f"{STRACE} not found: install strace, or pass --no-strace")
     signal.signal(signal.SIGTERM, _interrupt)
