@@ -375,11 +375,17 @@ def _lock(directory: str, wait: float) -> int:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return -1
+    return fd if flock_within(fd, wait) else -1
+
+
+def flock_within(fd: int, wait: float) -> bool:
+    """Take an exclusive ``flock`` on ``fd`` within ``wait`` seconds. On failure (the time ran
+    out, or the file system has no ``flock``) close ``fd`` and return False."""
     deadline = time.monotonic() + wait
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd
+            return True
         except BlockingIOError:
             if time.monotonic() > deadline:
                 break
@@ -387,4 +393,4 @@ def _lock(directory: str, wait: float) -> int:
         except OSError:
             break
     os.close(fd)
-    return -1
+    return False

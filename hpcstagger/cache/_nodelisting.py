@@ -274,19 +274,11 @@ def _lock(dfd: int, name: str) -> int:
     except OSError as exc:
         log.debug("cannot open the listing lock %s: %s", name, exc)
         return -1
-    deadline = time.monotonic() + _WAIT
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                log.warning("waited %.0f s for another process's listing of this dataset; listing it here", _WAIT)
-                break
-            time.sleep(0.05)
-        except OSError:
-            break
-    os.close(fd)
+    t0 = time.monotonic()
+    if _listing.flock_within(fd, _WAIT):
+        return fd
+    if time.monotonic() - t0 >= _WAIT:
+        log.warning("waited %.0f s for another process's listing of this dataset; listing it here", _WAIT)
     return -1
 
 

@@ -31,10 +31,11 @@ import numpy as np
 import xxhash
 
 from hpcstagger.cache._listing import stat_token
+from hpcstagger.cache import sources
 from hpcstagger.cache.sources import SampleRecord
 from hpcstagger.cache._packed import (PACK_ALIGN, VERSION, Layout, check_dtype, unpack_arrays, pack_arrays,
                                       nbytes_of)
-from hpcstagger.errors import CacheError, ConfigError, DependencyError
+from hpcstagger.errors import CacheError, ConfigError
 
 __all__ = ["NpySource", "HDF5ArraysSource", "pack_arrays", "unpack_arrays", "decode_npy", "PACK_ALIGN"]
 
@@ -403,8 +404,4 @@ class HDF5ArraysSource(_Rows):
 
 
 def _h5py() -> Any:
-    try:
-        import h5py
-    except ImportError as exc:
-        raise DependencyError(f"HDF5ArraysSource needs h5py ({exc}); pip install h5py") from exc
-    return h5py
+    return sources.import_h5py("HDF5ArraysSource")

@@ -215,7 +215,7 @@ class HDF5Source:
                               f"files takes DirectorySource)")
         self.path = os.path.realpath(path)
         self.dataset = dataset
-        h5 = _h5py()
+        h5 = import_h5py()
         try:
             st = os.stat(self.path)
             with h5.File(self.path, "r") as f:
@@ -247,7 +247,7 @@ class HDF5Source:
             if changed:
                 log.warning("%s changed after this source was built: its rows are read as they are now; "
                             "restart the job to cache them under the file's new identity", self.path)
-            self._file = _h5py().File(self.path, "r")
+            self._file = import_h5py().File(self.path, "r")
             self._ds = self._file[self.dataset]
             self._pid = pid
         return self._ds
@@ -282,9 +282,10 @@ class HDF5Source:
         return f"HDF5Source({self.path!r}, {self.dataset!r}) with {self._len} samples"
 
 
-def _h5py() -> Any:
+def import_h5py(who: str = "HDF5Source") -> Any:
+    """The h5py module (imported here, not at import: it is slow); DependencyError without it."""
     try:
         import h5py
     except ImportError as exc:
-        raise DependencyError(f"HDF5Source needs h5py ({exc}); pip install h5py") from exc
+        raise DependencyError(f"{who} needs h5py ({exc}); pip install h5py") from exc
     return h5py
