@@ -32,7 +32,7 @@ import xxhash
 
 from hpcstagger.cache._listing import stat_token
 from hpcstagger.cache import sources
-from hpcstagger.cache.sources import SampleRecord
+from hpcstagger.cache.sources import SampleRecord, sample_index
 from hpcstagger.cache._packed import (PACK_ALIGN, VERSION, Layout, check_dtype, unpack_arrays, pack_arrays,
                                       nbytes_of)
 from hpcstagger.errors import CacheError, ConfigError
@@ -43,15 +43,6 @@ log = logging.getLogger(__name__)
 
 PathLike = str | os.PathLike[str]
 _NPY_HEADER_MAX = 1 << 16  # numpy reads .npy headers of at most 10000 bytes unless told otherwise
-
-
-def _index(i: Any, n: int) -> int:
-    i = int(i) if not isinstance(i, int) else i
-    if i < 0:
-        i += n
-    if not 0 <= i < n:
-        raise IndexError(f"sample index {i} out of range for a source of {n} samples")
-    return i
 
 
 
@@ -91,11 +82,11 @@ class _Rows:
 
     def key(self, i: int) -> str:
         """The cache key of sample ``i``: the files' real paths, ``i`` and the data's identity token."""
-        return f"{self._prefix}{_index(i, self._len)}{self._suffix}"
+        return f"{self._prefix}{sample_index(i, self._len)}{self._suffix}"
 
     def record(self, i: int) -> SampleRecord:
         """Sample ``i``'s row, its (first) file and its cache key."""
-        i = _index(i, self._len)
+        i = sample_index(i, self._len)
         return SampleRecord(i, self._record_path(), self.key(i))
 
     def _record_path(self) -> str:
@@ -266,7 +257,7 @@ class NpySource(_Rows):
                     "to cache them under the file's new identity", path)
 
     def __getitem__(self, i: int) -> bytes:
-        i = _index(i, self._len)
+        i = sample_index(i, self._len)
         rows = []
         for k, fd in enumerate(self._open()):
             offset, n = self._where[k]
@@ -380,7 +371,7 @@ class HDF5ArraysSource(_Rows):
         return dsets
 
     def __getitem__(self, i: int) -> bytes:
-        i = _index(i, self._len)
+        i = sample_index(i, self._len)
         rows = [ds[i:i + 1].tobytes() for ds in self._open()]
         for row, n, d in zip(rows, self._layout.sizes if self._layout else (), self.datasets, strict=True):
             if len(row) != n:

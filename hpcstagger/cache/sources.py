@@ -64,7 +64,8 @@ def record_of(source: Any, i: int) -> SampleRecord:
     return SampleRecord(i, path(i) if callable(path) else path if isinstance(path, str) else None, source.key(i))
 
 
-def _index(i: Any, n: int) -> int:
+def sample_index(i: Any, n: int) -> int:
+    """``i`` as an index into ``n`` samples (negative counts from the end); IndexError out of range."""
     i = int(i) if not isinstance(i, int) else i
     if i < 0:
         i += n
@@ -148,7 +149,7 @@ class DirectorySource:
         return len(self.files)
 
     def __getitem__(self, i: int) -> bytes:
-        i = _index(i, len(self.files))
+        i = sample_index(i, len(self.files))
         data, st = _read_fd(os.path.join(self.root, self.files[i]))
         if stat_token(st) != self.tokens[i] and not self._changed_logged:
             self._changed_logged = True
@@ -159,15 +160,15 @@ class DirectorySource:
 
     def path(self, i: int) -> str:
         """The file behind sample ``i``."""
-        return os.path.join(self.root, self.files[_index(i, len(self.files))])
+        return os.path.join(self.root, self.files[sample_index(i, len(self.files))])
 
     def key(self, i: int) -> str:
-        i = _index(i, len(self.files))
+        i = sample_index(i, len(self.files))
         return f"{self._prefix}{self.files[i]}@{self.tokens[i]:016x}"
 
     def record(self, i: int) -> SampleRecord:
         """Sample ``i``'s index, file and cache key."""
-        i = _index(i, len(self.files))
+        i = sample_index(i, len(self.files))
         return SampleRecord(i, self.path(i), self.key(i))
 
     def __repr__(self) -> str:
@@ -256,15 +257,15 @@ class HDF5Source:
         return self._len
 
     def __getitem__(self, i: int) -> bytes:
-        row = self._dataset()[_index(i, self._len)]
+        row = self._dataset()[sample_index(i, self._len)]
         return row.tobytes() if hasattr(row, "tobytes") else bytes(row)
 
     def key(self, i: int) -> str:
-        return f"{self._prefix}{_index(i, self._len)}{self._suffix}"
+        return f"{self._prefix}{sample_index(i, self._len)}{self._suffix}"
 
     def record(self, i: int) -> SampleRecord:
         """Sample ``i``'s row, the HDF5 file and the cache key."""
-        i = _index(i, self._len)
+        i = sample_index(i, self._len)
         return SampleRecord(i, self.path, self.key(i))
 
     def close(self) -> None:

@@ -40,6 +40,15 @@ def runnable_blocks(path: str | os.PathLike[str]) -> dict[str, str]:
     return out
 
 
+def named_blocks(path: str | os.PathLike[str], names: tuple[str, ...]) -> dict[str, str]:
+    """:func:`runnable_blocks` of ``path``; AssertionError naming any of ``names`` it lacks."""
+    blocks = runnable_blocks(path)
+    missing = [name for name in names if name not in blocks]
+    assert not missing, (f"{path} lost its runnable example(s) {missing}: a <!-- runnable: NAME --> line right "
+                         f"before a ```python block")
+    return blocks
+
+
 def run_block(code: str, cwd: str | os.PathLike[str], shm_root: str, timeout: float = 300) -> str:
     """Run ``code`` with this interpreter in ``cwd`` (the repository importable, the shm root
     private); return its stdout. AssertionError with its output when it fails."""
