@@ -42,6 +42,7 @@ import multiprocessing as mp
 import os
 import platform
 import random
+from collections.abc import Callable
 import shutil
 import statistics
 import sys
@@ -58,6 +59,23 @@ from hpcstagger.cache.sources import read_file  # noqa: E402  (after the sys.pat
 FORK = mp.get_context("fork")
 SPAWN = mp.get_context("spawn")
 
+
+
+def interleaved(methods: dict[str, Callable[[list[int]], object]], n: int, reps: int,
+                rng: random.Random) -> dict[str, list[float]]:
+    """Seconds per pass of each method over a shuffled order of the ``n`` samples: ``reps`` + 1
+    rounds, the methods interleaved within each round, a new order per round; round 0 warms up
+    (page tables, caches) and is not kept."""
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    for r in range(reps + 1):
+        order = list(range(n))
+        rng.shuffle(order)
+        for m, fn in methods.items():
+            t = time.perf_counter()
+            fn(order)
+            if r:
+                times[m].append(time.perf_counter() - t)
+    return times
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
@@ -121,16 +139,8 @@ def hit_path(label: str, n: int, lo: int, hi: int, reps: int, shm: str, file_dir
     methods = {"cache get (zero-copy, verified)": cache_get, "cache get + bytes() copy": cache_get_copy,
                "files open().read()": files_open_read, "files os.read": files_os_read,
                "memory copy": memory_copy}
-    times: dict[str, list[float]] = {m: [] for m in methods}
     rng = random.Random(1)
-    for r in range(reps + 1):
-        order = list(range(n))
-        rng.shuffle(order)
-        for m, fn in methods.items():
-            t = time.perf_counter()
-            fn(order)
-            if r:  # repetition 0 warms everything up
-                times[m].append(time.perf_counter() - t)
+    times = interleaved(methods, n, reps, rng)
     order = list(range(n))
     rng.shuffle(order)
     with SPAWN.Pool(1) as pool:
@@ -388,17 +398,9 @@ def _lmdb_worker(shm: str, name: str, lmdb_dir: str, n: int, reps: int, seed: in
                 out.append(v[8:])
 
     methods = {"shm get": shm_get, "lmdb get": lmdb_single, "shm get_many 64": shm_many, "lmdb batch 64": lmdb_many}
-    times: dict[str, list[float]] = {m: [] for m in methods}
     rng = random.Random(seed)
     go.wait(120)
-    for r in range(reps + 1):
-        order = list(range(n))
-        rng.shuffle(order)
-        for m, fn in methods.items():
-            t = time.perf_counter()
-            fn(order)
-            if r:  # repetition 0 warms up (page tables, caches)
-                times[m].append((time.perf_counter() - t) / n * 1e6)
+    times = {m: [t / n * 1e6 for t in ts] for m, ts in interleaved(methods, n, reps, rng).items()}
     txn.abort()
     env.close()
     cache.close()
