@@ -116,7 +116,10 @@ def test_calibrate_spec_measures_every_job_from_its_own_command(tmp_path, shm_di
     assert meas["jobs"]["ddp"]["misses"] > 0   # its workers read the throttled source: miss costs measured
     # the source curve reaches the jobs' fetchers: 2 ranks x 1 worker + 1 rank x 2 workers
     assert meas["fetchers"] == 4 and len(sc.storage.bandwidth) == 4
-    assert all(m["fresh"] and m["dropped_files"] == 1 for m in meas["source"])   # the HDF5 file's pages
+    assert all(m["dropped_files"] == 1 for m in meas["source"])   # the HDF5 file's pages
+    # the first level fills the calibration cache with fresh samples; the later ones read the file again
+    assert meas["source"][0]["fresh"] and meas["source"][0]["readers"] == 1
+    assert all(m["how"].startswith("the dataset read again") and not m["fresh"] for m in meas["source"][1:])
     assert 2.0e6 < sc.storage.bandwidth[0] < 4.4e6
     assert meas["page_cache"]["emulated"] and not meas["page_cache"]["holds"]
     # the jobs' own source reads, counted in flight while each ran: what they got of the curve
@@ -415,6 +418,72 @@ def test_a_level_read_over_too_short_a_window_is_not_trusted():
     assert trusted_bandwidth(levels[:2]) == ([3.1e6, 3.9e6], "")
     # the first level always counts: there is nothing before it to hold
     assert trusted_bandwidth([dict(levels[2], readers=1)])[0] == [2.79e8]
+
+
+def test_weighted_median_counts_each_value_by_its_weight():
+    from hpcstagger.model.source_levels import weighted_median
+
+    assert weighted_median([(3.0, 1.0), (1.0, 1.0), (2.0, 1.0)]) == 2.0       # equal weights: the median
+    assert weighted_median([(4.0, 1.0), (2.0, 1.0)]) == 3.0                   # meeting at half: their mean
+    assert weighted_median([(25.8e6, 0.2), (6.0e6, 1.5), (6.4e6, 1.4)]) == 6.4e6
+    assert weighted_median([(6.0e6, 1.5), (9.0e6, 1.4)]) == 6.0e6             # the longer one holds
+    assert weighted_median([(5.0, 0.0), (7.0, 0.0)]) == 6.0                   # no weight: the usual median
+    with pytest.raises(ValueError):
+        weighted_median([])
+
+
+def test_a_burst_over_a_short_window_does_not_set_the_curve():
+    """Kernel-throttled ext4 (6 MB/s): one reader measured 25.8 MB/s over 0.2 s beside 6 MB/s over
+    1.5 s; the median of the two was 15.9 MB/s, two and a half times the device's rate."""
+    from hpcstagger.model.source_probe import combine_levels, disagreeing
+
+    levels = [{"readers": 1, "bandwidth": 25.8e6, "window_s": 0.2, "elapsed_s": 0.5},
+              {"readers": 1, "bandwidth": 6.0e6, "window_s": 1.5, "elapsed_s": 1.9},
+              {"readers": 2, "bandwidth": 5.9e6, "window_s": 1.4, "elapsed_s": 1.8},
+              {"readers": 2, "bandwidth": 6.1e6, "window_s": 1.2, "elapsed_s": 1.6}]
+    curve, spread, note = combine_levels(levels)
+    assert curve == [6.0e6, 5.9e6] and spread[0] == 0.0
+    assert "1 reader(s) (25.8 MB/s over 0.200 s)" in note and disagreeing(levels) == []
+    # a first level measured only over short windows keeps its longest: nothing comes before it
+    short = [{"readers": 1, "bandwidth": 9.0e6, "window_s": 0.03, "elapsed_s": 0.5},
+             {"readers": 1, "bandwidth": 7.0e6, "window_s": 0.01, "elapsed_s": 0.5}]
+    assert combine_levels(short)[0] == [9.0e6]
+
+
+class _Bar:
+    def set_postfix_str(self, text: str) -> None:
+        self.text = text
+
+    def update(self, n: int) -> None:
+        pass
+
+
+def test_file_levels_read_the_dataset_again_with_its_pages_dropped(tmp_path, shm_root):
+    """A level without a cache to fill reads the whole file source again (pages dropped), so a small
+    dataset does not cut its window to a tenth of a second; a level that fills a cache reads fresh
+    samples, which the jobs' calibration then meets as hits."""
+    import multiprocessing
+
+    from hpcstagger.cache import HDF5Source, ShmCache
+    from hpcstagger.model.source_probe import measure_levels
+
+    _dataset(tmp_path / "d.h5", 120)
+    source = HDF5Source(str(tmp_path / "d.h5"), "samples")
+    pool = SamplePool(len(source), seed=1)
+    ctx = multiprocessing.get_context("fork")
+    cache = ShmCache("levels-again", 1 << 20)
+    try:
+        first = measure_levels(source, pool, [1], 5.0, ctx, _Bar(), later_levels=2, cache=cache)
+        left = pool.left
+        again = measure_levels(source, pool, [1, 2], 5.0, ctx, _Bar())
+    finally:
+        cache.destroy(force=True)
+    assert first[0]["fresh"] and first[0]["how"].startswith("fresh samples") and first[0]["reads"] + 1 == 40
+    assert pool.left == left == 80                                   # reading again uses no fresh samples
+    assert [m["readers"] for m in again] == [1, 2]
+    for m in again:
+        assert m["how"] == "the dataset read again, page cache dropped" and not m["fresh"]
+        assert m["dropped_files"] == 1 and m["reads"] + m["readers"] == 120 and m["window_s"] > 0
 
 
 def test_the_summary_line_names_the_fit_baseline_when_measured(monkeypatch, capsys):

@@ -17,7 +17,8 @@ order):
    read before, with the files' pages dropped before each level (file sources); after a barrier,
    the bytes read inside the common window divided by its length give one measurement. Reads
    that straddle the window edges count in proportion to their overlap. Every level is measured
-   twice; ``bandwidth[k-1]`` is the median of its measurements and ``spread[k-1]`` how far they
+   twice; ``bandwidth[k-1]`` is the median of its measurements, each counted by its window (a
+   measurement much shorter than its level's longest is not trusted) and ``spread[k-1]`` how far they
    lay apart (:func:`~hpcstagger.model.source_probe.combine_levels`).
 4. **Each job's seconds per sample with the data in memory.** Its step function is called on
    batches of samples already read into memory; the first call (warm-up) is not counted.
@@ -253,7 +254,8 @@ def _comments(meas: dict[str, Any], jobs: Mapping[str, Any], known: dict[str, fl
     comments = {
         "dataset.sample_bytes": f"mean of {meas['preloaded']} samples read",
         "storage.bandwidth": (f"holds {', '.join(f'{b / 1e6:.1f}' for b in curve)} MB/s with 1 .. {len(curve)} "
-                              "readers: per level the median of its measurements (each level measured twice)"
+                              "readers: per level the median of its measurements, each counted by its window "
+                              "(each level measured twice)"
                               + untrusted),
         "storage.spread": ("how far each level's measurements lay apart, (max - min) / median: "
                            + ", ".join(f"{x * 100:.0f}%" for x in spread)),

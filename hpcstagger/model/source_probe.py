@@ -3,11 +3,14 @@ readers, a cache's hit bandwidth, and whether the node's page cache can hold the
 
 What is measured is the source, not the page cache or a library's own cache:
 
-- **Fresh samples.** Readers read samples no reader has read before (:class:`SamplePool`): each
-  level takes its own slice of a random permutation of the samples not read yet, split into
-  disjoint subsets, one per reader, and nothing is read twice. A reader stops when its subset is
-  done, and the level's window closes when the first reader stops. Only when the dataset is too
-  small for that are samples read again, and the measurements say so (``fresh: false``).
+- **Fresh samples, or pages dropped.** A level whose readers fill a cache, or whose source is not
+  files, reads samples no reader has read before (:class:`SamplePool`): its own slice of a random
+  permutation of the samples not read yet, split into disjoint subsets, one per reader. A reader
+  stops when its subset is done, and the level's window closes when the first reader stops. Only
+  when the dataset is too small for that are samples read again, and the measurements say so
+  (``fresh: false``). A level of a file source reads the whole dataset again instead, its pages
+  dropped first: it comes from the source all the same, and the window is as long as the time
+  allows, not as long as a small dataset's share of fresh samples lasts.
 - **Dropped pages.** For file sources (:class:`~hpcstagger.cache.HDF5Source`,
   :class:`~hpcstagger.cache.DirectorySource`, also under a
   :class:`~hpcstagger.cache.ThrottledSource`) the files' pages are dropped from the page cache with
@@ -28,20 +31,22 @@ import shutil
 import tempfile
 import time
 from typing import Any
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 from hpcstagger.errors import ConfigError, ModelError
 from hpcstagger.cache.sources import DirectorySource, HDF5Source
 from hpcstagger.cache.throttle import ThrottledSource
 from hpcstagger._io import drop_cached_pages
+from hpcstagger.model.source_levels import (MIN_WINDOW_S, SHORT_SHARE, SPREAD_LIMIT, combine_levels, disagreeing,
+                                           trusted_bandwidth, weighted_median)
 
 __all__ = ["SamplePool", "trusted_bandwidth", "measure_readers", "hit_bandwidth", "reread_bandwidth", "preload",
            "source_files", "drop_pages", "parse_meminfo", "mem_available", "page_cache_holds", "PAGE_CACHE_SHARE",
-           "MAX_READERS", "SPREAD_LIMIT", "combine_levels", "disagreeing"]
+           "MAX_READERS", "SPREAD_LIMIT", "SHORT_SHARE", "MIN_WINDOW_S", "weighted_median", "combine_levels",
+           "disagreeing"]
 
 PAGE_CACHE_SHARE = 0.5   # a dataset below this share of MemAvailable stays in the page cache
 MAX_READERS = 16         # most concurrent readers a calibration measures (the last level holds beyond)
-SPREAD_LIMIT = 0.10      # measurements of one level further apart than this share are measured again
 
 
 class SamplePool:
@@ -81,6 +86,18 @@ class SamplePool:
             if not self.in_order:
                 self._rng.shuffle(chosen)
             self.fresh = False
+        return self._split(chosen, readers)
+
+    def again(self, readers: int) -> list[list[int]]:
+        """``readers`` disjoint subsets covering all ``n`` samples, read or not, without using up the
+        fresh ones: for a level whose files' pages are dropped first, so that what was read before
+        comes from the source again (:func:`measure_levels`)."""
+        chosen = list(range(self.n))
+        if not self.in_order:
+            random.Random(self._rng.random()).shuffle(chosen)
+        return self._split(chosen, readers)
+
+    def _split(self, chosen: list[int], readers: int) -> list[list[int]]:
         if self.in_order:
             return [chosen[r * len(chosen) // readers:(r + 1) * len(chosen) // readers] for r in range(readers)]
         return [chosen[r::readers] for r in range(readers)]
@@ -399,88 +416,37 @@ def measure_levels(source: Any, pool: SamplePool, levels: Sequence[int], seconds
     """The source's aggregate bandwidth at each reader count of ``levels``, in turn, sharing ``seconds``
     (at most ``longest`` seconds each).
 
-    Before each level the files' pages are dropped (:func:`drop_pages`), and its readers read fresh
+    Before each level the files' pages are dropped (:func:`drop_pages`). With ``cache`` (the readers
+    put what they read into it) or a source whose pages cannot be dropped, its readers read fresh
     samples from ``pool`` (which keeps a share for ``later_levels`` levels measured afterwards).
-    With ``cache`` the readers put what they read into it. Each level's entry says what it did, and
-    is handed to ``on_level`` as soon as it is measured (to be kept).
+    Otherwise they read the whole dataset again (:meth:`SamplePool.again`): with the pages dropped it
+    comes from the source, and the level's window is not cut short by a small share of fresh
+    samples (on a small dataset a share can be read in a tenth of a second, shorter than a kernel
+    throttle's bursts). Each level's entry says what it did, and is handed to ``on_level`` as soon
+    as it is measured (to be kept).
     """
     deadline = time.monotonic() + seconds
     overhead = 0.0
     out: list[dict[str, Any]] = []
+    droppable = source_files(source)[0] != "other" and hasattr(os, "posix_fadvise")
     for pos, k in enumerate(levels):
         left = len(levels) - pos
-        subsets = pool.take(k, left + later_levels)
+        reread = cache is None and droppable
+        subsets = pool.again(k) if reread else pool.take(k, left + later_levels)
         dropped = drop_pages(source, [i for s in subsets for i in s])
-        how = "fresh samples" if pool.fresh else "samples read again (the dataset is too small)"
+        if reread:
+            how = "the dataset read again"
+        else:
+            how = "fresh samples" if pool.fresh else "samples read again (the dataset is too small)"
         if dropped:
             how += ", page cache dropped"
         bar.set_postfix_str(f"source with {k} reader(s): {how}")
         window = min(longest, max(0.2, (deadline - time.monotonic()) / left - overhead))
         m = measure_readers(source, subsets, window, ctx, cache=cache)
         overhead = max(0.0, m["elapsed_s"] - window)  # process start-up, learnt from the last level
-        m.update(fresh=pool.fresh, dropped_files=dropped, how=how)
+        m.update(fresh=pool.fresh and not reread, dropped_files=dropped, how=how)
         out.append(m)
         if on_level is not None:
             on_level(m)
         bar.update(1)
     return out
-
-
-MIN_WINDOW_S = 0.05  # a level measured over less than this, or a tenth of its run, is not trusted
-
-
-def trusted_bandwidth(levels: Sequence[Mapping[str, Any]]) -> tuple[list[float], str]:
-    """Each level's bandwidth, with any level after the first whose readers overlapped for too
-    short a window (under :data:`MIN_WINDOW_S`, or under a tenth of its run: its samples came
-    from somewhere faster than the source, such as pages still cached) replaced by the level
-    before it; and a note naming the levels replaced ("" when none was)."""
-    out: list[float] = []
-    held = []
-    for k, m in enumerate(levels):
-        window, elapsed = float(m.get("window_s", 1.0)), float(m.get("elapsed_s", 0.0))
-        if k and (window < MIN_WINDOW_S or window < 0.1 * elapsed):
-            out.append(out[-1])
-            held.append(f"{m['readers']} reader(s) ({m['bandwidth'] / 1e6:.1f} MB/s over {window:.3f} s)")
-        else:
-            out.append(float(m["bandwidth"]))
-    note = (f"; not trusted, too short a window, so the level before holds: {', '.join(held)}" if held else "")
-    return out, note
-
-
-def _trusted(m: Mapping[str, Any]) -> bool:
-    """Whether a level's measurement counts: one reader always does; more readers only over a
-    window of at least :data:`MIN_WINDOW_S` and a tenth of its run (see :func:`trusted_bandwidth`)."""
-    window, elapsed = float(m.get("window_s", 1.0)), float(m.get("elapsed_s", 0.0))
-    return int(m["readers"]) == 1 or not (window < MIN_WINDOW_S or window < 0.1 * elapsed)
-
-
-def combine_levels(levels: Sequence[Mapping[str, Any]]) -> tuple[list[float], list[float], str]:
-    """The curve of repeated measurements of the levels 1 .. K (in any order, each level at least
-    once): per level the median of its trusted measurements (a level with none holds the level
-    before, as :func:`trusted_bandwidth` does), the spread of those measurements ((max - min) /
-    median; 0 with one), and a note naming the measurements not trusted ("" when none)."""
-    top = max(int(m["readers"]) for m in levels)
-    curve: list[float] = []
-    spread: list[float] = []
-    held = []
-    for k in range(1, top + 1):
-        mine = [m for m in levels if int(m["readers"]) == k]
-        values = sorted(float(m["bandwidth"]) for m in mine if _trusted(m))
-        held += [f"{k} reader(s) ({m['bandwidth'] / 1e6:.1f} MB/s over {float(m['window_s']):.3f} s)"
-                 for m in mine if not _trusted(m)]
-        if not values:
-            curve.append(curve[-1])
-            spread.append(spread[-1])
-            continue
-        n = len(values)
-        median = values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
-        curve.append(median)
-        spread.append((values[-1] - values[0]) / median if n > 1 else 0.0)
-    note = (f"; not trusted, too short a window: {', '.join(held)}" if held else "")
-    return curve, spread, note
-
-
-def disagreeing(levels: Sequence[Mapping[str, Any]], limit: float = SPREAD_LIMIT) -> list[int]:
-    """The reader counts whose repeated measurements lie further apart than ``limit`` (a share)."""
-    _, spread, _ = combine_levels(levels)
-    return [k for k, s in enumerate(spread, start=1) if s > limit]

@@ -4,7 +4,7 @@ per value out (:func:`build_scenario`), for ``hpcstagger calibrate --spec``
 
 Every comment states the value the file holds, never an intermediate figure: ``[storage]
 bandwidth`` holds the source's curve as the jobs see it (each level the median of its repeated
-measurements, with the cost a miss adds in the jobs folded in), and says so; the raw
+measurements, each counted by its window, with the cost a miss adds in the jobs folded in), and says so; the raw
 measurements stay in the reports' ``measurements.json``. ``[storage] spread`` holds how far each
 level's measurements lay apart.
 """
@@ -135,7 +135,7 @@ def _mbs(values: Any) -> str:
 
 
 def source_note(meas: Mapping[str, Any]) -> tuple[list[float], list[float], str, str]:
-    """The source's curve as measured (each level's median), its spread, the comment on ``[storage]
+    """The source's curve as measured (each level's median, by window), its spread, the comment on ``[storage]
     spread`` and a line for the summary when levels still disagree ("" otherwise)."""
     measured, spread, _ = combine_levels(meas["source"])
     wide = [k for k, s in enumerate(spread, start=1) if s > SPREAD_LIMIT]
@@ -144,7 +144,8 @@ def source_note(meas: Mapping[str, Any]) -> tuple[list[float], list[float], str,
     line = ""
     if wide:
         comment += (f"; with {', '.join(map(str, wide))} reader(s) they still disagree after measuring again: the "
-                    "source varies (other users, a busy node); calibrate again at a quieter time")
+                    "source varies (other users, a busy node, a source that delivers in bursts); calibrate again "
+                    "at a quieter time or with a larger --budget (longer windows)")
         line = (f"the source's measurements disagree with {', '.join(map(str, wide))} reader(s) by "
                 + ", ".join(f"{spread[k - 1] * 100:.0f}%" for k in wide) + " after measuring again "
                 f"(more than {SPREAD_LIMIT * 100:.0f}%): the scenario keeps each level's median")
@@ -156,13 +157,16 @@ def _storage_comment(meas: Mapping[str, Any], curve: tuple[float, ...], overhead
     counts = sorted({sum(1 for m in meas["source"] if int(m["readers"]) == k) for k in range(1, len(curve) + 1)})
     levels = meas["source"]
     fresh = all(m.get("fresh", True) for m in levels)
+    reread = any(str(m.get("how", "")).startswith("the dataset read again") for m in levels)
     dropped = any(m.get("dropped_files") for m in levels)
     _, _, untrusted = combine_levels(levels)
-    return (f"holds {_mbs(curve)} MB/s with 1 .. {len(curve)} readers: per level the median of its "
+    return (f"holds {_mbs(curve)} MB/s with 1 .. {len(curve)} readers: per level the median (by window) of its "
             f"{' or '.join(map(str, counts))} measurements with concurrent reader processes"
             + (" less the time a miss costs the jobs besides the read (lookup and insert), folded in"
                if overhead else "")
-            + "; " + ("fresh samples" if fresh else "some samples read again (small dataset)")
+            + "; " + ("fresh samples" if fresh
+                      else "fresh samples for the first level, then the whole dataset again" if reread
+                      else "some samples read again (small dataset)")
             + (", page cache dropped before each level" if dropped else "")
             + ("; in file order, each reader a contiguous run (the page cache keeps what readahead brings in)"
                if meas["page_cache"]["holds"] else "")
