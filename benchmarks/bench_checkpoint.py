@@ -1,6 +1,6 @@
 """Benchmark asynchronous, sharded checkpoints against torch.save, DCP async_save and a bare copy.
 
-    python benchmarks/bench_checkpoint.py [--quick] [--ranks 1,2,4] [--mb 200] [--dir DIR]
+    python benchmarks/bench_checkpoint.py [--quick] [--ranks 1,2,4] [--mb 200] [--dir DIR] [--repeat N]
 
 For each rank count N it runs itself under ``mpiexec -n N`` (the worker) with a data-parallel
 model whose state (parameters + Adam moments) is about --mb MB, replicated on every rank, and
@@ -13,10 +13,17 @@ measures, repeating each measurement and taking medians:
     of numpy's and torch's copy);
 (b) time until durable: save() until the manifest is committed and fsynced (slowest rank), DCP's
     future resolved, torch.save + fsync; and with a /dev/shm staging level, time until staged;
+(b2) the write path: ours with O_DIRECT writes against ours with buffered writes (the
+    ``ckpt_direct_io`` knob), alternating save by save, every phase of a save timed on every rank
+    (:mod:`hpcstagger.checkpoint.probe`: snapshot, xxh3, HDF5 structure, writes, fsync, rename,
+    collectives, commit); ``--no-paths`` skips it;
 (c) training step slowdown while a save is in flight: DDP training (gloo, gated all-reduce comm
     hook); step times while a save is in flight against steps without one, with the writer
     ungated (gate=None), gated on the all-reduces, gated on whole training steps, ungated at
     nice 19 (ckpt_writer_nice), and for comparison while a DCP async_save is in flight.
+
+``--repeat N`` runs every rank count N times (interleaved: 1, 2, 4, 1, 2, 4, ...) and adds a
+summary: per rank count the median of each headline figure over the N runs, with its range.
 
 Results go to benchmarks/out/bench_checkpoint.json and a table on stdout. Checkpoints are written
 under --dir (default benchmarks/out/ckpt-bench, removed afterwards), staging under /dev/shm.
@@ -233,6 +240,44 @@ def worker(args: argparse.Namespace) -> None:
         f"{med['dcp_block']:.3f} s, durable {med['dcp_durable']:.3f} s; ours blocking {med['ours_block'] * 1e3:.1f} ms "
         f"(first {first * 1e3:.1f}), durable {med['ours_durable']:.3f} s")
 
+    # (b) the write path: O_DIRECT against buffered writes, alternating round by round, each save's
+    # phases timed on every rank (hpcstagger.checkpoint.probe): the snapshot (save()'s blocking
+    # time), xxh3, the HDF5 structure, the data writes, fsync, the rename, the collectives (waiting
+    # for the slowest rank included) and the manifest's commit.
+    if not args.no_paths:
+        from hpcstagger.checkpoint import probe
+
+        ck = AsyncCheckpointer(os.path.join(root, "ours-paths"), comm=comm, keep=1, gate=None)
+        phases: dict[str, list[dict]] = {"direct": [], "buffered": []}
+        durable: dict[str, list[float]] = {"direct": [], "buffered": []}
+        for i in range(2 * (reps + 1)):
+            how = "direct" if i % 2 == 0 else "buffered"
+            with config.override(ckpt_direct_io=how == "direct"):
+                probe.reset()
+                probe.enable()
+                sync()
+                t = time.perf_counter()
+                h = ck.save(i, state)
+                b = time.perf_counter() - t
+                h.wait()
+                dd = time.perf_counter() - t
+                probe.disable()
+                ck.drain()
+            mine = {name: row["wall_s"] for name, row in probe.totals().items()}
+            mine["snapshot"] = b
+            mine["total"] = dd
+            every = comm.allgather(mine)
+            dd = slowest(dd)
+            if i >= 2:  # the first round of each path warms up
+                phases[how].append(every)
+                durable[how].append(dd)
+        ck.close()
+        res["write_paths"] = {how: {"durable_s": statistics.median(durable[how]), "durable_samples": durable[how],
+                                    "phases_by_rank": _phase_medians(phases[how])} for how in phases}
+        for how, v in res["write_paths"].items():
+            log(f"{how} writes: durable {v['durable_s']:.3f} s; rank 0 " + ", ".join(
+                f"{k} {x * 1e3:.0f} ms" for k, x in v["phases_by_rank"][0].items()))
+
     # (b) ours with a /dev/shm staging level: time until staged, and until durable on disk.
     if not args.no_staging:
         shm = comm.bcast(tempfile.mkdtemp(prefix="hpcstagger-bench-", dir="/dev/shm") if rank == 0 else None)
@@ -339,6 +384,16 @@ def worker(args: argparse.Namespace) -> None:
             json.dump(res, f)
 
 
+def _phase_medians(rounds: list[list[dict]]) -> list[dict]:
+    """Per rank, each phase's median wall seconds over rounds (a phase a round lacks counts 0)."""
+    ranks = len(rounds[0]) if rounds else 0
+    out = []
+    for r in range(ranks):
+        names = sorted({k for rnd in rounds for k in rnd[r]})
+        out.append({k: statistics.median(rnd[r].get(k, 0.0) for rnd in rounds) for k in names})
+    return out
+
+
 # ---------------------------------------------------------------------------------- orchestrator
 def _fmt_ms(x):
     return "-" if x is None else f"{x * 1e3:.1f}"
@@ -367,6 +422,55 @@ def table(results: list[dict]) -> str:
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
 
 
+# the figures the summary gives per rank count: name -> how to read it from one run's result
+FIGURES = {
+    "ours blocking ms": lambda r: r["ours_blocking_s"] * 1e3,
+    "ours durable s": lambda r: r["ours_durable_s"],
+    "DCP durable s": lambda r: r["dcp_durable_s"],
+    "durable / DCP": lambda r: r["ours_durable_s"] / r["dcp_durable_s"],
+    "direct durable s": lambda r: r.get("write_paths", {}).get("direct", {}).get("durable_s"),
+    "buffered durable s": lambda r: r.get("write_paths", {}).get("buffered", {}).get("durable_s"),
+    "step-gated slowdown %": lambda r: _pct(r["step"].get("step-gated", {}).get("slowdown")),
+    "DCP slowdown %": lambda r: _pct(r["step"].get("dcp", {}).get("slowdown")),
+}
+
+
+def _pct(x):
+    return None if x is None else x * 100
+
+
+def summary(results: list[dict]) -> dict:
+    """Per rank count and figure: the median over repeats, its range and the values."""
+    out: dict = {}
+    for n in sorted({r["ranks"] for r in results}):
+        runs = [r for r in results if r["ranks"] == n]
+        row = {}
+        for name, read in FIGURES.items():
+            values = [v for v in (read(r) for r in runs) if v is not None]
+            if values:
+                row[name] = {"median": statistics.median(values), "min": min(values), "max": max(values),
+                             "values": values}
+        out[str(n)] = row
+    return out
+
+
+def summary_table(summ: dict) -> str:
+    """Medians over repeats, with their ranges, per rank count."""
+    names = [k for k in FIGURES if any(k in row for row in summ.values())]
+    rows = [("ranks", "runs", *names)]
+    for n, row in summ.items():
+        runs = max((len(v["values"]) for v in row.values()), default=0)
+        cells = []
+        for k in names:
+            v = row.get(k)
+            digits = 0 if k.endswith("ms") else 1 if k.endswith("%") else 3 if k.endswith("s") else 2
+            d = digits
+            cells.append("-" if v is None else f"{v['median']:.{d}f} [{v['min']:.{d}f}, {v['max']:.{d}f}]")
+        rows.append((n, str(runs), *cells))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small state, fewer repeats (a smoke run)")
@@ -378,6 +482,10 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=32, help="training batch per rank")
     p.add_argument("--dir", default=os.path.join(OUT, "ckpt-bench"), help="where checkpoints are written")
     p.add_argument("--no-staging", action="store_true", help="skip the /dev/shm staging measurement")
+    p.add_argument("--no-paths", action="store_true",
+                   help="skip the O_DIRECT against buffered comparison with per-phase timing")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run every rank count this many times (interleaved) and report medians with ranges")
     p.add_argument("--out", default=os.path.join(OUT, "bench_checkpoint.json"), help="JSON result file")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -389,9 +497,11 @@ def main() -> int:
         worker(args)
         return 0
 
+    if args.repeat < 1:
+        p.error("--repeat must be at least 1")
     results = []
     started = time.time()
-    for n in [int(x) for x in args.ranks.split(",")]:
+    for rep, n in [(r, int(x)) for r in range(args.repeat) for x in args.ranks.split(",")]:
         root = os.path.join(args.dir, f"n{n}")
         os.makedirs(root, exist_ok=True)
         fd, wout = tempfile.mkstemp(prefix="bench-ckpt-", suffix=".json")
@@ -401,6 +511,8 @@ def main() -> int:
                "--quiet-steps", str(args.quiet_steps), "--batch", str(args.batch), "--dir", root]
         if args.no_staging:
             cmd.append("--no-staging")
+        if args.no_paths:
+            cmd.append("--no-paths")
         # One core's worth of threads per rank (2 at 1 rank here), and sleeping rather than spinning
         # OpenMP waits: other jobs share this machine, and a spinning thread that loses its core
         # stretches a step several-fold at random.
@@ -410,11 +522,11 @@ def main() -> int:
                    OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
                    PYTHONPATH=os.pathsep.join(
                        [repo] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
-        print(f"running: {' '.join(cmd)}", file=sys.stderr, flush=True)
+        print(f"running ({rep + 1} of {args.repeat}): {' '.join(cmd)}", file=sys.stderr, flush=True)
         try:
             subprocess.run(cmd, check=True, env=env, timeout=1800)
             with open(wout) as f:
-                results.append(json.load(f))
+                results.append(dict(json.load(f), repeat=rep))
         finally:
             os.unlink(wout)
             shutil.rmtree(root, ignore_errors=True)
@@ -422,11 +534,14 @@ def main() -> int:
     doc = {"benchmark": "bench_checkpoint",
            "command": " ".join([os.path.relpath(__file__, os.getcwd())] + sys.argv[1:]),
            "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "host": platform.node(), "cpus": os.cpu_count(),
-           "load_avg_at_end": os.getloadavg(), "wall_s": time.time() - started, "quick": args.quick, "results": results}
+           "load_avg_at_end": os.getloadavg(), "wall_s": time.time() - started, "quick": args.quick,
+           "repeat": args.repeat, "results": results, "summary": summary(results)}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
     print(table(results))
+    print()
+    print(summary_table(doc["summary"]))
     print(f"\nwrote {args.out} in {doc['wall_s']:.0f} s")
     return 0
 

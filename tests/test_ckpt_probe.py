@@ -106,3 +106,41 @@ def test_parse_schedstat_status_and_vmstat():
     assert ps.parse_ctxt(status) == {"vol": 150, "invol": 545}
     assert ps.parse_vmstat("nr_dirty 163\nnr_writeback 0\npgpgout 87667920\n") == \
         {"nr_dirty": 163, "nr_writeback": 0, "pgpgout": 87667920}
+
+
+# ------------------------------------------------------------ benchmarks/bench_checkpoint.py summary
+def _bench_checkpoint():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("bench_checkpoint_summary", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(ranks: int, durable: float, dcp: float, slowdown: float | None) -> dict:
+    step = {"step-gated": {"slowdown": slowdown}, "dcp": {"slowdown": 0.5}}
+    return {"ranks": ranks, "ours_blocking_s": 0.02, "ours_durable_s": durable, "dcp_durable_s": dcp, "step": step,
+            "write_paths": {"direct": {"durable_s": durable}, "buffered": {"durable_s": durable * 2}}}
+
+
+def test_repeat_summary_gives_medians_with_ranges_per_rank_count():
+    bc = _bench_checkpoint()
+    runs = [_run(1, 1.0, 2.0, 0.05), _run(2, 3.0, 2.0, 0.10), _run(1, 1.4, 2.0, None), _run(1, 1.2, 2.0, 0.01)]
+    summ = bc.summary(runs)
+    one = summ["1"]
+    assert one["ours durable s"] == {"median": 1.2, "min": 1.0, "max": 1.4, "values": [1.0, 1.4, 1.2]}
+    assert one["durable / DCP"]["median"] == pytest.approx(0.6)
+    assert one["step-gated slowdown %"]["values"] == pytest.approx([5.0, 1.0])  # a run without a figure is left out
+    assert one["buffered durable s"]["max"] == pytest.approx(2.8)
+    assert summ["2"]["durable / DCP"]["values"] == [1.5]
+    table = bc.summary_table(summ).splitlines()
+    assert table[0].split()[:2] == ["ranks", "runs"] and len(table) == 3
+    assert "1.200 [1.000, 1.400]" in table[1] and "3.0 [1.0, 5.0]" in table[1]
+
+
+def test_phase_medians_per_rank():
+    bc = _bench_checkpoint()
+    rounds = [[{"fsync": 0.1, "pwrite": 1.0}, {"fsync": 0.3}], [{"fsync": 0.2, "pwrite": 3.0}, {"fsync": 0.5}],
+              [{"fsync": 0.9, "pwrite": 2.0}, {"fsync": 0.4, "pwrite": 1.0}]]
+    assert bc._phase_medians(rounds) == [{"fsync": 0.2, "pwrite": 2.0}, {"fsync": 0.4, "pwrite": 0.0}]
