@@ -109,7 +109,11 @@ _KNOB_LIST: list[Knob] = [
          "seconds the entries of a data-parallel job's ranks that have not attached yet hold the producer back"),
     # --- checkpoints (hpcstagger.checkpoint) and the torch.distributed rendezvous ---
     Knob("ckpt_chunk_bytes", int, 8 << 20,
-         "bytes the background checkpoint writer writes between two looks at the gate"),
+         "bytes the background checkpoint writer hashes (and copies, when it writes through the page cache) "
+         "between two looks at the gate"),
+    Knob("ckpt_write_bytes", int, 64 << 20,
+         "bytes of checkpoint data handed to the file system per write: a large direct write reaches the device "
+         "as many requests at once (hashing still goes in ckpt_chunk_bytes, with a look at the gate before each)"),
     Knob("ckpt_gate_max_wait", float, 0.05,
          "seconds the checkpoint writer waits at most for a busy gate before writing the next chunk anyway"),
     Knob("ckpt_timeout", float, 1800.0,

@@ -185,6 +185,32 @@ def test_a_save_writes_its_tensors_around_the_page_cache(tmp_path, counted):
         same(loaded[k], state[k], k)
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_direct_writes_go_in_large_spans_and_hashing_in_chunks(tmp_path, counted, direct):
+    """Direct writes of ckpt_write_bytes (the device gets each whole), buffered ones of a chunk (a
+    copy on the writer's CPU); the hash, and a look at the gate, goes by chunks either way."""
+    if direct and not _direct_ok(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    g = torch.Generator().manual_seed(9)
+    state = {"big": torch.randn(1_000_000, generator=g), "step": 1}     # 4 MB in one piece
+    chunk, span = 256 << 10, 1 << 20
+    with config.override(ckpt_chunk_bytes=chunk, ckpt_write_bytes=span, ckpt_direct_io=direct):
+        with AsyncCheckpointer(tmp_path / "ck", gate=None) as ck:
+            h = ck.save(1, state)
+            path = h.wait(timeout=60)
+    t = probe.totals()
+    pieces = -(-4_000_000 // chunk)
+    if direct:
+        assert t["pwrite_direct"]["calls"] == -(-4_000_000 // span) == 4    # not 16 writes of a chunk
+        assert t.get("pwrite", {}).get("bytes", 0) < ALIGN                  # the last partial page
+    else:
+        assert "pwrite_direct" not in t and t["pwrite"]["calls"] >= pieces
+    assert t["hash"]["calls"] >= 2 * pieces      # the piece's checksum and the file's, chunk by chunk
+    assert h.stats["chunks"] >= 2 * pieces       # a look at the gate before each chunk hashed
+    same(load(tmp_path / "ck")["big"], state["big"], "big")
+    assert os.listdir(path)
+
+
 def test_copy_between_levels_goes_direct_and_checks_out(tmp_path):
     src = os.path.join("/dev/shm", f"hpcstagger-test-direct-{os.getpid()}")
     data = _pattern(3 * (1 << 20) + 999, 6)

@@ -10,13 +10,15 @@ numpy lacks (bfloat16, float8, complex32) are stored as unsigned integers of the
 
 How it is written: h5py creates the file structure with every dataset's space allocated up front
 (contiguous, no fill; datasets of 64 KiB or more page-aligned), then the data goes in with
-``os.pwrite`` at the datasets' file offsets, in chunks of ``ckpt_chunk_bytes``, each after asking
-the gate (through a :class:`Pacer`). The page-aligned parts are written with ``O_DIRECT``, so that
-they are not copied into the page cache, where the file system allows it (:mod:`._direct`). ``pwrite`` and
-xxh3 release the GIL, h5py does not, so the training thread is held up only by the short structure
-step. While writing, the writer hashes the file from start to end (structure bytes read back, data
-bytes from memory), giving the whole-file checksum the manifest records. The file is written under
-a temporary name, fsynced, renamed into place, and its directory fsynced.
+``os.pwrite`` at the datasets' file offsets: direct writes of ``ckpt_write_bytes`` (64 MiB),
+buffered ones of ``ckpt_chunk_bytes``, each after asking the gate (through a :class:`Pacer`), and
+hashed in chunks of ``ckpt_chunk_bytes``, asking the gate before each. The page-aligned parts
+are written with ``O_DIRECT``, so that they are not copied into the page cache, where the file
+system allows it (:mod:`._direct`). ``pwrite`` and xxh3 release the GIL, h5py does not, so the
+training thread is held up only by the short structure step. While writing, the writer hashes
+the file from start to end (structure bytes read back, data bytes from memory), giving the
+whole-file checksum the manifest records. The file is written under a temporary name, fsynced,
+renamed into place, and its directory fsynced.
 
 Subclass :class:`ShardWriter` to inject faults: override :meth:`ShardWriter.write_shard` or
 :meth:`ShardWriter.copy_shard` and raise for a chosen step and rank.
@@ -229,14 +231,21 @@ class ShardWriter:
 
     def _fill(self, tmp: str, items: Sequence[ShardItem], offsets: Sequence[int | None],
               pacer: Pacer) -> tuple[int, str]:
-        """pwrite every item's bytes at its offset (directly where it can, see :mod:`._direct`),
-        hashing the whole file in order; fsync."""
+        """pwrite every item's bytes at its offset (directly where it can, see :mod:`._direct`), in
+        direct writes of ``ckpt_write_bytes`` (buffered ones of the pacer's chunks) hashed by chunks
+        of the pacer's (a look at the gate before each), hashing the whole file in order; fsync.
+        Large direct writes, because the device gets each whole, as many requests at once."""
         import xxhash
 
         regions = sorted((off, it.data) for off, it in zip(offsets, items, strict=True) if off is not None)
         h = xxhash.xxh3_64()
         fd = os.open(tmp, os.O_RDWR)
         sink = FileSink(fd)
+        # a direct write of ``span`` bytes reaches the device as many requests at once; a buffered one
+        # is a copy on this thread's CPU, so it stays a chunk, with a look at the gate before each
+        span = pacer.chunk_bytes
+        if sink.direct:
+            span = max(span, int(config.get("ckpt_write_bytes")) // ALIGN * ALIGN)
         try:
             size = os.fstat(fd).st_size
             pos = 0
@@ -246,12 +255,16 @@ class ShardWriter:
                                           f"outside the file ({size} bytes) or over another; report this bug")
                 if off > pos:
                     _hash_read(h, fd, off - pos, pos)
-                for a in range(0, len(data), pacer.chunk_bytes):
-                    chunk = data[a:a + pacer.chunk_bytes]
+                for a in range(0, len(data), span):
+                    piece = data[a:a + span]
                     pacer.before_chunk()
-                    sink.write(chunk, off + a)
-                    with probe.timed("hash", len(chunk)):
-                        h.update(chunk)
+                    sink.write(piece, off + a)
+                    for b in range(0, len(piece), pacer.chunk_bytes):
+                        if b:
+                            pacer.before_chunk()
+                        chunk = piece[b:b + pacer.chunk_bytes]
+                        with probe.timed("hash", len(chunk)):
+                            h.update(chunk)
                 pos = off + len(data)
             while pos < size:
                 n = _hash_read(h, fd, min(size - pos, 1 << 20), pos)
