@@ -136,6 +136,17 @@ def worker(args: argparse.Namespace) -> None:
 
     train_step(0)  # Adam state exists from here on
     state = {"model": model, "optimizer": opt, "step": 0}
+
+    def timed_save(ck, i: int) -> tuple[float, float]:
+        """One save of ``state`` as step ``i``, all ranks starting together: this rank's seconds
+        blocked in save() and until its handle's wait() returned (durable)."""
+        state["step"] = i
+        sync()
+        t = time.perf_counter()
+        h = ck.save(i, state)
+        b = time.perf_counter() - t
+        h.wait()
+        return b, time.perf_counter() - t
     srcs = _tensors({"m": model.state_dict(), "o": opt.state_dict()})
     nbytes = sum(s_.numel() * s_.element_size() for s_ in srcs)
     log(f"state {nbytes / 1e6:.0f} MB ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters)")
@@ -203,13 +214,7 @@ def worker(args: argparse.Namespace) -> None:
         # machine as it is; the ratio ours/floor is taken per round
         fn = floor_copy("numpy")
         # ours (blocking = save(); durable = handle.wait() returned), slowest rank
-        state["step"] = i
-        sync()
-        t = time.perf_counter()
-        h = ck.save(i, state)
-        b = time.perf_counter() - t
-        h.wait()
-        dd = time.perf_counter() - t
+        b, dd = timed_save(ck, i)
         ck.drain()  # retention (deleting the save before last) runs after durable; not timed here
         b, dd = slowest(b), slowest(dd)
         ft = floor_copy("torch")
@@ -255,12 +260,7 @@ def worker(args: argparse.Namespace) -> None:
             with config.override(ckpt_direct_io=how == "direct"):
                 probe.reset()
                 probe.enable()
-                sync()
-                t = time.perf_counter()
-                h = ck.save(i, state)
-                b = time.perf_counter() - t
-                h.wait()
-                dd = time.perf_counter() - t
+                b, dd = timed_save(ck, i)
                 probe.disable()
                 ck.drain()
             mine = {name: row["wall_s"] for name, row in probe.totals().items()}

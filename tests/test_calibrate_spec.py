@@ -486,6 +486,34 @@ def test_file_levels_read_the_dataset_again_with_its_pages_dropped(tmp_path, shm
         assert m["dropped_files"] == 1 and m["reads"] + m["readers"] == 120 and m["window_s"] > 0
 
 
+def test_reading_again_is_bounded_and_only_where_the_fresh_share_is_small(tmp_path, monkeypatch):
+    """A large dataset keeps fresh samples (no list of millions of indices sent to each reader, no
+    million files' pages dropped per level); reading again takes at most REREAD_MOST samples."""
+    import multiprocessing
+
+    from hpcstagger.cache import HDF5Source
+    from hpcstagger.model import source_probe
+
+    ordered = SamplePool(1000, seed=2, in_order=True).again(2, most=100)
+    flat = [i for s in ordered for i in s]
+    assert [len(s) for s in ordered] == [50, 50] and flat == list(range(flat[0], flat[0] + 100))
+    shuffled = SamplePool(1000, seed=2).again(4, most=100)
+    assert sum(len(s) for s in shuffled) == len({i for s in shuffled for i in s}) == 100
+    assert sorted(i for s in SamplePool(10, seed=2).again(3) for i in s) == list(range(10))
+
+    _dataset(tmp_path / "d.h5", 120)
+    source = HDF5Source(str(tmp_path / "d.h5"), "samples")
+    ctx = multiprocessing.get_context("fork")
+    monkeypatch.setattr(source_probe, "REREAD_BELOW", 30)     # a share of 60, then of 60: fresh
+    pool = SamplePool(len(source), seed=1)
+    fresh = source_probe.measure_levels(source, pool, [1, 2], 5.0, ctx, _Bar())
+    assert [m["how"] for m in fresh] == ["fresh samples, page cache dropped"] * 2 and pool.left == 0
+    monkeypatch.setattr(source_probe, "REREAD_BELOW", 4096)
+    monkeypatch.setattr(source_probe, "REREAD_MOST", 50)
+    again = source_probe.measure_levels(source, SamplePool(len(source), seed=1), [2], 5.0, ctx, _Bar())
+    assert again[0]["how"].startswith("the dataset read again") and again[0]["reads"] + 2 == 50
+
+
 def test_the_summary_line_names_the_fit_baseline_when_measured(monkeypatch, capsys):
     import argparse
 

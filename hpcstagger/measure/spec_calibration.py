@@ -19,8 +19,8 @@ the summary and the scenario):
 4. **The source with 2 .. K readers**, K being the most reads the jobs can have in flight (the sum
    over jobs of ranks x max(workers, 1)), at most :data:`~hpcstagger.model.source_probe.MAX_READERS`;
    then every level 1 .. K again, and once more each level whose two measurements differ by more
-   than :data:`~hpcstagger.model.source_probe.SPREAD_LIMIT`. For a file source these levels read
-   the whole dataset again with its pages dropped (see :mod:`~hpcstagger.model.source_probe`).
+   than :data:`~hpcstagger.model.source_probe.SPREAD_LIMIT`. For a small file source these levels
+   read samples again with their pages dropped (see :func:`~hpcstagger.model.source_probe.measure_levels`).
 5. **The scenario**: each job's loader shape and costs, the source curve (with the cost a miss adds
    in the jobs, its lookup and insert, folded in as ``scenario_for`` does), and the cache; when the
    page cache holds the dataset, the cache is the page cache: the whole dataset, hit at the slower

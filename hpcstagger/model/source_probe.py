@@ -8,9 +8,10 @@ What is measured is the source, not the page cache or a library's own cache:
   permutation of the samples not read yet, split into disjoint subsets, one per reader. A reader
   stops when its subset is done, and the level's window closes when the first reader stops. Only
   when the dataset is too small for that are samples read again, and the measurements say so
-  (``fresh: false``). A level of a file source reads the whole dataset again instead, its pages
-  dropped first: it comes from the source all the same, and the window is as long as the time
-  allows, not as long as a small dataset's share of fresh samples lasts.
+  (``fresh: false``). A level of a file source whose share of fresh samples would be small reads
+  the dataset again instead (a bounded number of samples), its pages dropped first: it comes from
+  the source all the same, and the window is as long as the time allows, not as long as a small
+  share of fresh samples lasts.
 - **Dropped pages.** For file sources (:class:`~hpcstagger.cache.HDF5Source`,
   :class:`~hpcstagger.cache.DirectorySource`, also under a
   :class:`~hpcstagger.cache.ThrottledSource`) the files' pages are dropped from the page cache with
@@ -42,11 +43,13 @@ from hpcstagger.model.source_levels import (MIN_WINDOW_S, SHORT_SHARE, SPREAD_LI
 
 __all__ = ["SamplePool", "trusted_bandwidth", "measure_readers", "hit_bandwidth", "reread_bandwidth", "preload",
            "source_files", "drop_pages", "parse_meminfo", "mem_available", "page_cache_holds", "PAGE_CACHE_SHARE",
-           "MAX_READERS", "SPREAD_LIMIT", "SHORT_SHARE", "MIN_WINDOW_S", "weighted_median", "combine_levels",
-           "disagreeing"]
+           "MAX_READERS", "REREAD_BELOW", "REREAD_MOST", "SPREAD_LIMIT", "SHORT_SHARE", "MIN_WINDOW_S",
+           "weighted_median", "combine_levels", "disagreeing"]
 
 PAGE_CACHE_SHARE = 0.5   # a dataset below this share of MemAvailable stays in the page cache
 MAX_READERS = 16         # most concurrent readers a calibration measures (the last level holds beyond)
+REREAD_BELOW = 4096      # a level whose share of fresh samples is smaller reads samples again (pages dropped)
+REREAD_MOST = 32768      # ... at most this many (each reader's list is sent to it; each file's pages dropped)
 
 
 class SamplePool:
@@ -88,13 +91,18 @@ class SamplePool:
             self.fresh = False
         return self._split(chosen, readers)
 
-    def again(self, readers: int) -> list[list[int]]:
-        """``readers`` disjoint subsets covering all ``n`` samples, read or not, without using up the
-        fresh ones: for a level whose files' pages are dropped first, so that what was read before
-        comes from the source again (:func:`measure_levels`)."""
-        chosen = list(range(self.n))
-        if not self.in_order:
-            random.Random(self._rng.random()).shuffle(chosen)
+    def again(self, readers: int, most: int | None = None) -> list[list[int]]:
+        """``readers`` disjoint subsets of all ``n`` samples, read or not (at most ``most`` of them:
+        a run from a random start in order, else a random choice), without using up the fresh
+        ones: for a level whose files' pages are dropped first, so that what was read before comes
+        from the source again (:func:`measure_levels`)."""
+        rng = random.Random(self._rng.random())
+        count = self.n if most is None else min(self.n, most)
+        if self.in_order:
+            start = rng.randrange(self.n - count + 1)
+            chosen = list(range(start, start + count))
+        else:
+            chosen = rng.sample(range(self.n), count)
         return self._split(chosen, readers)
 
     def _split(self, chosen: list[int], readers: int) -> list[list[int]]:
@@ -416,14 +424,15 @@ def measure_levels(source: Any, pool: SamplePool, levels: Sequence[int], seconds
     """The source's aggregate bandwidth at each reader count of ``levels``, in turn, sharing ``seconds``
     (at most ``longest`` seconds each).
 
-    Before each level the files' pages are dropped (:func:`drop_pages`). With ``cache`` (the readers
-    put what they read into it) or a source whose pages cannot be dropped, its readers read fresh
-    samples from ``pool`` (which keeps a share for ``later_levels`` levels measured afterwards).
-    Otherwise they read the whole dataset again (:meth:`SamplePool.again`): with the pages dropped it
-    comes from the source, and the level's window is not cut short by a small share of fresh
-    samples (on a small dataset a share can be read in a tenth of a second, shorter than a kernel
-    throttle's bursts). Each level's entry says what it did, and is handed to ``on_level`` as soon
-    as it is measured (to be kept).
+    Before each level the files' pages are dropped (:func:`drop_pages`). Its readers read fresh
+    samples from ``pool`` (which keeps a share for ``later_levels`` levels measured afterwards),
+    except when the level's share would be under :data:`REREAD_BELOW` samples, no ``cache`` is
+    being filled (the readers put what they read into it) and the source's pages can be dropped.
+    Then they read the dataset again (:meth:`SamplePool.again`, at most :data:`REREAD_MOST`
+    samples): with the pages dropped it comes from the source, and the level's window is not cut
+    short by a small share of fresh samples (on a small dataset a share can be read in a tenth of
+    a second, shorter than a kernel throttle's bursts). Each level's entry says what it did, and
+    is handed to ``on_level`` as soon as it is measured (to be kept).
     """
     deadline = time.monotonic() + seconds
     overhead = 0.0
@@ -431,8 +440,8 @@ def measure_levels(source: Any, pool: SamplePool, levels: Sequence[int], seconds
     droppable = source_files(source)[0] != "other" and hasattr(os, "posix_fadvise")
     for pos, k in enumerate(levels):
         left = len(levels) - pos
-        reread = cache is None and droppable
-        subsets = pool.again(k) if reread else pool.take(k, left + later_levels)
+        reread = cache is None and droppable and pool.left // (left + later_levels) < REREAD_BELOW
+        subsets = pool.again(k, REREAD_MOST) if reread else pool.take(k, left + later_levels)
         dropped = drop_pages(source, [i for s in subsets for i in s])
         if reread:
             how = "the dataset read again"

@@ -165,7 +165,7 @@ def _storage_comment(meas: Mapping[str, Any], curve: tuple[float, ...], overhead
             + (" less the time a miss costs the jobs besides the read (lookup and insert), folded in"
                if overhead else "")
             + "; " + ("fresh samples" if fresh
-                      else "fresh samples for the first level, then the whole dataset again" if reread
+                      else "fresh samples for the first level, then samples read again" if reread
                       else "some samples read again (small dataset)")
             + (", page cache dropped before each level" if dropped else "")
             + ("; in file order, each reader a contiguous run (the page cache keeps what readahead brings in)"
