@@ -44,7 +44,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from hpcstagger._io import drop_cached_pages
 
@@ -132,13 +132,18 @@ def write_spec(path: Path, name: str, cfg: dict[str, Any], data: Path, dataset_b
     path.write_text("\n".join(lines))
 
 
+def cgroup_joiner(cgroup: str) -> Callable[[], None]:
+    """A ``preexec_fn`` that puts the child (and so its children) into ``cgroup``: only the command
+    reads through the throttle, never this process, which real_fs's cleanup would kill with it."""
+    def join() -> None:
+        with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+    return join
+
+
 def _run(argv: list[str], log: Path, *, cgroup: str | None = None, timeout: float = 1800) -> int:
     env = dict(os.environ, PYTHONPATH=str(HERE.parent))
-    pre = None
-    if cgroup:
-        def pre() -> None:  # the command and its children read through the throttled cgroup
-            with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
-                f.write(str(os.getpid()))
+    pre = cgroup_joiner(cgroup) if cgroup else None
     with open(log, "ab") as out:
         out.write(("\n$ " + " ".join(argv) + "\n").encode())
         out.flush()

@@ -92,10 +92,7 @@ def main() -> int:
             source = subprocess.run(["findmnt", "-n", "-o", "SOURCE", str(path.parent)], capture_output=True,
                                     text=True, check=True).stdout.strip()
             device = os.path.basename(source)
-
-            def join() -> None:  # only the child reads through the throttled cgroup
-                with open(os.path.join(cg, "cgroup.procs"), "w") as f:
-                    f.write(str(os.getpid()))
+            join = bu.cgroup_joiner(cg)
 
             for rep in range(args.repeat):
                 for i, (workers, model, order) in enumerate(CASES):

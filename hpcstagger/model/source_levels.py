@@ -25,8 +25,8 @@ def trusted_bandwidth(levels: Sequence[Mapping[str, Any]]) -> tuple[list[float],
     out: list[float] = []
     held = []
     for k, m in enumerate(levels):
-        window, elapsed = float(m.get("window_s", 1.0)), float(m.get("elapsed_s", 0.0))
-        if k and (window < MIN_WINDOW_S or window < 0.1 * elapsed):
+        window = _window(m)
+        if k and _too_short(m):
             out.append(out[-1])
             held.append(f"{m['readers']} reader(s) ({m['bandwidth'] / 1e6:.1f} MB/s over {window:.3f} s)")
         else:
@@ -42,13 +42,19 @@ def _window(m: Mapping[str, Any]) -> float:
     return float(m.get("window_s", 1.0))
 
 
+def _too_short(m: Mapping[str, Any]) -> bool:
+    """A window under :data:`MIN_WINDOW_S` or a tenth of its run: its samples came from somewhere
+    faster than the source, such as pages still cached."""
+    window = _window(m)
+    return window < MIN_WINDOW_S or window < 0.1 * float(m.get("elapsed_s", 0.0))
+
+
 def _trusted(m: Mapping[str, Any], longest: float) -> bool:
     """Whether a measurement counts: over a window of at least :data:`MIN_WINDOW_S`, a tenth of its
     run (see :func:`trusted_bandwidth`) and :data:`SHORT_SHARE` of ``longest``, the longest window
     its level was measured over. A short window says little of a source that delivers in bursts
     (a kernel throttle lets reads through at the start of each slice), so a longer one outweighs it."""
-    window, elapsed = _window(m), float(m.get("elapsed_s", 0.0))
-    return not (window < MIN_WINDOW_S or window < 0.1 * elapsed or window < SHORT_SHARE * longest)
+    return not (_too_short(m) or _window(m) < SHORT_SHARE * longest)
 
 
 def weighted_median(pairs: Sequence[tuple[float, float]]) -> float:
