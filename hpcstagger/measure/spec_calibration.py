@@ -6,7 +6,8 @@ the summary and the scenario):
 
 1. **Samples.** A few samples read into memory (the mean sample size); the cache's hit bandwidth,
    against the run's private calibration cache; whether the node's page cache holds the dataset
-   (:func:`~hpcstagger.model.source_probe.page_cache_holds`).
+   (:func:`~hpcstagger.model.source_probe.page_cache_holds`), and if so how many samples' worth of
+   bytes one read in a random order brings into it (:mod:`~hpcstagger.model.readahead`).
 2. **The source with one reader**, on fresh samples with the files' pages dropped; the reader puts
    what it reads into the private calibration cache, so that the jobs see hits and misses.
 3. **Each job, one at a time, alone, with its ranks**: its own command, the way ``hpcstagger
@@ -44,6 +45,7 @@ import logging
 import math
 import multiprocessing
 import os
+import random
 import shutil
 import sys
 import time
@@ -54,6 +56,7 @@ from collections.abc import Callable, Mapping
 from hpcstagger import _io, config, nodeload
 from hpcstagger.cache.admin import remove_empty_dirs
 from hpcstagger.errors import CacheError, ConfigError, LaunchError, ModelError
+from hpcstagger.model.readahead import readahead_factor
 from hpcstagger.model.calibrate import Calibration, check_out, reader_levels, source_length, time_steps, write_scenario
 from hpcstagger.model.source_probe import (MAX_READERS, SPREAD_LIMIT, SamplePool, disagreeing, hit_bandwidth,
                                       measure_levels, mem_available, page_cache_holds, preload, reread_bandwidth,
@@ -190,6 +193,12 @@ class _Run:
                                 "mem_available": available, "holds": holds}
         if holds:
             info.update(reread_bandwidth(self.source, self.read[:64], seconds))
+            # how much one random read brings in (the scenario's readahead), on samples not read yet: a
+            # quarter of the dataset at most (the factor fits the kernel's readahead over that share)
+            rng, seen = random.Random(self.seed + 1), set(self.read)
+            fresh = [i for i in rng.sample(range(self.n), min(self.n, self.n // 4 + len(seen))) if i not in seen]
+            info["readahead"] = readahead_factor(self.source, fresh[:max(8, self.n // 4)], 2 * seconds,
+                                                 seed=self.seed, dataset=(self.n, total))
             self._say(f"calibrate: the dataset ({total / 1e6:.0f} MB) is below half of the node's available "
                            f"memory ({(available or 0) / 1e6:.0f} MB): the page cache keeps it once read, so the "
                            "scenario's cache is the whole dataset")

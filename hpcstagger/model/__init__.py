@@ -24,7 +24,10 @@ Semantics (followed by the model and the simulator alike; docs/model.md has them
 - A hit costs ``sample_bytes / hit_bandwidth`` and is not shared (unlimited by default: free).
 - A miss is inserted when its read completes. minio inserts until the cache is full and never
   changes after; lru inserts and evicts the least recently used sample (a hit makes a sample
-  most recently used); none never caches. Two readers missing the same sample at once both read it.
+  most recently used); none never caches. Two readers missing the same sample at once both read it,
+  unless ``cache.coalesce`` (the page cache): the second waits for the first's read.
+- ``cache.readahead = a`` (the page cache's; 1 by default): a miss reads ``a`` samples' worth of
+  bytes, the sample and ``a - 1`` other uncached samples not being read, at random, inserted with it.
 - The cache holds ``floor(capacity / sample_bytes)`` samples; it starts with ``cache.initial`` of
   the dataset (a random subset).
 - A partitioned cache over M nodes (``cache.partitioned``, ``cache.nodes``) is M such caches, every

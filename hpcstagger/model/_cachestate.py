@@ -23,6 +23,7 @@ class CacheState:
     q: Quality
     n: float
     cap: float
+    ra: float
     lru: bool
     full: bool
     shape: tuple[int, ...]
@@ -78,7 +79,7 @@ class CacheState:
             ins_share = 1.0
         else:
             free = max(self.cap - (self.n - float(total_of(Nu, None))), 0.0)
-            ins_share = min(1.0, free / total_miss) if total_miss > 0 else 0.0
+            ins_share = min(1.0, free / (self.ra * total_miss)) if total_miss > 0 else 0.0
         # Each job reads a fraction of its pools, one job after another, so the fractions compose
         # multiplicatively (a sample two jobs read in the same step ends read by both) and nothing
         # is counted twice however long the step.
@@ -184,8 +185,16 @@ class CacheState:
         if pool <= 0.0:
             return
         d = len(uncached) - (1 << j)
-        moved = uncached * (mask * min(1.0, want / pool))
+        frac = min(1.0, want / pool)
+        moved = uncached * (mask * frac)
         uncached -= moved
+        if self.ra != 1.0 and ins_share > 0.0:
+            # readahead: the other samples' worth each miss read, uncached ones at random (any class)
+            left = float(self.np.add.reduce(uncached, None))
+            if left > 0.0:
+                ahead = uncached * min(1.0, (self.ra - 1.0) * frac * pool * ins_share / left)
+                uncached -= ahead
+                fresh += ahead
         moved = moved[-d:]
         if ins_share == 1.0:
             fresh[:d] += moved
@@ -235,6 +244,8 @@ class CacheState:
         miss = {j: x[j] * m[j] for j in run}
         total = sum(miss.values())
         ins = 1.0 if (self.lru or not self.full) else 0.0
+        # readahead: each miss also inserts ra - 1 uncached samples at random, of every class
+        ahead = (self.ra - 1.0) * total * ins / max(float(nu.sum()), 1e-300) if self.ra != 1.0 else 0.0
         oldest = None
         if self.lru and self.full and total > 0:
             blk = self.Nb[0].reshape(-1)
@@ -252,7 +263,7 @@ class CacheState:
                     d -= rate * Vi[j] / Vii
             if oldest is not None:
                 d += total * oldest[j]
-            out[j] = d
+            out[j] = d - ahead * V[j][j]
         return out
 
     def changing(self) -> bool:
@@ -278,7 +289,7 @@ class CacheState:
         if free <= 1e-9 * self.n:
             self.full = True  # neither policy ever empties the cache again
             return dt
-        ins_rate = sum(x[j] * m[j] for j in range(self.J) if self.status[j] == 1)
+        ins_rate = self.ra * sum(x[j] * m[j] for j in range(self.J) if self.status[j] == 1)
         if ins_rate <= 0:
             return dt
         return min(dt, free / ins_rate)

@@ -100,6 +100,8 @@ class Engine(CacheState, OrderState):
         self.grouped = any(o and self.orders.count(o) > 1 for o in self.orders)
         self.window = [float(max(1, L.W) * L.R * L.B) for L in self.loaders]
         self.coalesce = sc.cache.coalesce
+        # samples' worth of bytes a miss reads; the others are uncached samples it inserts too (readahead)
+        self.ra = float(sc.cache.readahead)
         # the node's cores (None: CPU time not shared; a job then starts ``startup`` after its delay);
         # a partitioned cache's nodes pool theirs, the jobs' ranks spread evenly over them
         tasks = sum(j.fetchers() + j.ranks for j in sc.jobs)
@@ -170,7 +172,7 @@ class Engine(CacheState, OrderState):
         """Per-job read rate x (samples/s) and miss fraction m at a state (x = 0 when not running).
 
         With the node's cores, also each job's CPU speeds (``self.speed``), solved jointly."""
-        J, s = self.J, self.s
+        J, s = self.J, self.s * self.ra  # bytes a miss reads
         x = [0.0] * J
         m = [0.0] * J
         readers, running = [], []
@@ -209,10 +211,11 @@ class Engine(CacheState, OrderState):
                 for j in running:
                     if m[j] <= 0.0:
                         x[j] = 1.0 / self.job_time(j, 0.0, 0.0, 0.0)
-            nb = share(readers, Z) if readers else []
+            # the sharing law counts reads of sample_bytes: a read of ra times that is ra reads' time
+            nb = share(readers, [z / self.ra for z in Z] if self.ra != 1.0 else Z) if readers else []
             if variance and readers:
                 for j, m2j in zip(readers, self.last_m2, strict=True):
-                    m2[j] = m2j
+                    m2[j] = m2j * self.ra * self.ra
             speeds = self.cpu_speeds(running, x, m) if cpu else []
             steps = [(nbj - b[j]) / b[j] for j, nbj in zip(readers, nb, strict=True)]
             steps += [(new - old) / old for _, _, old, new in speeds]
@@ -458,7 +461,7 @@ class Engine(CacheState, OrderState):
         U, v = self.counts(self.Nu, self.Nb)
         m = min(1.0, v[j] / U[j]) if U[j] > 0 else 0.0
         bw = self.b[j] if self.b[j] > 0 else self.per_reader[self.F[j]]
-        pause = _loader.bubble(self.loaders[j], m, self.hit_time, self.s / bw)
+        pause = _loader.bubble(self.loaders[j], m, self.hit_time, self.ra * self.s / bw)
         if self.epoch[j] > 0:
             pause += self.epoch_start[j]  # the loader starts again (its workers spawned again)
         if pause > 1e-12:
@@ -477,5 +480,5 @@ class Engine(CacheState, OrderState):
             bw = 0.0
         else:
             hit = tuple(1.0 - m[j] if self.status[j] == 1 else math.nan for j in range(J))
-            bw = sum(x[j] * m[j] for j in range(J) if self.status[j] == 1) * self.s
+            bw = sum(x[j] * m[j] for j in range(J) if self.status[j] == 1) * self.s * self.ra
         self.series.append((self.t, prog, hit, bw, (self.n - float(self.Nu.sum())) / self.n))

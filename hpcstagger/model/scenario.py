@@ -15,6 +15,7 @@ valid keys with their defaults. The format::
     hit_bandwidth = 5.0e9      # bytes/s per reader; optional, default unlimited
     initial = 0.0              # fraction of the dataset cached when the run starts (default 0: cold)
     coalesce = false           # concurrent misses of one sample are one read (the page cache); default false
+    readahead = 1.0            # samples' worth of bytes a miss reads (the page cache's readahead); default 1
     partitioned = false        # one cache over the nodes' caches, each sample owned by one node; default false
     nodes = 1                  # nodes the jobs and the partitioned cache span (> 1 needs partitioned)
     remote_bandwidth = 1.0e9   # bytes/s per reader of a hit owned by another node (partitioned, nodes > 1)
@@ -91,6 +92,9 @@ class Cache:
     of the dataset it holds when the run starts (``initial``; at most what it can hold), and
     whether concurrent misses of one sample are one read (``coalesce``: the page cache, whose
     readers wait for a page being read; a ShmCache does not, and each reader reads it).
+    ``readahead`` (at least 1; more only for the page cache, ``coalesce`` with policy minio): a
+    miss reads that many samples' worth of bytes, and the rest of them are other uncached samples,
+    at random in the jobs' order (the file neighbours readahead brings in), inserted with it.
 
     ``partitioned``: the caches of ``nodes`` nodes form one cache (``capacity`` bytes on each
     node, ``nodes * capacity`` in all). Every sample has one owner node, where a miss is inserted;
@@ -104,6 +108,7 @@ class Cache:
     hit_bandwidth: float = math.inf
     initial: float = 0.0
     coalesce: bool = False
+    readahead: float = 1.0
     partitioned: bool = False
     nodes: int = 1
     remote_bandwidth: float | None = None
@@ -185,6 +190,7 @@ _CACHE = S.Table("cache", [
     S.Field("hit_bandwidth", S.number(minimum=0, exclusive=True, allow_inf=True), math.inf, shown="unlimited"),
     S.Field("initial", S.number(minimum=0), 0.0, shown="0 (cold)"),
     S.Field("coalesce", S.boolean(), False),
+    S.Field("readahead", S.number(minimum=1), 1.0),
     S.Field("partitioned", S.boolean(), False),
     S.Field("nodes", S.integer(minimum=1, maximum=1 << 16), 1),
     S.Field("remote_bandwidth", S.optional(S.number(minimum=0, exclusive=True, allow_inf=True)), None,
@@ -365,6 +371,8 @@ class Scenario:
             cache["initial"] = self.cache.initial
         if self.cache.coalesce:
             cache["coalesce"] = True
+        if self.cache.readahead != 1.0:
+            cache["readahead"] = self.cache.readahead
         if self.cache.partitioned:
             cache["partitioned"] = True
             cache["nodes"] = self.cache.nodes
@@ -434,6 +442,9 @@ def _validate_partition(s: Scenario) -> None:
     if c.remote_bandwidth is not None and not c.partitioned:
         raise ConfigError("cache.remote_bandwidth is only for a partitioned cache; set cache.partitioned = true "
                           "and cache.nodes, or leave remote_bandwidth out")
+    if c.readahead != 1.0 and not (c.coalesce and c.policy == "minio" and 1.0 < c.readahead < math.inf):
+        raise ConfigError(f"cache.readahead = {c.readahead!r}: a finite number of samples, at least 1, and above 1 "
+                          "only for the page cache (cache.coalesce = true, cache.policy = \"minio\")")
     if not c.partitioned:
         return
     if c.coalesce:

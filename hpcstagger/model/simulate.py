@@ -27,6 +27,10 @@ It follows the semantics stated in :mod:`hpcstagger.model` literally, sample by 
   full and never changes after; lru inserts and evicts the least recently used sample (a hit
   refreshes it); none never caches. Two readers missing the same sample at once both read it,
   unless ``cache.coalesce``: a reader missing a sample that is being read then waits for that read.
+  With ``cache.readahead = a`` a miss also reads ``a - 1`` other samples (on average: the whole
+  part always, one more with the fraction's probability), the next uncached ones of a random order
+  of the dataset, not being read; the read is that many times ``sample_bytes``, and they are
+  inserted with it (and read for whoever misses them meanwhile);
   ``cache.initial`` of the dataset (a random subset) is cached at the start;
 - a partitioned cache is ``nodes`` caches of a node's capacity each; sample x belongs to node
   ``x % nodes`` (the permutations are random, so this is a random balanced owner), is inserted
@@ -234,6 +238,12 @@ class _Sim:
         self.cpu = _Shared(lambda load: min(1.0, cores / load)) if cores > 0 else None
         # with coalescing reads: sample -> the fetchers waiting for its read in flight
         self.inflight: dict[int, list[int]] | None = {} if sc.cache.coalesce else None
+        # readahead: the other samples each fetcher's read brings in, taken from a random order
+        self.ra = float(sc.cache.readahead)
+        self.ahead_rng = np.random.default_rng([int(seed), 1 << 21])
+        self.ahead_order = self.ahead_rng.permutation(sc.dataset.samples).tolist() if self.ra > 1.0 else []
+        self.ahead_pos = 0
+        self.extra: dict[int, list[int]] = {}
         self.jobs: list[_Job] = []
         names = sorted({job.order for job in sc.jobs if job.order})  # shared orders: one generator each
         first = 0
@@ -313,7 +323,27 @@ class _Sim:
                     self.inflight[x].append(f)
                     return
                 self.inflight[x] = []
-            self.source.start(f, self.size, now)
+            extra = self._ahead(x) if self.ra > 1.0 else []
+            if extra:
+                self.extra[f] = extra
+            self.source.start(f, self.size * (1 + len(extra)), now)
+
+    def _ahead(self, x: int) -> list[int]:
+        """The samples a miss of ``x`` also reads (readahead): the next uncached ones of the random
+        order not being read (minio never evicts, so a cached one is passed for good)."""
+        want = int(self.ra - 1.0)
+        if self.ahead_rng.random() < self.ra - 1.0 - want:
+            want += 1
+        out: list[int] = []
+        order, cached, inflight = self.ahead_order, self.cache.cached, self.inflight
+        assert inflight is not None  # readahead is the page cache's: coalescing reads
+        while len(out) < want and self.ahead_pos < len(order):
+            y = order[self.ahead_pos]
+            self.ahead_pos += 1
+            if not cached[y] and y != x and y not in inflight:
+                out.append(y)
+                inflight[y] = []
+        return out
 
     def fetched(self, f: int, done: float) -> None:
         """Fetcher f has its current sample (and prepared it) at time ``done``."""
@@ -338,6 +368,10 @@ class _Sim:
         if self.inflight is not None:
             for waiting in self.inflight.pop(x, []):
                 self.sample_read(waiting, now)
+            for y in self.extra.pop(f, ()):
+                self.cache.insert(y)
+                for waiting in self.inflight.pop(y, []):
+                    self.sample_read(waiting, now)
         self.sample_read(f, now)
 
     def sample_read(self, f: int, now: float) -> None:

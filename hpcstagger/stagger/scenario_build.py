@@ -64,7 +64,10 @@ def scenario_cache(meas: Mapping[str, Any], spec: Spec, capacity: float | str | 
                                         (f" or the ShmCache's ({shm / 1e9:.2f} GB/s), the slower" if has_shm else "")}
         hit = min(page, shm) if has_shm else page
         notes["cache.coalesce"] = "the page cache: a reader of a page being read waits for that read"
-        return Cache(capacity=n * size, policy="minio", hit_bandwidth=_finite(hit), coalesce=True), notes
+        ahead = pc.get("readahead", {"readahead": 1.0, "how": "not measured"})
+        notes["cache.readahead"] = f"samples' worth of bytes one random read brings into the page cache: {ahead['how']}"
+        return Cache(capacity=n * size, policy="minio", hit_bandwidth=_finite(hit), coalesce=True,
+                     readahead=float(ahead["readahead"])), notes
     cap = capacity_bytes(capacity, n, size) if capacity is not None else float(spec.cache.capacity)
     pol = policy or (spec.cache.policy if cap > 0 else "none")
     if pol not in POLICIES:
