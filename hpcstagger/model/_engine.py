@@ -328,7 +328,7 @@ class Engine(CacheState, OrderState):
             if self.fresh or not changing:
                 self.x, self.m = self.rates(*self.rate_counts(U, v, self.Nu, self.Nb, lead))
                 if lead and self.coalesce:
-                    self.convoy(self.x, U, lead)
+                    self.hold(self.x, self.m, U, v, self.Nu, self.Nb, lead)
                 self.fresh = False
             x, m = self.x, self.m
             t_next_start = self._next_start(delays)
@@ -346,14 +346,19 @@ class Engine(CacheState, OrderState):
                     # over a turnover), or jobs follow others of their order: predict the midpoint
                     # with a real half step
                     Nu2, Nb2 = self.advance(U, v, x, m, dt / 2, state=(self.Nu, self.Nb), masks=masks)
-                    U2, v2 = self.rate_counts(*self.counts(Nu2, Nb2), Nu2, Nb2)
+                    raw2 = self.counts(Nu2, Nb2)
+                    lead2 = self.leads(raw2[0])
+                    U2, v2 = self.rate_counts(*raw2, Nu2, Nb2, lead2)
                 else:
                     dv = self.dvdt(x, m)
                     U2 = [U[j] - x[j] * dt / 2 for j in range(J)]
                     v2 = [min(max(v[j] + dv[j] * dt / 2, 0.0), max(U2[j], 0.0)) for j in range(J)]
                 x2, miss2 = self.rates(U2, v2)
                 if lead and self.coalesce:
-                    self.convoy(x2, U, lead)
+                    if lead2:
+                        self.hold(x2, miss2, *raw2, Nu2, Nb2, lead2)
+                    else:
+                        self.convoy(x2, U, lead)
                 # Step control. The midpoint rule is exact while a job's time per sample changes
                 # linearly in time, so what limits the step is the change of that slope: the
                 # second difference of the midpoint times per sample over the last steps. After

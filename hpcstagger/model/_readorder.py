@@ -14,14 +14,21 @@ ahead than the leader's lead comes before the leader has read that sample, and b
 the source: such lookups miss as often as the leader's do. With the lookups spread evenly over
 the window, a share ``max(0, 1 - lead / window)`` of them races. Where concurrent misses of a
 sample are one read (``[cache] coalesce``: the page cache), a racing follower waits for its
-leader's reads instead: it reads nothing from the source and goes at its leader's pace. A
-follower that has read all its leader has read overtakes it and reads on among its own unread
-samples (it is the leader from then on).
+leader's reads instead: it reads nothing from the source and goes at its leader's pace, unless
+reading on by itself (its own unread samples, its own misses) it would go faster than its leader
+goes: then its lookups run ahead of the leader's reads and it reads those samples itself, the
+leader later hitting them, so it passes (:meth:`OrderState.hold`; held to the pace, a faster job
+started just after a slower one of its order would crawl behind it for a whole epoch, which the
+simulator does not). A follower that has read all its leader has read overtakes it and reads on
+among its own unread samples (it is the leader from then on).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+# A racing follower passes its leader (coalescing reads) when by itself it would go this much faster.
+PASS = 1.01
 
 
 class OrderState:
@@ -37,6 +44,11 @@ class OrderState:
     window: list[float]
     grouped: bool
     coalesce: bool
+    b: list[float]
+    m2: dict[int, float]
+    speed: list[list[float]]
+    last_m2: list[float]
+    rates: Any  # Engine.rates
 
     def leads(self, U: list[float]) -> dict[int, tuple[int, float]]:
         """Each running follower's leader and how much it races (0: reads the leader's samples,
@@ -67,6 +79,28 @@ class OrderState:
             k, race = lead[j]
             if race > 0.0 and x[j] > x[k]:
                 x[j] = x[k]
+
+    def hold(self, x: list[float], m: list[float], U: list[float], v: list[float], Nu: Any, Nb: Any,
+             lead: dict[int, tuple[int, float]]) -> None:
+        """Coalescing reads: hold each racing follower to its leader's pace (:meth:`convoy`), unless
+        reading on by itself it would go faster than its leader goes: then its lookups run ahead of
+        the leader's reads, it reads those samples itself and passes (``x``, ``m`` in place; ``U``,
+        ``v`` the counts before following, ``lead`` :meth:`leads` at ``U``)."""
+        held = [j for j, (k, race) in lead.items() if race > 0.0 and x[j] > x[k]]
+        if held:
+            saved = (list(self.b), dict(self.m2), [list(sp) for sp in self.speed], list(self.last_m2))
+            # the roles swapped: each held follower reads on, its leader racing behind it (with
+            # coalescing reads it then waits for the follower's reads and reads nothing itself)
+            swapped = {j: lead[j] for j in lead if j not in held}
+            for j in held:
+                swapped.setdefault(lead[j][0], (j, 1.0))
+            xa, ma = self.rates(*self.rate_counts(U, v, Nu, Nb, swapped))
+            self.b, self.m2, self.speed, self.last_m2 = saved
+            for j in held:
+                if xa[j] > PASS * x[lead[j][0]]:
+                    x[j], m[j] = xa[j], ma[j]
+                    lead = {i: kr for i, kr in lead.items() if i != j}
+        self.convoy(x, U, lead)
 
     def catch_up(self, x: list[float], U: list[float], lead: dict[int, tuple[int, float]]) -> float:
         """The longest step before a faster follower (``lead``: :meth:`leads` at ``U``) closes half
