@@ -10,7 +10,7 @@ import pytest
 
 from hpcstagger.errors import ConfigError
 from hpcstagger.model import Scenario, predict, simulate
-from hpcstagger.model.readahead import MAX_READAHEAD, fit_factor, io_read_bytes, readahead_factor
+from hpcstagger.model.readahead import MAX_READAHEAD, READAHEAD_MOST, fit_factor, io_read_bytes, readahead_factor
 from hpcstagger.stagger.scenario_build import scenario_cache
 
 
@@ -99,6 +99,9 @@ def test_readahead_factor_divides_the_counted_bytes_or_says_why_not():
     assert silent["readahead"] == 1.0 and silent["how"].startswith("not measured")
     absent = readahead_factor(src, range(20), 10.0, counter=lambda: None)
     assert absent["readahead"] == 1.0 and "not there" in absent["how"]
+    many = _Counted(1000)  # a large dataset: a bounded number of reads, whatever the time allows
+    assert readahead_factor(many, range(3 * READAHEAD_MOST), 60.0, counter=lambda: many.total)["samples"] == \
+        READAHEAD_MOST
     huge = _Counted(10**6)
     assert readahead_factor(huge, range(20), 10.0, counter=lambda: huge.total)["readahead"] == MAX_READAHEAD
 

@@ -56,7 +56,7 @@ from collections.abc import Callable, Mapping
 from hpcstagger import _io, config, nodeload
 from hpcstagger.cache.admin import remove_empty_dirs
 from hpcstagger.errors import CacheError, ConfigError, LaunchError, ModelError
-from hpcstagger.model.readahead import readahead_factor
+from hpcstagger.model.readahead import READAHEAD_MOST, readahead_factor
 from hpcstagger.model.calibrate import Calibration, check_out, reader_levels, source_length, time_steps, write_scenario
 from hpcstagger.model.source_probe import (MAX_READERS, SPREAD_LIMIT, SamplePool, disagreeing, hit_bandwidth,
                                       measure_levels, mem_available, page_cache_holds, preload, reread_bandwidth,
@@ -194,10 +194,12 @@ class _Run:
         if holds:
             info.update(reread_bandwidth(self.source, self.read[:64], seconds))
             # how much one random read brings in (the scenario's readahead), on samples not read yet: a
-            # quarter of the dataset at most (the factor fits the kernel's readahead over that share)
+            # quarter of the dataset at most (the factor fits the kernel's readahead over that share),
+            # and at most READAHEAD_MOST (a directory's files each have their pages dropped)
             rng, seen = random.Random(self.seed + 1), set(self.read)
-            fresh = [i for i in rng.sample(range(self.n), min(self.n, self.n // 4 + len(seen))) if i not in seen]
-            info["readahead"] = readahead_factor(self.source, fresh[:max(8, self.n // 4)], 2 * seconds,
+            want = min(self.n // 4, READAHEAD_MOST)
+            fresh = [i for i in rng.sample(range(self.n), min(self.n, want + len(seen))) if i not in seen]
+            info["readahead"] = readahead_factor(self.source, fresh[:max(8, want)], 2 * seconds,
                                                  seed=self.seed, dataset=(self.n, total))
             self._say(f"calibrate: the dataset ({total / 1e6:.0f} MB) is below half of the node's available "
                            f"memory ({(available or 0) / 1e6:.0f} MB): the page cache keeps it once read, so the "

@@ -34,12 +34,14 @@ from collections.abc import Callable, Sequence
 
 from hpcstagger.model.source_probe import drop_pages
 
-__all__ = ["io_read_bytes", "readahead_factor", "fit_factor", "MAX_READAHEAD"]
+__all__ = ["io_read_bytes", "readahead_factor", "fit_factor", "MAX_READAHEAD", "READAHEAD_MOST"]
 
 log = logging.getLogger(__name__)
 
 # A factor above this is taken as metadata or another reader's bytes, not readahead.
 MAX_READAHEAD = 64.0
+# The most samples read (and, for a directory of files, the most files whose pages are dropped).
+READAHEAD_MOST = 4096
 
 
 def io_read_bytes(path: str = "/proc/thread-self/io") -> int | None:
@@ -59,12 +61,13 @@ def readahead_factor(source: Any, indices: Sequence[int], seconds: float, *, see
                      dataset: tuple[int, float] | None = None,
                      counter: Callable[[], int | None] = io_read_bytes) -> dict[str, Any]:
     """The samples' worth of bytes the kernel reads per sample of ``source``, read in a random
-    order of ``indices`` with the files' pages dropped first (at most ``seconds``, at least 8
-    samples): ``{"readahead": factor, "samples": read, "bytes": counted, "how": ...}``. With
-    ``dataset`` (samples, bytes) the factor is the model's curve through the share read
-    (:func:`fit_factor`), else the ratio of the bytes."""
+    order of ``indices`` with the files' pages dropped first (at most ``seconds`` and
+    :data:`READAHEAD_MOST` samples, at least 8): ``{"readahead": factor, "samples": read,
+    "bytes": counted, "how": ...}``. With ``dataset`` (samples, bytes) the factor is the model's
+    curve through the share read (:func:`fit_factor`), else the ratio of the bytes."""
     order = list(indices)
     random.Random(seed).shuffle(order)
+    del order[READAHEAD_MOST:]
     if not order:
         return {"readahead": 1.0, "samples": 0, "bytes": 0, "how": "not measured: no samples to read"}
     drop_pages(source, order)
