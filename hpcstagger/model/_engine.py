@@ -341,6 +341,7 @@ class Engine(CacheState, OrderState):
                 frac = self.step_frac
                 dt = min(dt, min(n * frac / x[j] for j in run))
                 dt = self._fill_time(x, m, dt)
+                lead2: dict[int, tuple[int, float]] = {}  # the leads at the midpoint, where it is stepped to
                 if self.pairs_running() or (self.lru and sum(x[j] * m[j] for j in run) * dt > self.cap):
                     # the cache turns over within half a step (its fast dynamics only balance out
                     # over a turnover), or jobs follow others of their order: predict the midpoint
