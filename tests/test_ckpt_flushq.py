@@ -100,8 +100,11 @@ class Flusher:
 
 @pytest.fixture
 def flushers():
+    # A flusher process polls every 0.2 s; on a loaded machine its claim can come later than the
+    # default claim wait of 1 s, and the owner would then flush itself before the test sees a copy.
     started: list[Flusher] = []
-    yield started
+    with config.override(ckpt_flush_claim_wait=30.0):
+        yield started
     for f in started:
         f.kill()
 
