@@ -233,6 +233,19 @@ def test_every_figure_in_a_comment_is_the_value_the_file_holds(tmp_path, overhea
     assert comment_mismatches(old, back), old
 
 
+def test_levels_the_budget_left_unchecked_are_said_to_be_measured_twice():
+    from hpcstagger.stagger.scenario_build import source_note
+
+    meas = _meas(0.0)
+    meas["source"] = [m for m in meas["source"] if m["bandwidth"] != 21.0e6]  # 2 readers: two measurements
+    comment = source_note(meas)[2]
+    assert "with 2 reader(s) they still disagree in their two measurements (the budget had no time left" in comment
+    meas["source"] += [{"readers": 1, "bandwidth": 9.0e6, "window_s": 1.0}, {"readers": 1, "bandwidth": 9.0e6,
+                                                                             "window_s": 1.0}]
+    comment = source_note(meas)[2]  # 1 reader: four measurements, still apart; 2 readers: two
+    assert "with 1, 2 reader(s) they still disagree after measuring again (2 reader(s) measured twice only" in comment
+
+
 def test_combine_levels_takes_each_levels_median_and_spread():
     from hpcstagger.model.source_probe import combine_levels, disagreeing
 
@@ -344,3 +357,32 @@ def test_a_third_round_that_cannot_be_measured_leaves_the_two_rounds_standing(tm
     assert len(rounds) == 3 and rounds[2] == [1]
     assert cal.measurements["measured_again"] == []
     assert (tmp_path / "scenario.toml").exists() and len(cal.scenario.storage.bandwidth) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_third_round_fits_in_what_the_budget_has_left(tmp_path, shm_dir, monkeypatch):
+    """With every level's two measurements apart (forced), the third round measures only the levels
+    the budget has time left for, and says which it left: a 3-job spec of 4 workers each was 6 s
+    over its 60 s budget when the third round took every such level at its shortest window."""
+    from hpcstagger.measure import spec_calibration as sc_mod
+    from hpcstagger.spec.jobspec import Spec
+
+    spec_path = _spec(tmp_path)
+    monkeypatch.setattr(sc_mod, "disagreeing", lambda found, limit=0.1: sorted({int(m["readers"]) for m in found}))
+    monkeypatch.chdir(tmp_path)
+    for name, value in _env(shm_dir).items():
+        monkeypatch.setenv(name, value)
+    said: list[str] = []
+    monkeypatch.setattr(sc_mod._Run, "_say", lambda self, message: said.append(message))
+    t0 = time.monotonic()
+    cal = sc_mod.calibrate_spec(Spec.from_toml(spec_path), budget=16, readers=8, out=tmp_path / "scenario.toml",
+                                progress=False)
+    took = time.monotonic() - t0
+    again = cal.measurements["measured_again"]
+    counts = {k: sum(1 for m in cal.measurements["source"] if int(m["readers"]) == k) for k in range(1, 9)}
+    assert took < 16 + 1.5, (took, counts, said)
+    assert [k for k in range(1, 9) if counts[k] >= 3] == again
+    skipped = [k for k in range(1, 9) if counts[k] == 2]
+    assert skipped, (counts, said)  # eight levels cannot all be measured a third time in what 16 s leave
+    assert any("no time left to measure them once more" in m and ", ".join(map(str, skipped)) in m for m in said)

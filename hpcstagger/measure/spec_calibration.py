@@ -84,6 +84,7 @@ _SHARE_SAMPLES, _SHARE_FIRST, _SHARE_JOBS = 0.05, 0.08, 0.57
 _EXIT_S = 1.0       # a job's share ends this long before its deadline: leaving takes time too
 _KILL_S = 60.0      # beyond its share and grace, a job's command is stopped
 _LEVEL_S = 4.0      # the longest window of a source level: enough, when jobs leave budget over
+_AGAIN_S = 0.5      # the least time a third measurement of a level takes (a short window and its readers' start-up)
 _LOAD_WINDOW_S = 0.5  # how long the node's load is looked at before measuring
 
 
@@ -310,12 +311,23 @@ class _Run:
                            f"to {MAX_READERS} readers (the cap), and the scenario's last value holds beyond")
         tops = reader_levels(max(1, top), max(1, top))
         meas["source"] = [m for m in meas["source"] if int(m["readers"]) <= top]
-        # every level twice (a second round), then once more (bounded) where the two disagree
+        # every level twice (a second round), then once more where the two disagree: the two rounds
+        # leave time for a third of the levels (at the rounds' pace), so the third stays in the budget
         levels = _missing(meas["source"], tops, 1) + _missing(meas["source"], tops, 2)
         self.bar.total += len(levels)
         self.bar.refresh()
-        self._levels(meas, levels, max(0.3 * len(levels), self.left() - 0.5), later=1)
+        spare = math.ceil(len(tops) / 3)
+        started = time.monotonic()
+        self._levels(meas, levels, max(0.3 * len(levels), (self.left() - 0.5) * len(levels) / (len(levels) + spare)),
+                     later=1)
+        pace = (time.monotonic() - started) / max(1, len(levels))  # a level's seconds, start-up included
         again = [k for k in disagreeing(meas["source"]) if _missing(meas["source"], [k], 3)]
+        room = int(max(0.0, self.left() - 0.5) // max(_AGAIN_S, pace))
+        if len(again) > room:
+            skipped, again = again[room:], again[:room]
+            self._say(f"calibrate: the source's two measurements with {', '.join(map(str, skipped))} reader(s) "
+                      f"differ by more than {SPREAD_LIMIT * 100:.0f}%, and the budget has no time left to measure "
+                      "them once more: their two measurements stand (a larger --budget gives longer windows)")
         if again:
             self._say(f"calibrate: the source's two measurements with {', '.join(map(str, again))} reader(s) "
                       f"differ by more than {SPREAD_LIMIT * 100:.0f}%: measuring them once more")

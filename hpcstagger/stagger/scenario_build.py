@@ -146,13 +146,25 @@ def source_note(meas: Mapping[str, Any]) -> tuple[list[float], list[float], str,
                + ", ".join(f"{s * 100:.0f}%" for s in spread))
     line = ""
     if wide:
-        comment += (f"; with {', '.join(map(str, wide))} reader(s) they still disagree after measuring again: the "
+        how = _how_often(meas, wide)
+        comment += (f"; with {', '.join(map(str, wide))} reader(s) they still disagree {how}: the "
                     "source varies (other users, a busy node, a source that delivers in bursts); calibrate again "
                     "at a quieter time or with a larger --budget (longer windows)")
         line = (f"the source's measurements disagree with {', '.join(map(str, wide))} reader(s) by "
-                + ", ".join(f"{spread[k - 1] * 100:.0f}%" for k in wide) + " after measuring again "
+                + ", ".join(f"{spread[k - 1] * 100:.0f}%" for k in wide) + f" {how} "
                 f"(more than {SPREAD_LIMIT * 100:.0f}%): the scenario keeps each level's median")
     return measured, spread, comment, line
+
+
+def _how_often(meas: Mapping[str, Any], wide: list[int]) -> str:
+    """How the disagreeing levels ``wide`` were measured: again, or (the budget spent) twice only."""
+    twice = [k for k in wide if sum(1 for m in meas["source"] if int(m["readers"]) == k) < 3]
+    if not twice:
+        return "after measuring again"
+    if len(twice) == len(wide):
+        return "in their two measurements (the budget had no time left for a third)"
+    return (f"after measuring again ({', '.join(map(str, twice))} reader(s) measured twice only: the budget had "
+            "no time left for a third)")
 
 
 def _storage_comment(meas: Mapping[str, Any], curve: tuple[float, ...], overhead: float) -> str:
