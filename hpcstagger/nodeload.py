@@ -1,9 +1,15 @@
-"""How busy this node is before a measurement: the cores usable here and what other work takes.
+"""How busy this node is before a measurement: the cores usable here, what other work takes, and
+the memory this process's cgroup lets it use.
 
 Timings taken on a node where other processes hold the cores (a login node, a shared node, a
 leftover job) are slower than the same jobs alone, and a plan calibrated or judged from them is off.
 :func:`sample` measures the node for a short window from ``/proc`` (no dependency), and
 :func:`busy_warning` says, with the figures, when other work takes a noticeable share of the cores.
+
+:func:`memory_limit` reads the memory cgroup this process lives in (cgroup v1 or v2, the tightest
+limit on its path), as Slurm's ``task/cgroup`` plugin sets one for every job: the page cache and
+``/dev/shm`` pages are charged to it, so a job's page cache can hold far less than the node's
+``MemAvailable`` says.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import os
 import time
 from dataclasses import dataclass
 
-__all__ = ["NodeLoad", "usable_cores", "sample", "busy_warning"]
+__all__ = ["NodeLoad", "MemoryLimit", "memory_limit", "usable_cores", "sample", "busy_warning"]
 
 # Other processes' CPU use, in cores, above which a measurement is flagged (a quarter of a core, or
 # a tenth of the usable cores on a large node).
@@ -95,3 +101,82 @@ def busy_warning(load: NodeLoad, what: str) -> str | None:
         parts.append(f"load average {load.load1:.2f}")
     return (f"the node is busy ({'; '.join(parts)}): {what} measures slower jobs than the same jobs "
             f"on a quiet node; stop the other work or expect its figures to be off")
+
+
+@dataclass(frozen=True)
+class MemoryLimit:
+    """The tightest memory cgroup limit on this process's path: ``limit``, what the group holds now
+    (``usage``, page cache and /dev/shm included) and of that the file pages the kernel can drop
+    (``file``), all bytes; ``path`` the group's directory."""
+
+    limit: int
+    usage: int
+    file: int
+    path: str
+
+    @property
+    def available(self) -> int:
+        """What the group can still take in: its limit less what it holds beyond droppable file pages."""
+        return max(0, self.limit - max(0, self.usage - self.file))
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return None if text in ("", "max") else int(text) if text.isdigit() else None
+
+
+def _stat_file_bytes(path: str, keys: tuple[str, ...]) -> int:
+    try:
+        with open(path, encoding="ascii") as f:
+            fields = dict(line.split(None, 1) for line in f if " " in line)
+    except OSError:
+        return 0
+    return sum(int(fields.get(k, "0")) for k in keys)
+
+
+def memory_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> MemoryLimit | None:
+    """The tightest memory limit among this process's cgroup and its ancestors (see
+    :class:`MemoryLimit`), or None: no limit, or none that can be read. Never raises."""
+    try:
+        with open(proc_cgroup, encoding="ascii") as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
+    except OSError:
+        return None
+    v1 = next((p for _, ctl, p in lines if "memory" in ctl.split(",")), None)
+    if v1 is not None:
+        base, limit_f, usage_f, stat_f = os.path.join(root, "memory"), "memory.limit_in_bytes", \
+            "memory.usage_in_bytes", ("memory.stat", ("total_active_file", "total_inactive_file"))
+        rel = v1
+    else:
+        rel = next((p for h, ctl, p in lines if h == "0" and ctl == ""), None)
+        if rel is None:
+            return None
+        base, limit_f, usage_f, stat_f = root, "memory.max", "memory.current", \
+            ("memory.stat", ("active_file", "inactive_file"))
+    best: MemoryLimit | None = None
+    parts = [p for p in rel.split("/") if p and p != ".."]
+    total = _mem_total()
+    for depth in range(len(parts), -1, -1):
+        path = os.path.join(base, *parts[:depth])
+        limit, usage = _read_int(os.path.join(path, limit_f)), _read_int(os.path.join(path, usage_f))
+        if limit is None or usage is None or (total is not None and limit >= total):
+            continue  # no limit here (v1 writes a huge number for none)
+        got = MemoryLimit(limit, usage, _stat_file_bytes(os.path.join(path, stat_f[0]), stat_f[1]), path)
+        if best is None or got.available < best.available:
+            best = got
+    return best
+
+
+def _mem_total() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

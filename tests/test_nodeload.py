@@ -3,6 +3,7 @@ figures and thresholds on literal loads."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -64,3 +65,84 @@ def test_the_busy_threshold_and_the_warnings_figures():
     assert not NodeLoad(cores=2, others_cores=None, load1=None, window_s=1.0).busy
     assert busy_warning(NodeLoad(cores=2, others_cores=None, load1=3.0, window_s=1.0), "x").startswith(
         "the node is busy (load average 3.00): x measures")
+
+
+# ------------------------------------------------------------------------------- memory cgroups
+def _tree(tmp_path, files: dict[str, str]) -> str:
+    for rel, text in files.items():
+        path = tmp_path / "cg" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return str(tmp_path / "cg")
+
+
+def test_a_v1_memory_limit_is_read_with_its_droppable_file_pages(tmp_path):
+    from hpcstagger.nodeload import memory_limit
+
+    proc = tmp_path / "cgroup"
+    proc.write_text("12:cpuset:/\n7:memory:/slurm/uid_0/job_42\n1:name=systemd:/x\n")
+    root = _tree(tmp_path, {
+        "memory/memory.limit_in_bytes": "9223372036854771712\n",  # the root: no limit
+        "memory/memory.usage_in_bytes": "1000\n",
+        "memory/slurm/uid_0/job_42/memory.limit_in_bytes": str(2 << 30),
+        "memory/slurm/uid_0/job_42/memory.usage_in_bytes": str(1 << 30),
+        "memory/slurm/uid_0/job_42/memory.stat": "cache 700\ntotal_active_file 100000000\n"
+                                                  "total_inactive_file 200000000\ntotal_shmem 300000000\n"})
+    got = memory_limit(str(proc), root)
+    assert got is not None and got.limit == 2 << 30 and got.usage == 1 << 30 and got.file == 300_000_000
+    assert got.available == (2 << 30) - ((1 << 30) - 300_000_000)  # /dev/shm pages are not droppable
+    assert got.path.endswith("job_42")
+
+
+def test_the_tightest_v2_limit_on_the_path_counts_and_max_is_none(tmp_path):
+    from hpcstagger.nodeload import memory_limit
+
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/system.slice/job/step\n")
+    root = _tree(tmp_path, {
+        "system.slice/job/memory.max": str(1 << 30), "system.slice/job/memory.current": str(900 << 20),
+        "system.slice/job/memory.stat": "active_file 0\ninactive_file 104857600\n",
+        "system.slice/job/step/memory.max": "max\n", "system.slice/job/step/memory.current": str(800 << 20)})
+    got = memory_limit(str(proc), root)
+    assert got is not None and got.limit == 1 << 30 and got.available == (1 << 30) - (800 << 20)
+    proc.write_text("0::/system.slice/job/step\n")
+    assert memory_limit(str(proc), str(tmp_path / "none")) is None  # nothing readable: no limit known
+    assert memory_limit(str(tmp_path / "missing"), root) is None
+
+
+def _v1_memory() -> str | None:
+    path = "/sys/fs/cgroup/memory"
+    return path if os.path.isfile(os.path.join(path, "memory.limit_in_bytes")) and os.access(path, os.W_OK) else None
+
+
+@pytest.mark.skipif(_v1_memory() is None, reason="needs a writable cgroup v1 memory hierarchy (root)")
+def test_a_process_in_a_real_memory_cgroup_sees_its_room_not_the_nodes(tmp_path):
+    """The page-cache rule's memory (source_probe.mem_available) in a real 256 MiB memory cgroup:
+    at most the limit, where the node's MemAvailable is far larger."""
+    group = os.path.join(_v1_memory() or "", f"hpcstagger-test-{os.getpid()}")
+    os.mkdir(group)
+    try:
+        with open(os.path.join(group, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(256 << 20))
+        code = ("import json; from hpcstagger.model.source_probe import mem_available, parse_meminfo; "
+                "from hpcstagger.nodeload import memory_limit; m = memory_limit(); "
+                "print(json.dumps([mem_available(), m.limit if m else None, "
+                "parse_meminfo(open('/proc/meminfo').read())['MemAvailable']]))")
+
+        def join() -> None:
+            with open(os.path.join(group, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, preexec_fn=join)
+        assert out.returncode == 0, out.stderr
+        avail, limit, node = json.loads(out.stdout)
+        assert limit == 256 << 20 and 0 < avail <= 256 << 20
+        if node > 1 << 30:  # the check can fail: the node's own figure is above the group's room
+            assert avail < node
+    finally:
+        for _ in range(50):
+            try:
+                os.rmdir(group)
+                break
+            except OSError:
+                time.sleep(0.1)

@@ -18,8 +18,9 @@ What is measured is the source, not the page cache or a library's own cache:
   ``posix_fadvise(POSIX_FADV_DONTNEED)`` before each level (:func:`drop_pages`).
 
 The page-cache rule (:func:`page_cache_holds`): a file source that is not an emulated
-ThrottledSource, whose dataset takes less than half of the node's ``MemAvailable``, stays in the
-page cache once read; the node then has a transparent shared cache holding the whole dataset.
+ThrottledSource, whose dataset takes less than half of the memory available here (the node's
+``MemAvailable``, or the room its memory cgroup leaves, the smaller: :func:`mem_available`), stays in
+the page cache once read; the node then has a transparent shared cache holding the whole dataset.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from hpcstagger.errors import ConfigError, ModelError
 from hpcstagger.cache.sources import DirectorySource, HDF5Source
 from hpcstagger.cache.throttle import ThrottledSource
 from hpcstagger._io import drop_cached_pages
+from hpcstagger.nodeload import memory_limit
 from hpcstagger.model.source_levels import (MIN_WINDOW_S, SHORT_SHARE, SPREAD_LIMIT, combine_levels, disagreeing,
                                            trusted_bandwidth, weighted_median)
 
@@ -46,7 +48,7 @@ __all__ = ["SamplePool", "trusted_bandwidth", "measure_readers", "hit_bandwidth"
            "MAX_READERS", "REREAD_BELOW", "REREAD_MOST", "SPREAD_LIMIT", "SHORT_SHARE", "MIN_WINDOW_S",
            "weighted_median", "combine_levels", "disagreeing"]
 
-PAGE_CACHE_SHARE = 0.5   # a dataset below this share of MemAvailable stays in the page cache
+PAGE_CACHE_SHARE = 0.5   # a dataset below this share of the available memory stays in the page cache
 MAX_READERS = 16         # most concurrent readers a calibration measures (the last level holds beyond)
 REREAD_BELOW = 4096      # a level whose share of fresh samples is smaller reads samples again (pages dropped)
 REREAD_MOST = 32768      # ... at most this many (each reader's list is sent to it; each file's pages dropped)
@@ -401,18 +403,24 @@ def parse_meminfo(text: str) -> dict[str, int]:
 
 
 def mem_available(path: str = "/proc/meminfo") -> int | None:
-    """The node's ``MemAvailable`` in bytes, or None when it cannot be read."""
+    """The memory this process can still fill, in bytes: the node's ``MemAvailable``, or less where
+    its memory cgroup (a Slurm job's, say) leaves less room (:func:`hpcstagger.nodeload.memory_limit`);
+    None when neither can be read."""
     try:
         with open(path) as f:
-            return parse_meminfo(f.read()).get("MemAvailable")
+            node = parse_meminfo(f.read()).get("MemAvailable")
     except OSError:
-        return None
+        node = None
+    group = memory_limit()
+    if group is None:
+        return node
+    return group.available if node is None else min(node, group.available)
 
 
 def page_cache_holds(dataset_bytes: float, available: int | None, *, file_source: bool, emulated: bool) -> bool:
     """True when the node's page cache keeps the whole dataset once read: a file source, not an
     emulated one (ThrottledSource), taking less than ``PAGE_CACHE_SHARE`` (half) of ``available``
-    (MemAvailable, bytes; None: unknown, so False)."""
+    (:func:`mem_available`, bytes; None: unknown, so False)."""
     if not file_source or emulated or available is None:
         return False
     return dataset_bytes < PAGE_CACHE_SHARE * available

@@ -58,8 +58,9 @@ def scenario_cache(meas: Mapping[str, Any], spec: Spec, capacity: float | str | 
         page = pc["hit_bandwidth"]
         has_shm = spec.cache.capacity > 0 and spec.cache.policy != "none"
         notes = {"cache.capacity": f"the page cache: the dataset ({pc['dataset_bytes'] / 1e6:.0f} MB) is below half "
-                                   f"of MemAvailable ({pc['mem_available'] / 1e6:.0f} MB), so the node keeps all of it "
-                                   "once read, a cache shared by every job",
+                                   f"of the available memory ({pc['mem_available'] / 1e6:.0f} MB: MemAvailable, or "
+                                   "the memory cgroup's room if smaller), so the node keeps all of it once read, a "
+                                   "cache shared by every job",
                  "cache.hit_bandwidth": f"the page cache's ({page / 1e9:.2f} GB/s, {pc['how']})" +
                                         (f" or the ShmCache's ({shm / 1e9:.2f} GB/s), the slower" if has_shm else "")}
         hit = min(page, shm) if has_shm else page

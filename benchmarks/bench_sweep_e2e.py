@@ -1,0 +1,413 @@
+"""A hyper-parameter sweep on one node, end to end: four trials with plain PyTorch against the same
+four with hpcstagger, on a kernel-throttled file system, inside a memory limit. Root only.
+
+Results: benchmarks/RESULTS.md, section The whole tool against plain PyTorch.
+
+The trials are ``benchmarks/sweep/trial.py``: a torchvision ImageFolder of JPEG files, PIL decode
+and a random resized crop and flip in DataLoader workers, a small CNN, SGD (the trials differ in
+learning rate), a checkpoint every ``--ckpt-every`` steps. The node is made real, not emulated:
+
+- the JPEG tree lives on an ext4 image on a loop device whose reads a cgroup v1 ``blkio``
+  throttle holds to ``--mbps``;
+- every process of a run lives in one fresh cgroup v1 ``memory`` group whose limit is the node's
+  RAM (``--mem-mb``); the page cache and /dev/shm are charged to it, as on a node;
+- the dataset's pages are dropped before every run.
+
+Rows, each a run of the four trials started at once, interleaved over ``--repeat`` rounds:
+
+- ``plain``: the trials as users run them (``--mode plain``: its own DataLoader, torch.save to
+  the same file system), all four started together as a job array would;
+- ``dcp``: the same with torch.distributed.checkpoint.async_save;
+- then hpcstagger, one part added at a time, each through ``hpcstagger launch`` with the
+  documented lines (``--mode hpcstagger``): ``cache`` (the node's /dev/shm cache, a simultaneous
+  start), ``plan`` (+ the planner's stagger from ``hpcstagger calibrate --spec``, the closed loop
+  on), ``shared`` (+ one shared loader for the four trials), ``hpcstagger`` (+ AsyncCheckpointer:
+  the whole tool).
+
+Two sizes: ``fits`` (the dataset fits in the page cache under the limit, so plain PyTorch already
+shares it) and ``nofit`` (about twice what the page cache can hold under the limit). Every row
+reports the makespan (first process started to last process ended), each trial's finish time,
+total CPU seconds (the cgroup's ``cpuacct.usage``), peak memory (the cgroup's
+``memory.max_usage_in_bytes``: RSS, page cache and /dev/shm; and the sampled peak of the
+processes' PSS plus the run's /dev/shm), and OOM kills.
+
+    python benchmarks/bench_sweep_e2e.py [--sizes fits,nofit] [--rows plain,dcp,...] [--repeat 3]
+                                         [--mem-mb 1536] [--mbps 20] [--fits-mb 150] [--nofit-mb 900]
+                                         [--epochs 2] [--quick]
+
+Writes benchmarks/out/bench_sweep_e2e.json and prints a table per size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+from collections.abc import Iterator
+
+HERE = Path(__file__).resolve().parent
+TRIAL = HERE / "sweep" / "trial.py"
+LRS = (0.02, 0.05, 0.1, 0.2)
+ROWS = ("plain", "dcp", "cache", "plan", "shared", "hpcstagger")
+CG = "/sys/fs/cgroup"
+
+
+# ---------------------------------------------------------------------------------------- the dataset
+def make_images(root: Path, megabytes: float, *, px: int = 96, classes: int = 10, seed: int = 0) -> int:
+    """An ImageFolder tree of JPEG files of about ``megabytes`` in all (noisy images, so that JPEG
+    keeps them large: about 15 KB at 96 x 96); returns the number of files."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    total, n = 0, 0
+    base = rng.integers(0, 255, size=(classes, px, px, 3), dtype=np.uint8)
+    while total < megabytes * 1e6:
+        c = n % classes
+        img = (base[c] // 2 + rng.integers(0, 128, size=(px, px, 3), dtype=np.uint8)).astype(np.uint8)
+        path = root / f"class{c:02d}" / f"img{n:07d}.jpg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(img).save(path, quality=90)
+        total += path.stat().st_size
+        n += 1
+    return n
+
+
+def drop_tree(root: Path) -> int:
+    """Drop the page-cache pages of every file under ``root`` (posix_fadvise DONTNEED)."""
+    from hpcstagger._io import drop_cached_pages
+
+    n = 0
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            drop_cached_pages(os.path.join(dirpath, name))
+            n += 1
+    return n
+
+
+# ---------------------------------------------------------------------------------------- the node
+@contextmanager
+def throttled_fs(data: Path, bps: float, work: Path, extra_mb: int) -> Iterator[tuple[Path, str]]:
+    """``data`` (a directory) copied onto an ext4 image on a loop device, its reads throttled to
+    ``bps`` by a blkio cgroup; yields (the copy, the blkio cgroup). ``extra_mb``: room for checkpoints."""
+    image, mnt = work / "fs.img", work / "mnt"
+    mnt.mkdir()
+    used = sum(f.stat().st_size for f in data.rglob("*") if f.is_file())
+    size_mb = int(used * 1.3 / 2**20) + extra_mb + 64
+    subprocess.run(["truncate", "-s", f"{size_mb}M", str(image)], check=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+    dev = subprocess.run(["losetup", "--find", "--show", str(image)], check=True, capture_output=True,
+                         text=True).stdout.strip()
+    blkio = f"{CG}/blkio/hpcstagger-sweep-{os.getpid()}"
+    try:
+        subprocess.run(["mount", dev, str(mnt)], check=True)
+        shutil.copytree(data, mnt / data.name)
+        os.sync()
+        rdev = os.stat(dev).st_rdev
+        os.makedirs(blkio, exist_ok=True)
+        with open(os.path.join(blkio, "blkio.throttle.read_bps_device"), "w") as f:
+            f.write(f"{os.major(rdev)}:{os.minor(rdev)} {int(bps)}")
+        drop_tree(mnt / data.name)
+        yield mnt / data.name, blkio
+    finally:
+        _kill_members(blkio)
+        subprocess.run(["umount", str(mnt)], check=False)
+        subprocess.run(["losetup", "-d", dev], check=False)
+        if os.path.isdir(blkio):
+            os.rmdir(blkio)
+
+
+def _kill_members(cg: str) -> None:
+    """SIGKILL every process left in the cgroup ``cg``, and wait (up to 10 s) until it is empty."""
+    procs = os.path.join(cg, "cgroup.procs")
+    deadline = time.monotonic() + 10
+    while os.path.exists(procs) and time.monotonic() < deadline:
+        with open(procs) as f:
+            pids = [int(x) for x in f.read().split()]
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.2)
+
+
+class RunGroup:
+    """A fresh memory and cpuacct cgroup for one run (its limit the node's RAM), joined with the
+    node's blkio group by every process the run starts (never by this process)."""
+
+    def __init__(self, tag: str, mem_bytes: int, blkio: str):
+        self.mem, self.cpu, self.blkio = f"{CG}/memory/{tag}", f"{CG}/cpuacct/{tag}", blkio
+        for path in (self.mem, self.cpu):
+            os.makedirs(path)
+        with open(f"{self.mem}/memory.limit_in_bytes", "w") as f:
+            f.write(str(mem_bytes))
+
+    def join(self) -> None:
+        """A ``preexec_fn``: the child (and so its children) into the three groups."""
+        for path in (self.mem, self.cpu, self.blkio):
+            with open(f"{path}/cgroup.procs", "w") as f:
+                f.write(str(os.getpid()))
+
+    def pids(self) -> list[int]:
+        with open(f"{self.mem}/cgroup.procs") as f:
+            return [int(x) for x in f.read().split()]
+
+    def stats(self) -> dict[str, Any]:
+        def read(path: str) -> str:
+            with open(path) as f:
+                return f.read()
+        oom = dict(line.split() for line in read(f"{self.mem}/memory.oom_control").splitlines())
+        return {"cgroup_peak_bytes": int(read(f"{self.mem}/memory.max_usage_in_bytes")),
+                "oom_kills": int(oom.get("oom_kill", 0)), "failcnt": int(read(f"{self.mem}/memory.failcnt")),
+                "cpu_s": int(read(f"{self.cpu}/cpuacct.usage")) / 1e9}
+
+    def close(self) -> None:
+        _kill_members(self.mem)
+        for path in (self.mem, self.cpu):
+            for _ in range(50):
+                try:
+                    os.rmdir(path)
+                    break
+                except OSError:
+                    time.sleep(0.1)
+
+
+class MemorySampler(threading.Thread):
+    """Every ``every`` seconds: the sum of the group's processes' PSS plus the bytes under the run's
+    shm root; keeps the peak."""
+
+    def __init__(self, group: RunGroup, shm: Path, every: float = 0.5):
+        super().__init__(daemon=True)
+        self.group, self.shm, self.every = group, shm, every
+        self.peak, self.stop = 0, threading.Event()
+
+    def _pss(self, pid: int) -> int:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return 0
+
+    def run(self) -> None:
+        while not self.stop.wait(self.every):
+            shm = sum(f.stat().st_size for f in self.shm.rglob("*") if f.is_file()) if self.shm.exists() else 0
+            self.peak = max(self.peak, sum(self._pss(p) for p in self.group.pids()) + shm)
+
+
+# ---------------------------------------------------------------------------------------- the rows
+def trial_args(row: str, lr: float, ckpt_dir: Path, report: Path, args: argparse.Namespace) -> list[str]:
+    ckpt = {"plain": "torch", "dcp": "dcp", "hpcstagger": "async"}.get(row, "torch")
+    mode = "plain" if row in ("plain", "dcp") else "hpcstagger"
+    return [sys.executable, str(TRIAL), "--mode", mode, "--lr", str(lr), "--epochs", str(args.epochs),
+            "--batch", str(args.batch), "--workers", str(args.workers), "--ckpt", ckpt, "--ckpt-dir", str(ckpt_dir),
+            "--ckpt-every", str(args.ckpt_every), "--report", str(report)]
+
+
+def write_spec(path: Path, row: str, data: Path, work: Path, shm: Path, cache_bytes: int, scenario: Path | None,
+               args: argparse.Namespace) -> None:
+    """The job spec of an hpcstagger row: four trials, the cache, the plan mode, the shared loader."""
+    mode = "plan" if row in ("plan", "shared", "hpcstagger") and scenario is not None else "simultaneous"
+    lines = ["[run]", 'name = "sweep"', f'workdir = "{work / "runs"}"', "timeout = 3600", "",
+             "[dataset]", f'path = "{data}"', 'pattern = "**/*.jpg"', "",
+             "[cache]", f"capacity = {cache_bytes}", f'root = "{shm}"', "",
+             "[checkpoint]", f'directory = "{work / "ckpt"}"', f"every = {args.ckpt_every}", "",
+             "[plan]", f'mode = "{mode}"'] + ([f'scenario = "{scenario}"'] if mode == "plan" else []) + [""]
+    if row in ("shared", "hpcstagger"):
+        lines += ["[loader]", "share = true", ""]
+    for lr in LRS:
+        argv = trial_args(row, lr, work / "ckpt" / f"lr{lr}", work / "reports" / f"lr{lr}.json", args)
+        lines += ["[[job]]", f'name = "lr{lr}"', f'command = "{" ".join(argv)}"', f"epochs = {args.epochs}",
+                  'backend = "none"', ""]
+    path.write_text("\n".join(lines))
+
+
+def run_row(row: str, size: str, rep: int, node: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """One run of the four trials; its makespan, trials, CPU and memory."""
+    work = Path(tempfile.mkdtemp(prefix=f"{row}-", dir=node["ckpt_root"]))
+    (work / "reports").mkdir()
+    shm = Path(tempfile.mkdtemp(prefix="hpcstagger-sweep-", dir="/dev/shm"))
+    log = node["root"] / f"{size}-{row}-{rep}.log"
+    dropped = drop_tree(node["data"])
+    group = RunGroup(f"hpcstagger-sweep-{os.getpid()}-{size}-{row}-{rep}", node["mem_bytes"], node["blkio"])
+    sampler = MemorySampler(group, shm)
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent), HPCSTAGGER_SHM_ROOT=str(shm))
+    try:
+        with open(log, "wb") as out:
+            if row in ("plain", "dcp"):
+                argvs = [trial_args(row, lr, work / "ckpt" / f"lr{lr}", work / "reports" / f"lr{lr}.json", args)
+                         + ["--data", str(node["data"])] for lr in LRS]
+            else:
+                spec = work / "spec.toml"
+                write_spec(spec, row, node["data"], work, shm, node["cache_bytes"], node.get("scenario"), args)
+                argvs = [[sys.executable, "-m", "hpcstagger", "launch", str(spec), "--cold-cache", "--no-history"]]
+            sampler.start()
+            t0 = time.time()
+            procs = [subprocess.Popen(a, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=str(work),
+                                      preexec_fn=group.join) for a in argvs]
+            codes = [p.wait(timeout=args.timeout) for p in procs]
+            t1 = time.time()
+        sampler.stop.set()
+        sampler.join()
+        stats = group.stats()
+    finally:
+        sampler.stop.set()
+        group.close()
+        shutil.rmtree(shm, ignore_errors=True)
+    trials = {}
+    for lr in LRS:
+        path = work / "reports" / f"lr{lr}.json"
+        if path.exists():
+            r = json.loads(path.read_text())
+            trials[f"lr{lr}"] = {"start": r["start"] - t0, "end": r["end"] - t0, "steps": r["steps"],
+                                 "loss": r["loss"], "cpu_s": r["cpu_s"]}
+    shutil.rmtree(work, ignore_errors=True)
+    ok = all(c == 0 for c in codes) and len(trials) == len(LRS)
+    return {"row": row, "size": size, "rep": rep, "ok": ok, "exit": codes, "makespan": t1 - t0, "trials": trials,
+            "sampled_peak_bytes": sampler.peak, "dropped_files": dropped, "log": str(log), **stats}
+
+
+def calibrate(node: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """``hpcstagger calibrate --spec`` of the plan row's spec, once per size, inside the node's limits."""
+    work = Path(tempfile.mkdtemp(prefix="calibrate-", dir=node["ckpt_root"]))
+    (work / "reports").mkdir()
+    shm = Path(tempfile.mkdtemp(prefix="hpcstagger-sweep-", dir="/dev/shm"))
+    spec, scenario = work / "spec.toml", node["root"] / f"{node['size']}-scenario.toml"
+    write_spec(spec, "plan", node["data"], work, shm, node["cache_bytes"], scenario, args)
+    drop_tree(node["data"])
+    group = RunGroup(f"hpcstagger-sweep-{os.getpid()}-{node['size']}-calibrate", node["mem_bytes"], node["blkio"])
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent), HPCSTAGGER_SHM_ROOT=str(shm))
+    t0 = time.monotonic()
+    try:
+        with open(node["root"] / f"{node['size']}-calibrate.log", "wb") as out:
+            rc = subprocess.run([sys.executable, "-m", "hpcstagger", "calibrate", "--spec", str(spec), "-o",
+                                 str(scenario), "--budget", str(args.budget)], stdout=out, stderr=subprocess.STDOUT,
+                                env=env, cwd=str(work), preexec_fn=group.join, timeout=600).returncode
+    finally:
+        group.close()
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+    if rc != 0:
+        raise SystemExit(f"calibration failed (exit {rc}): see {node['root'] / (node['size'] + '-calibrate.log')}")
+    return {"seconds": time.monotonic() - t0, "scenario": scenario.read_text()}
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per row: the median makespan, CPU and peaks over its runs, and its gain against plain."""
+    out: dict[str, dict[str, Any]] = {}
+    for row in ROWS:
+        mine = [r for r in runs if r["row"] == row and r["ok"]]
+        if not mine:
+            continue
+        out[row] = {"runs": len(mine), "makespan": statistics.median(r["makespan"] for r in mine),
+                    "makespans": [round(r["makespan"], 2) for r in mine],
+                    "cpu_s": statistics.median(r["cpu_s"] for r in mine),
+                    "cgroup_peak_bytes": max(r["cgroup_peak_bytes"] for r in mine),
+                    "sampled_peak_bytes": max(r["sampled_peak_bytes"] for r in mine),
+                    "oom_kills": sum(r["oom_kills"] for r in mine),
+                    "failed": sum(1 for r in runs if r["row"] == row and not r["ok"])}
+    if "plain" in out:
+        for row in out:
+            out[row]["vs_plain"] = out[row]["makespan"] / out["plain"]["makespan"] - 1
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="fits,nofit", help="fits, nofit or both (comma-separated)")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"rows to run, of {', '.join(ROWS)}")
+    p.add_argument("--repeat", type=int, default=3, help="runs per row (medians); rows interleave")
+    p.add_argument("--mem-mb", type=int, default=1536, help="the node's RAM: the memory cgroup's limit, MB")
+    p.add_argument("--mbps", type=float, default=20.0, help="the file system's read bandwidth, MB/s")
+    p.add_argument("--fits-mb", type=float, default=150.0, help="dataset size that fits the page cache, MB")
+    p.add_argument("--nofit-mb", type=float, default=900.0, help="dataset size about twice the page cache's room")
+    p.add_argument("--cache-mb", type=float, default=0.0,
+                   help="the /dev/shm cache's capacity, MB (default: the dataset, at most half the limit)")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--ckpt-every", type=int, default=50)
+    p.add_argument("--budget", type=float, default=60.0, help="calibration budget, seconds")
+    p.add_argument("--timeout", type=float, default=1800.0, help="a run's limit, seconds")
+    p.add_argument("--quick", action="store_true", help="a small check of the harness: 20 and 60 MB, one run each")
+    p.add_argument("--keep", action="store_true", help="keep the work directory (logs, scenarios)")
+    p.add_argument("--out", default=str(HERE / "out" / "bench_sweep_e2e.json"))
+    args = p.parse_args()
+    if args.quick:
+        args.fits_mb, args.nofit_mb, args.repeat, args.mem_mb = 20.0, 60.0, 1, max(args.mem_mb, 1536)
+    if os.geteuid() != 0:
+        raise SystemExit("bench_sweep_e2e needs root: a loop device, mount, and blkio, memory and cpuacct cgroups")
+    rows = args.rows.split(",")
+    unknown = [r for r in rows if r not in ROWS] + [s for s in args.sizes.split(",") if s not in ("fits", "nofit")]
+    if unknown:
+        raise SystemExit(f"unknown row or size {', '.join(unknown)}: rows {', '.join(ROWS)}; sizes fits, nofit")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args), "sizes": {}}
+    root = Path(tempfile.mkdtemp(prefix="bench-sweep-e2e-"))
+    try:
+        for size in args.sizes.split(","):
+            mb = args.fits_mb if size == "fits" else args.nofit_mb
+            src = root / f"{size}-src" / "images"
+            files = make_images(src, mb)
+            print(f"[bench_sweep_e2e] {size}: {files} JPEG files, {mb:.0f} MB", file=sys.stderr, flush=True)
+            fsdir = root / f"{size}-fs"
+            fsdir.mkdir()
+            with throttled_fs(src, args.mbps * 1e6, fsdir, extra_mb=256) as (data, blkio):
+                shutil.rmtree(src.parent)
+                cache_mb = args.cache_mb or min(mb * 1.05, args.mem_mb / 2)
+                node = {"size": size, "root": root, "data": data, "blkio": blkio, "mem_bytes": args.mem_mb << 20,
+                        "cache_bytes": int(cache_mb * 1e6), "ckpt_root": data.parent}
+                entry: dict[str, Any] = {"files": files, "dataset_mb": mb, "cache_mb": cache_mb, "runs": []}
+                if any(r in rows for r in ("plan", "shared", "hpcstagger")):
+                    entry["calibration"] = calibrate(node, args)
+                    node["scenario"] = root / f"{size}-scenario.toml"
+                order = list(rows)
+                for rep in range(args.repeat):
+                    random.Random(rep).shuffle(order)
+                    for row in order:
+                        res = run_row(row, size, rep, node, args)
+                        entry["runs"].append(res)
+                        print(f"[bench_sweep_e2e] {size} {row} #{rep}: {res['makespan']:.1f} s "
+                              f"{'ok' if res['ok'] else 'FAILED ' + str(res['exit'])}, cpu {res['cpu_s']:.0f} s, "
+                              f"peak {res['cgroup_peak_bytes'] / 2**20:.0f} MiB, oom {res['oom_kills']}",
+                              file=sys.stderr, flush=True)
+                        entry["summary"] = summarise(entry["runs"])
+                        results["sizes"][size] = entry
+                        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+                        with open(args.out, "w") as f:
+                            json.dump(results, f, indent=1)
+    finally:
+        if args.keep:
+            print(f"[bench_sweep_e2e] kept {root}", file=sys.stderr)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    for size, entry in results["sizes"].items():
+        print(f"\n{size}: {entry['files']} files, {entry['dataset_mb']:.0f} MB, limit {args.mem_mb} MiB, "
+              f"{args.mbps:g} MB/s\n| row | makespan | vs plain | CPU s | peak (cgroup) | peak (PSS + shm) | OOM |\n"
+              "|---|---|---|---|---|---|---|")
+        for row, s in entry.get("summary", {}).items():
+            print(f"| {row} | {s['makespan']:.1f} s | {100 * s.get('vs_plain', 0):+.1f}% | {s['cpu_s']:.0f} | "
+                  f"{s['cgroup_peak_bytes'] / 2**20:.0f} MiB | {s['sampled_peak_bytes'] / 2**20:.0f} MiB | "
+                  f"{s['oom_kills']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
