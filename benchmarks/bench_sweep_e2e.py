@@ -65,9 +65,9 @@ CG = "/sys/fs/cgroup"
 
 
 # ---------------------------------------------------------------------------------------- the dataset
-def make_images(root: Path, megabytes: float, *, px: int = 96, classes: int = 10, seed: int = 0) -> int:
+def make_images(root: Path, megabytes: float, *, px: int = 128, classes: int = 10, seed: int = 0) -> int:
     """An ImageFolder tree of JPEG files of about ``megabytes`` in all (noisy images, so that JPEG
-    keeps them large: about 15 KB at 96 x 96); returns the number of files."""
+    keeps them large: about 30 KB at 128 x 128, quality 100); returns the number of files."""
     import numpy as np
     from PIL import Image
 
@@ -79,7 +79,7 @@ def make_images(root: Path, megabytes: float, *, px: int = 96, classes: int = 10
         img = (base[c] // 2 + rng.integers(0, 128, size=(px, px, 3), dtype=np.uint8)).astype(np.uint8)
         path = root / f"class{c:02d}" / f"img{n:07d}.jpg"
         path.parent.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(img).save(path, quality=90)
+        Image.fromarray(img).save(path, quality=100)
         total += path.stat().st_size
         n += 1
     return n
@@ -194,7 +194,7 @@ class MemorySampler(threading.Thread):
     def __init__(self, group: RunGroup, shm: Path, every: float = 0.5):
         super().__init__(daemon=True)
         self.group, self.shm, self.every = group, shm, every
-        self.peak, self.stop = 0, threading.Event()
+        self.peak, self.anon_peak, self.stop = 0, 0, threading.Event()
 
     def _pss(self, pid: int) -> int:
         try:
@@ -210,6 +210,12 @@ class MemorySampler(threading.Thread):
         while not self.stop.wait(self.every):
             shm = sum(f.stat().st_size for f in self.shm.rglob("*") if f.is_file()) if self.shm.exists() else 0
             self.peak = max(self.peak, sum(self._pss(p) for p in self.group.pids()) + shm)
+            try:  # what the group's processes hold, apart from the page cache: anonymous memory and /dev/shm
+                with open(f"{self.group.mem}/memory.stat") as f:
+                    stat = dict(line.split() for line in f)
+                self.anon_peak = max(self.anon_peak, int(stat.get("total_rss", 0)) + int(stat.get("total_shmem", 0)))
+            except OSError:
+                pass
 
 
 # ---------------------------------------------------------------------------------------- the rows
@@ -281,7 +287,8 @@ def run_row(row: str, size: str, rep: int, node: dict[str, Any], args: argparse.
     shutil.rmtree(work, ignore_errors=True)
     ok = all(c == 0 for c in codes) and len(trials) == len(LRS)
     return {"row": row, "size": size, "rep": rep, "ok": ok, "exit": codes, "makespan": t1 - t0, "trials": trials,
-            "sampled_peak_bytes": sampler.peak, "dropped_files": dropped, "log": str(log), **stats}
+            "sampled_peak_bytes": sampler.peak, "anon_shm_peak_bytes": sampler.anon_peak, "dropped_files": dropped,
+            "log": str(log), **stats}
 
 
 def calibrate(node: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -321,6 +328,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                     "cpu_s": statistics.median(r["cpu_s"] for r in mine),
                     "cgroup_peak_bytes": max(r["cgroup_peak_bytes"] for r in mine),
                     "sampled_peak_bytes": max(r["sampled_peak_bytes"] for r in mine),
+                    "anon_shm_peak_bytes": max(r["anon_shm_peak_bytes"] for r in mine),
                     "oom_kills": sum(r["oom_kills"] for r in mine),
                     "failed": sum(1 for r in runs if r["row"] == row and not r["ok"])}
     if "plain" in out:
@@ -386,7 +394,8 @@ def main() -> int:
                         entry["runs"].append(res)
                         print(f"[bench_sweep_e2e] {size} {row} #{rep}: {res['makespan']:.1f} s "
                               f"{'ok' if res['ok'] else 'FAILED ' + str(res['exit'])}, cpu {res['cpu_s']:.0f} s, "
-                              f"peak {res['cgroup_peak_bytes'] / 2**20:.0f} MiB, oom {res['oom_kills']}",
+                              f"peak {res['cgroup_peak_bytes'] / 2**20:.0f} MiB (anon + shm "
+                              f"{res['anon_shm_peak_bytes'] / 2**20:.0f} MiB), oom {res['oom_kills']}",
                               file=sys.stderr, flush=True)
                         entry["summary"] = summarise(entry["runs"])
                         results["sizes"][size] = entry

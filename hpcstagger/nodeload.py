@@ -152,9 +152,10 @@ def memory_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cg
             "memory.usage_in_bytes", ("memory.stat", ("total_active_file", "total_inactive_file"))
         rel = v1
     else:
-        rel = next((p for h, ctl, p in lines if h == "0" and ctl == ""), None)
-        if rel is None:
+        v2 = next((p for h, ctl, p in lines if h == "0" and ctl == ""), None)
+        if v2 is None:
             return None
+        rel = v2
         base, limit_f, usage_f, stat_f = root, "memory.max", "memory.current", \
             ("memory.stat", ("active_file", "inactive_file"))
     best: MemoryLimit | None = None

@@ -19,6 +19,7 @@ import pytest
 
 from hpcstagger.colocated import jobmeter as C
 from hpcstagger.stagger import jobfields as F
+from hpcstagger.stagger import scenario_build as S
 from hpcstagger.errors import ModelError
 from hpcstagger.model import Scenario
 from hpcstagger.model.source_probe import (SamplePool, drop_pages, page_cache_holds, parse_meminfo,
@@ -267,6 +268,64 @@ def test_calibration_mode_in_one_process_measures_and_exits_0(monkeypatch, tmp_p
     assert f["misses"] > 0 and f["prep_time"] > 0 and f["sample_time"] > 0 and f["handoff"] > 0
     assert dataset.meter is not None
     cache.destroy(force=True)
+
+
+class _Burn:
+    """A Dataset that is no CachedDataset (as an ImageFolder is): each sample costs ``ms`` of CPU."""
+
+    def __init__(self, n: int, ms: float):
+        self.n, self.ms = n, ms
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        import torch
+
+        end = time.thread_time() + self.ms / 1e3
+        while time.thread_time() < end:
+            pass
+        return torch.full((8,), float(i))
+
+
+@pytest.mark.timeout(120)
+def test_without_a_cached_dataset_the_workers_cpu_per_sample_is_the_prep(monkeypatch, tmp_path):
+    """An ImageFolder or any other Dataset: no CachedDataset counts the samples, so the job's loop
+    counts its DataLoader workers' CPU over the measured batches (2 ms of CPU per sample here)."""
+    import torch
+
+    import hpcstagger
+
+    reports = tmp_path / "reports"
+    monkeypatch.delenv("HPCSTAGGER_SPEC", raising=False)
+    monkeypatch.setenv("HPCSTAGGER_CALIBRATE", str(reports))
+    monkeypatch.setenv("HPCSTAGGER_CALIBRATE_UNTIL", str(time.time() + 60))
+    session = hpcstagger.init(backend="none", verbose=False)
+    loader = torch.utils.data.DataLoader(_Burn(100000, 2.0), batch_size=8, num_workers=2, persistent_workers=True)
+    with pytest.raises(SystemExit) as stop:
+        for _ in session.loader(loader):
+            pass
+    assert stop.value.code == 0
+    report = F.read_reports(str(reports))
+    counted = report["job"]["worker_cpu"]
+    assert 8 * (C.TARGET_BATCHES - 2) <= counted["samples"] <= 8 * C.TARGET_BATCHES and counted["cpu_s"] > 0
+    f = F.job_fields("job", report["job"], report["loops"], report["samples"])
+    assert f["prep_from_workers"] and not f["samples_seen"]
+    assert 0.0015 < f["prep_time"] < 0.006, f["prep_time"]  # the 2 ms burn, plus collate and hand-over
+    assert "prep is its DataLoader workers' CPU per sample" in S.describe_job(f)
+
+
+def test_job_fields_take_the_workers_cpu_only_where_no_cached_dataset_counted():
+    loop = _loop(0, [(0.5, 0.2, 8, 1, 0), (0.001, 0.010, 8, 0, 0), (0.001, 0.010, 8, 0, 0)])
+    job = {"shape": {"ranks": 1, "workers": 2, "batch": 8, "prefetch": 2}, "stopped": "done", "setup_s": 1.0,
+           "iter_s": [0.05], "worker_cpu": {"cpu_s": 0.048, "samples": 16}}
+    f = F.job_fields("j", job, [loop], [])
+    assert f["prep_from_workers"] and f["prep_time"] == pytest.approx(0.003) and f["worker_cpu_per_sample"] == 0.003
+    counted = [{"worker": True, "hits": 16, "misses": 0, "hit_transform_s": 0.016, "cpu_s": 0.032, "hit_get_s": 0.0}]
+    g = F.job_fields("j", job, [loop], counted)  # a CachedDataset counted: its figures, not the workers' total
+    assert not g["prep_from_workers"] and g["prep_time"] == pytest.approx(0.002)
+    h = F.job_fields("j", {**job, "shape": {**job["shape"], "workers": 0}}, [loop], [])
+    assert not h["prep_from_workers"] and h["prep_time"] == 0.0  # no workers: the loop's own wait holds it
 
 
 # ------------------------------------------------------------------------------- pure parts

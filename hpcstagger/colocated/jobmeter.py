@@ -256,6 +256,11 @@ class LoopMeter:
         self.stopped = ""
         self.setup_s: float | None = None  # from the job's start to its loop's first pass
         self.iter_s: list[float] = []      # each pass's iter(loader): starting the loader (its workers)
+        # the DataLoader workers' CPU seconds over the measured batches, and those batches' samples:
+        # the workers' cost per sample where no CachedDataset under the loader counts it (ImageFolder)
+        self.worker_cpu = {"cpu_s": 0.0, "samples": 0}
+        self._workers: list[int] = []
+        self._worker_cpu0: float | None = None
         os.makedirs(directory, exist_ok=True)
 
     @property
@@ -295,6 +300,7 @@ class LoopMeter:
         t_iter = time.perf_counter()
         it = iter(iterable)
         self.iter_s.append(time.perf_counter() - t_iter)
+        self._worker_pass(it)
         warm, seen, body, body_cpu = self._warmup(), 0, 0.0, 0.0
         wait, wait_cpu, samples, probe = 0.0, 0.0, 0, False
         cpu = time.process_time
@@ -315,10 +321,28 @@ class LoopMeter:
                 wait, wait_cpu = time.perf_counter() - t1, cpu() - c1
                 samples = batch_size_of(item)
                 seen += 1
+                if seen == warm + 1:
+                    self._worker_cpu0 = _cpu_of(self._workers)
+                elif seen > warm + 1 and self._worker_cpu0 is not None:
+                    self.worker_cpu["samples"] += samples
                 body, body_cpu = time.perf_counter(), cpu()
                 yield item
         finally:
             self._flush()
+
+    def _worker_pass(self, it: Any) -> None:
+        """A new pass over the loader: count its workers' CPU from the end of its warm-up (what the
+        last pass's workers used is kept)."""
+        self._worker_count()
+        self._workers = [int(w.pid) for w in getattr(it, "_workers", ()) if getattr(w, "pid", None)]
+        self._worker_cpu0 = None
+
+    def _worker_count(self) -> None:
+        """Add what the workers used since the warm-up of this pass, and restart the count there."""
+        if self._worker_cpu0 is not None:
+            now = _cpu_of(self._workers)
+            self.worker_cpu["cpu_s"] += max(0.0, now - self._worker_cpu0)
+            self._worker_cpu0 = now
 
     def _probe(self, measured: int) -> bool:
         """Before every PROBE_EVERY-th measured batch, give the workers time to have it ready, so
@@ -391,11 +415,27 @@ class LoopMeter:
             self._write_job()
 
     def _write_job(self) -> None:
+        self._worker_count()
         _io.atomic_write_json(os.path.join(self.directory, "job.json"),
                               {"job": self.session.job, "shape": self.shape, "segments": self.segments,
                                "batches": len(self.records), "measured": self.measured, "stopped": self.stopped,
                                "setup_s": self.setup_s, "iter_s": self.iter_s, "until": self.until,
-                               "time": time.time()}, durable=False)
+                               "worker_cpu": dict(self.worker_cpu), "time": time.time()}, durable=False)
+
+
+def _cpu_of(pids: Sequence[int]) -> float:
+    """The CPU seconds (user + system) the processes ``pids`` have used so far; a process that is
+    gone counts 0 (what it used is lost with it)."""
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / hz
 
 
 _METERS: dict[int, LoopMeter] = {}

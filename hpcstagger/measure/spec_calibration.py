@@ -84,7 +84,7 @@ _SHARE_SAMPLES, _SHARE_FIRST, _SHARE_JOBS = 0.05, 0.08, 0.57
 _EXIT_S = 1.0       # a job's share ends this long before its deadline: leaving takes time too
 _KILL_S = 60.0      # beyond its share and grace, a job's command is stopped
 _LEVEL_S = 4.0      # the longest window of a source level: enough, when jobs leave budget over
-_AGAIN_S = 0.5      # the least time a third measurement of a level takes (a short window and its readers' start-up)
+_AGAIN_S = 0.5      # the least window of a level's third measurement (its readers' start-up comes on top)
 _LOAD_WINDOW_S = 0.5  # how long the node's load is looked at before measuring
 
 
@@ -317,12 +317,13 @@ class _Run:
         self.bar.total += len(levels)
         self.bar.refresh()
         spare = math.ceil(len(tops) / 3)
-        started = time.monotonic()
         self._levels(meas, levels, max(0.3 * len(levels), (self.left() - 0.5) * len(levels) / (len(levels) + spare)),
                      later=1)
-        pace = (time.monotonic() - started) / max(1, len(levels))  # a level's seconds, start-up included
+        # a level's least time: its readers' start-up (what the rounds took beyond their windows) and a short window
+        extra = sorted(max(0.0, float(m.get("elapsed_s", 0.0)) - float(m.get("window_s", 0.0)))
+                       for m in meas["source"][-len(levels):]) if levels else [0.0]
         again = [k for k in disagreeing(meas["source"]) if _missing(meas["source"], [k], 3)]
-        room = int(max(0.0, self.left() - 0.5) // max(_AGAIN_S, pace))
+        room = int(max(0.0, self.left() - 0.5) // max(_AGAIN_S, extra[len(extra) // 2] + _AGAIN_S))
         if len(again) > room:
             skipped, again = again[room:], again[:room]
             self._say(f"calibrate: the source's two measurements with {', '.join(map(str, skipped))} reader(s) "

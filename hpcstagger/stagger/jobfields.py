@@ -82,7 +82,10 @@ def job_fields(name: str, job: Mapping[str, Any], loops: Sequence[Mapping[str, A
       process loads each batch itself, and the handoff is its collate per batch;
     - ``prep_time``: a worker's seconds per sample besides reading the bytes: with workers, their
       CPU seconds per sample less the lookups' time (transform, collate, handing the batch over),
-      or without CPU records the transform and the collate's share; without workers the transform;
+      or without CPU records the transform and the collate's share; without workers the transform.
+      Where no CachedDataset counted samples (an ImageFolder over ``cache.file_loader()``, any
+      other Dataset), the DataLoader workers' CPU seconds per sample over the measured batches, as
+      the job's loop counted them (``worker_cpu`` in ``job.json``), reads and decode included;
     - ``miss_overhead``: what a miss costs besides the source's own read (the lookup and insert);
     - ``startup``: from the job's start (after its planned wait) to its loop's first batch request:
       its backend, model and DDP set-up, and starting the loader (``iter``, which spawns workers);
@@ -113,6 +116,10 @@ def job_fields(name: str, job: Mapping[str, Any], loops: Sequence[Mapping[str, A
     worker_cpu = _div(w["cpu_s"], w_done)
     if workers > 0 and w["cpu_s"] > 0 and w_done:
         prep = max(0.0, worker_cpu - _div(w["hit_get_s"] + w["miss_get_s"] + w["miss_insert_s"], w_done))
+    counted = job.get("worker_cpu") or {}
+    from_workers = workers > 0 and not done and counted.get("samples", 0) > 0 and counted.get("cpu_s", 0) > 0
+    if from_workers:  # no CachedDataset counted the samples (an ImageFolder, say): the workers' CPU per sample
+        worker_cpu = prep = float(counted["cpu_s"]) / float(counted["samples"])
     batch = shape.get("batch") or max(1, round(sum(per_batch) / len(per_batch)))
     first_iter = float((job.get("iter_s") or [0.0])[0])
     return {
@@ -128,6 +135,7 @@ def job_fields(name: str, job: Mapping[str, Any], loops: Sequence[Mapping[str, A
         "batches": len(rows), "step_s": sum(steps) / len(steps), "wait_median_s": quantile(waits, 0.5),
         "probes": sum(1 for i in rows if loops[0]["records"][i][4]),
         "hits": int(c["hits"]), "misses": int(c["misses"]), "samples_seen": bool(done),
+        "prep_from_workers": from_workers,
         "read_per_miss_s": _div(c["miss_read_s"], c["misses"]),
         "hit_get_s": _div(c["hit_get_s"], c["hits"]),
         "stopped": job.get("stopped") or "its training ended first",

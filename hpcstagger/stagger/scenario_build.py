@@ -40,9 +40,11 @@ def describe_job(f: Mapping[str, Any]) -> str:
             f"order {f.get('order') or 'its own'}, "
             f"prep {f['prep_time'] * 1e3:.3f} ms/sample, miss overhead {f['miss_overhead'] * 1e3:.3f} ms "
             f"({f['hits']} hits, {f['misses']} misses; stopped: {f['stopped']})"
-            + ("" if f["samples_seen"] else "; no CachedDataset sample costs seen (a loader that is no DataLoader "
-               "over a CachedDataset, or workers started before session.loader): prep and miss overhead "
-               "not measured"))
+            + ("" if f["samples_seen"] else
+               "; no CachedDataset sample costs seen: prep is its DataLoader workers' CPU per sample, reads and "
+               "decode included, and the miss overhead is not measured" if f.get("prep_from_workers") else
+               "; no CachedDataset sample costs seen (a loader that is no DataLoader over a CachedDataset, or "
+               "workers started before session.loader): prep and miss overhead not measured"))
 
 
 def _finite(bw: float) -> float:
