@@ -52,12 +52,13 @@ import sys
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-from collections.abc import Iterator
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_userjobs import drop_dataset, kill_members, real_fs  # noqa: E402  (benchmarks/bench_userjobs.py)
+
 TRIAL = HERE / "sweep" / "trial.py"
 LRS = (0.02, 0.05, 0.1, 0.2)
 ROWS = ("plain", "dcp", "cache", "plan", "shared", "hpcstagger")
@@ -85,67 +86,7 @@ def make_images(root: Path, megabytes: float, *, px: int = 128, classes: int = 1
     return n
 
 
-def drop_tree(root: Path) -> int:
-    """Drop the page-cache pages of every file under ``root`` (posix_fadvise DONTNEED)."""
-    from hpcstagger._io import drop_cached_pages
-
-    n = 0
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            drop_cached_pages(os.path.join(dirpath, name))
-            n += 1
-    return n
-
-
 # ---------------------------------------------------------------------------------------- the node
-@contextmanager
-def throttled_fs(data: Path, bps: float, work: Path, extra_mb: int) -> Iterator[tuple[Path, str]]:
-    """``data`` (a directory) copied onto an ext4 image on a loop device, its reads throttled to
-    ``bps`` by a blkio cgroup; yields (the copy, the blkio cgroup). ``extra_mb``: room for checkpoints."""
-    image, mnt = work / "fs.img", work / "mnt"
-    mnt.mkdir()
-    used = sum(f.stat().st_size for f in data.rglob("*") if f.is_file())
-    size_mb = int(used * 1.3 / 2**20) + extra_mb + 64
-    subprocess.run(["truncate", "-s", f"{size_mb}M", str(image)], check=True)
-    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
-    dev = subprocess.run(["losetup", "--find", "--show", str(image)], check=True, capture_output=True,
-                         text=True).stdout.strip()
-    blkio = f"{CG}/blkio/hpcstagger-sweep-{os.getpid()}"
-    try:
-        subprocess.run(["mount", dev, str(mnt)], check=True)
-        shutil.copytree(data, mnt / data.name)
-        os.sync()
-        rdev = os.stat(dev).st_rdev
-        os.makedirs(blkio, exist_ok=True)
-        with open(os.path.join(blkio, "blkio.throttle.read_bps_device"), "w") as f:
-            f.write(f"{os.major(rdev)}:{os.minor(rdev)} {int(bps)}")
-        drop_tree(mnt / data.name)
-        yield mnt / data.name, blkio
-    finally:
-        _kill_members(blkio)
-        subprocess.run(["umount", str(mnt)], check=False)
-        subprocess.run(["losetup", "-d", dev], check=False)
-        if os.path.isdir(blkio):
-            os.rmdir(blkio)
-
-
-def _kill_members(cg: str) -> None:
-    """SIGKILL every process left in the cgroup ``cg``, and wait (up to 10 s) until it is empty."""
-    procs = os.path.join(cg, "cgroup.procs")
-    deadline = time.monotonic() + 10
-    while os.path.exists(procs) and time.monotonic() < deadline:
-        with open(procs) as f:
-            pids = [int(x) for x in f.read().split()]
-        if not pids:
-            return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.2)
-
-
 class RunGroup:
     """A fresh memory and cpuacct cgroup for one run (its limit the node's RAM), joined with the
     node's blkio group by every process the run starts (never by this process)."""
@@ -177,7 +118,7 @@ class RunGroup:
                 "cpu_s": int(read(f"{self.cpu}/cpuacct.usage")) / 1e9}
 
     def close(self) -> None:
-        _kill_members(self.mem)
+        kill_members(self.mem)
         for path in (self.mem, self.cpu):
             for _ in range(50):
                 try:
@@ -251,7 +192,7 @@ def run_row(row: str, size: str, rep: int, node: dict[str, Any], args: argparse.
     (work / "reports").mkdir()
     shm = Path(tempfile.mkdtemp(prefix="hpcstagger-sweep-", dir="/dev/shm"))
     log = node["root"] / f"{size}-{row}-{rep}.log"
-    dropped = drop_tree(node["data"])
+    dropped = drop_dataset(node["data"])
     group = RunGroup(f"hpcstagger-sweep-{os.getpid()}-{size}-{row}-{rep}", node["mem_bytes"], node["blkio"])
     sampler = MemorySampler(group, shm)
     env = dict(os.environ, PYTHONPATH=str(HERE.parent), HPCSTAGGER_SHM_ROOT=str(shm))
@@ -298,7 +239,7 @@ def calibrate(node: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     shm = Path(tempfile.mkdtemp(prefix="hpcstagger-sweep-", dir="/dev/shm"))
     spec, scenario = work / "spec.toml", node["root"] / f"{node['size']}-scenario.toml"
     write_spec(spec, "plan", node["data"], work, shm, node["cache_bytes"], scenario, args)
-    drop_tree(node["data"])
+    drop_dataset(node["data"])
     group = RunGroup(f"hpcstagger-sweep-{os.getpid()}-{node['size']}-calibrate", node["mem_bytes"], node["blkio"])
     env = dict(os.environ, PYTHONPATH=str(HERE.parent), HPCSTAGGER_SHM_ROOT=str(shm))
     t0 = time.monotonic()
@@ -320,21 +261,69 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per row: the median makespan, CPU and peaks over its runs, and its gain against plain."""
     out: dict[str, dict[str, Any]] = {}
     for row in ROWS:
-        mine = [r for r in runs if r["row"] == row and r["ok"]]
-        if not mine:
+        every = [r for r in runs if r["row"] == row]
+        mine = [r for r in every if r["ok"]]
+        if not every:
             continue
-        out[row] = {"runs": len(mine), "makespan": statistics.median(r["makespan"] for r in mine),
-                    "makespans": [round(r["makespan"], 2) for r in mine],
-                    "cpu_s": statistics.median(r["cpu_s"] for r in mine),
-                    "cgroup_peak_bytes": max(r["cgroup_peak_bytes"] for r in mine),
-                    "sampled_peak_bytes": max(r["sampled_peak_bytes"] for r in mine),
-                    "anon_shm_peak_bytes": max(r["anon_shm_peak_bytes"] for r in mine),
-                    "oom_kills": sum(r["oom_kills"] for r in mine),
-                    "failed": sum(1 for r in runs if r["row"] == row and not r["ok"])}
-    if "plain" in out:
+        out[row] = {"runs": len(mine), "failed": len(every) - len(mine),
+                    "oom_kills": sum(r["oom_kills"] for r in every),
+                    "cgroup_peak_bytes": max(r["cgroup_peak_bytes"] for r in every),
+                    "sampled_peak_bytes": max(r["sampled_peak_bytes"] for r in every),
+                    "anon_shm_peak_bytes": max(r.get("anon_shm_peak_bytes", 0) for r in every)}
+        if mine:
+            out[row].update(makespan=statistics.median(r["makespan"] for r in mine),
+                            makespans=[round(r["makespan"], 2) for r in mine],
+                            cpu_s=statistics.median(r["cpu_s"] for r in mine))
+    if "makespan" in out.get("plain", {}):
         for row in out:
-            out[row]["vs_plain"] = out[row]["makespan"] / out["plain"]["makespan"] - 1
+            if "makespan" in out[row]:
+                out[row]["vs_plain"] = out[row]["makespan"] / out["plain"]["makespan"] - 1
     return out
+
+
+def report(results: dict[str, Any]) -> None:
+    """One table per size: each row's median makespan, CPU, peaks, failed runs and OOM kills."""
+    args = results["args"]
+    for size, entry in results["sizes"].items():
+        entry["summary"] = summarise(entry["runs"])
+        print(f"\n{size}: {entry['files']} files, {entry['dataset_mb']:.0f} MB, limit {args['mem_mb']} MiB, "
+              f"{args['mbps']:g} MB/s, /dev/shm cache {entry['cache_mb']:.0f} MB\n"
+              "| row | makespan | vs plain | CPU s | peak (cgroup) | peak (anon + shm) | runs failed | OOM kills |\n"
+              "|---|---|---|---|---|---|---|---|")
+        for row, s in entry["summary"].items():
+            span = (f"{s['makespan']:.1f} s | {100 * s.get('vs_plain', 0):+.1f}% | {s['cpu_s']:.0f}"
+                    if "makespan" in s else "every run failed | | ")
+            print(f"| {row} | {span} | {s['cgroup_peak_bytes'] / 2**20:.0f} MiB | "
+                  f"{s['anon_shm_peak_bytes'] / 2**20:.0f} MiB | {s['failed']} of {s['failed'] + s['runs']} | "
+                  f"{s['oom_kills']} |")
+
+
+def plot(results: dict[str, Any], path: str) -> None:
+    """Bars of each row's median makespan per size, plain PyTorch first, with each run as a dot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = list(results["sizes"])
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 3.8), squeeze=False)
+    for ax, size in zip(axes[0], sizes, strict=True):
+        entry = results["sizes"][size]
+        rows = [r for r in ROWS if "makespan" in entry.get("summary", {}).get(r, {})]
+        med = [entry["summary"][r]["makespan"] for r in rows]
+        ax.bar(range(len(rows)), med, color=["#999999" if r in ("plain", "dcp") else "#2b7bba" for r in rows])
+        for i, r in enumerate(rows):
+            ax.plot([i] * len(entry["summary"][r]["makespans"]), entry["summary"][r]["makespans"], "k.", ms=4)
+            ax.text(i, med[i], f"{100 * entry['summary'][r].get('vs_plain', 0):+.0f}%", ha="center", va="bottom",
+                    fontsize=8)
+        ax.set_xticks(range(len(rows)), ["+" + r if r in ("cache", "plan", "shared") else r for r in rows],
+                      rotation=20, fontsize=8)
+        ax.set_ylabel("makespan of 4 trials (s)")
+        ax.set_title(f"{size}: {entry['dataset_mb']:.0f} MB of JPEGs, limit {results['args']['mem_mb']} MiB, "
+                     f"{results['args']['mbps']:g} MB/s", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main() -> int:
@@ -357,7 +346,17 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="a small check of the harness: 20 and 60 MB, one run each")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, scenarios)")
     p.add_argument("--out", default=str(HERE / "out" / "bench_sweep_e2e.json"))
+    p.add_argument("--plot", help="also draw the makespans to this PNG")
+    p.add_argument("--replot", action="store_true",
+                   help="only print the tables (and draw --plot) from the results in --out, and exit")
     args = p.parse_args()
+    if args.replot:  # the tables (and --plot) again from --out's results
+        with open(args.out) as f:
+            done = json.load(f)
+        report(done)
+        if args.plot:
+            plot(done, args.plot)
+        return 0
     if args.quick:
         args.fits_mb, args.nofit_mb, args.repeat, args.mem_mb = 20.0, 60.0, 1, max(args.mem_mb, 1536)
     if os.geteuid() != 0:
@@ -377,7 +376,7 @@ def main() -> int:
             print(f"[bench_sweep_e2e] {size}: {files} JPEG files, {mb:.0f} MB", file=sys.stderr, flush=True)
             fsdir = root / f"{size}-fs"
             fsdir.mkdir()
-            with throttled_fs(src, args.mbps * 1e6, fsdir, extra_mb=256) as (data, blkio):
+            with real_fs(src, args.mbps * 1e6, fsdir) as (data, blkio):
                 shutil.rmtree(src.parent)
                 cache_mb = args.cache_mb or min(mb * 1.05, args.mem_mb / 2)
                 node = {"size": size, "root": root, "data": data, "blkio": blkio, "mem_bytes": args.mem_mb << 20,
@@ -407,14 +406,9 @@ def main() -> int:
             print(f"[bench_sweep_e2e] kept {root}", file=sys.stderr)
         else:
             shutil.rmtree(root, ignore_errors=True)
-    for size, entry in results["sizes"].items():
-        print(f"\n{size}: {entry['files']} files, {entry['dataset_mb']:.0f} MB, limit {args.mem_mb} MiB, "
-              f"{args.mbps:g} MB/s\n| row | makespan | vs plain | CPU s | peak (cgroup) | peak (PSS + shm) | OOM |\n"
-              "|---|---|---|---|---|---|---|")
-        for row, s in entry.get("summary", {}).items():
-            print(f"| {row} | {s['makespan']:.1f} s | {100 * s.get('vs_plain', 0):+.1f}% | {s['cpu_s']:.0f} | "
-                  f"{s['cgroup_peak_bytes'] / 2**20:.0f} MiB | {s['sampled_peak_bytes'] / 2**20:.0f} MiB | "
-                  f"{s['oom_kills']} |")
+    report(results)
+    if args.plot and results["sizes"]:
+        plot(results, args.plot)
     return 0
 
 

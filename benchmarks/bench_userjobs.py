@@ -179,12 +179,28 @@ def workspace(tag: str, samples: int, keep: bool) -> Iterator[tuple[Path, Path]]
             shutil.rmtree(root, ignore_errors=True)
 
 
+def drop_dataset(path: Path) -> int:
+    """Drop the page-cache pages of ``path``, a file or every file under a directory; how many files."""
+    if path.is_file():
+        drop_cached_pages(path)
+        return 1
+    n = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            drop_cached_pages(os.path.join(dirpath, name))
+            n += 1
+    return n
+
+
 @contextmanager
 def real_fs(data: Path, bps: float, work: Path) -> Iterator[tuple[Path, str]]:
-    """The dataset on an ext4 image on a loop device, its reads throttled to ``bps`` by blkio."""
+    """The dataset (a file or a directory) copied onto an ext4 image on a loop device, its reads
+    throttled to ``bps`` by blkio; yields (the copy, the blkio cgroup). The image has room for 3
+    more copies (checkpoints, logs)."""
     image, mnt = work / "fs.img", work / "mnt"
     mnt.mkdir()
-    size_mb = max(64, 4 * data.stat().st_size // 2**20)
+    size = data.stat().st_size if data.is_file() else sum(f.stat().st_size for f in data.rglob("*") if f.is_file())
+    size_mb = max(64, 4 * size // 2**20)
     subprocess.run(["truncate", "-s", f"{size_mb}M", str(image)], check=True)
     subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
     dev = subprocess.run(["losetup", "--find", "--show", str(image)], check=True, capture_output=True,
@@ -192,7 +208,10 @@ def real_fs(data: Path, bps: float, work: Path) -> Iterator[tuple[Path, str]]:
     cg = f"/sys/fs/cgroup/blkio/hpcstagger-bench-{os.getpid()}"
     try:
         subprocess.run(["mount", dev, str(mnt)], check=True)
-        shutil.copy(data, mnt / data.name)
+        if data.is_dir():
+            shutil.copytree(data, mnt / data.name)
+        else:
+            shutil.copy(data, mnt / data.name)
         os.sync()
         rdev = os.stat(dev).st_rdev
         os.makedirs(cg, exist_ok=True)
@@ -202,17 +221,17 @@ def real_fs(data: Path, bps: float, work: Path) -> Iterator[tuple[Path, str]]:
         # libraries, and calibration would then measure the first job's start-up cold (its first
         # step faulting libtorch in from disk), which no later run repeats. Each run drops the
         # dataset's pages again at its start.
-        drop_cached_pages(mnt / data.name)
+        drop_dataset(mnt / data.name)
         yield mnt / data.name, cg
     finally:
-        _kill_members(cg)  # a run cut short leaves its jobs reading from the mount
+        kill_members(cg)  # a run cut short leaves its jobs reading from the mount
         subprocess.run(["umount", str(mnt)], check=False)
         subprocess.run(["losetup", "-d", dev], check=False)
         if os.path.isdir(cg):
             os.rmdir(cg)
 
 
-def _kill_members(cg: str) -> None:
+def kill_members(cg: str) -> None:
     """SIGKILL every process left in the cgroup ``cg`` and wait (up to 10 s) until it is empty."""
     procs = os.path.join(cg, "cgroup.procs")
     deadline = time.monotonic() + 10

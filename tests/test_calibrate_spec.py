@@ -315,6 +315,32 @@ def test_without_a_cached_dataset_the_workers_cpu_per_sample_is_the_prep(monkeyp
     assert "prep is its DataLoader workers' CPU per sample" in S.describe_job(f)
 
 
+@pytest.mark.timeout(120)
+def test_one_wrapper_iterated_every_epoch_is_measured_over_every_epoch(monkeypatch, tmp_path):
+    """``batches = session.loader(loader)`` once, then ``for x in batches`` every epoch: a calibration
+    measures the second epoch too (it once saw an empty second pass, and stopped short)."""
+    import torch
+
+    import hpcstagger
+
+    reports = tmp_path / "reports"
+    monkeypatch.delenv("HPCSTAGGER_SPEC", raising=False)
+    monkeypatch.setenv("HPCSTAGGER_CALIBRATE", str(reports))
+    monkeypatch.setenv("HPCSTAGGER_CALIBRATE_UNTIL", str(time.time() + 60))
+    session = hpcstagger.init(backend="none", verbose=False)
+    loader = torch.utils.data.DataLoader(_Burn(8 * 40, 0.0), batch_size=8, num_workers=0)
+    batches = session.loader(loader)
+    assert len(batches) == 40
+    seen = 0
+    with pytest.raises(SystemExit) as stop:
+        for _ in range(5):
+            for _ in batches:
+                seen += 1
+    assert stop.value.code == 0 and seen > 40
+    report = F.read_reports(str(reports))
+    assert report["job"]["segments"] >= 2 and report["job"]["measured"] == C.TARGET_BATCHES
+
+
 def test_job_fields_take_the_workers_cpu_only_where_no_cached_dataset_counted():
     loop = _loop(0, [(0.5, 0.2, 8, 1, 0), (0.001, 0.010, 8, 0, 0), (0.001, 0.010, 8, 0, 0)])
     job = {"shape": {"ranks": 1, "workers": 2, "batch": 8, "prefetch": 2}, "stopped": "done", "setup_s": 1.0,

@@ -176,3 +176,18 @@ def test_the_plan_line_says_why_a_plan_starts_together_and_sequential_runs_say_s
         "mode sequential: delays a +0.0s", "mode sequential: delays b +0.0s"]
     run_dir = json.loads(seq.stdout)["run_dir"]
     assert json.loads((tmp_path / run_dir / "b" / "b.0.json").read_text())["mode"] == "sequential"
+
+
+def test_a_job_killed_with_sigkill_is_named_as_the_likely_oom_kill():
+    """mpiexec reports a rank the kernel's OOM killer took as exit status 9: the line says so and
+    names what to shrink, where a bare status left the user to guess."""
+    from hpcstagger.colocated.launch import JobResult, RunResult
+
+    run = RunResult(mode="simultaneous", returncode=9, run_dir="r", delays={"a": 0.0}, makespan=None,
+                    jobs={"a": JobResult("a", 1, "started"), "b": JobResult("b", 2, "done")})
+    (line,) = run.failures()
+    assert line.startswith("job 'a' (1 rank(s)) did not finish: killed with SIGKILL while started (exit status 9)")
+    assert "out-of-memory killer" in line and "[cache] capacity" in line
+    other = RunResult(mode="simultaneous", returncode=3, run_dir="r", delays={}, makespan=None,
+                      jobs={"a": JobResult("a", 1, "started")})
+    assert other.failures() == ["job 'a' (1 rank(s)) did not finish: stopped while started (exit status 3)"]

@@ -450,7 +450,7 @@ def wrap_loader(session: Any, iterable: Iterable[Any], profiler: Any = None) -> 
         meter = _METERS.get(id(session))
         if meter is None or meter.session is not session:
             meter = _METERS[id(session)] = LoopMeter(session, session.calibrating, _until())
-        return meter.wrap(iterable)
+        return Counted(iterable, meter)  # each pass measured, also when one wrapper serves every epoch
     passive = getattr(session, "observer", None)  # a learning run's passive LoopMeter (.learn)
     if passive is not None:
         iterable = Counted(iterable, passive)

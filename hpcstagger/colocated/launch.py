@@ -114,6 +114,11 @@ class RunResult:
                 why = f"stopped when job {failed[0].name!r} failed (it was {j.state})"
             elif self.returncode == 124:
                 why = f"stopped by the run's timeout (it was {j.state})"
+            elif self.returncode in (9, 137, -9):
+                why = (f"killed with SIGKILL while {j.state} (exit status {self.returncode}): most often the "
+                       "kernel's out-of-memory killer, at the node's or the job's memory cgroup limit (page cache "
+                       "and /dev/shm count against it); see dmesg, and shrink [cache] capacity or the loaders' "
+                       "workers")
             else:
                 why = f"stopped while {j.state} (exit status {self.returncode})"
             out.append(f"job {j.name!r} ({j.ranks} rank(s)) did not finish: {why}")
