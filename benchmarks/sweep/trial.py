@@ -167,10 +167,11 @@ def main() -> None:
     del loader, batches  # the DataLoader's workers end here, so their CPU time is counted below
     t_end = time.time()
     if session is not None:
-        session.finish(loss=float(loss))
+        session.finish(loss=loss.item())
     if args.report:
         me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-        report = {"start": T_START, "loop": t_loop, "end": t_end, "steps": step, "loss": float(loss), "lr": args.lr,
+        report = {"start": T_START, "loop": t_loop, "end": t_end, "steps": step, "loss": loss.item(), "lr": args.lr,
+                  "hpcstagger_imported": "hpcstagger" in sys.modules,
                   "cpu_s": me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime,
                   "maxrss_bytes": me.ru_maxrss * 1024, "children_maxrss_bytes": kids.ru_maxrss * 1024}
         with open(args.report + ".tmp", "w") as f:
