@@ -312,7 +312,7 @@ class _Run:
         tops = reader_levels(max(1, top), max(1, top))
         meas["source"] = [m for m in meas["source"] if int(m["readers"]) <= top]
         # every level twice (a second round), then once more where the two disagree: the two rounds
-        # leave time for a third of the levels (at the rounds' pace), so the third stays in the budget
+        # leave a third of the levels' time, so the third stays in the budget
         levels = _missing(meas["source"], tops, 1) + _missing(meas["source"], tops, 2)
         self.bar.total += len(levels)
         self.bar.refresh()
@@ -323,7 +323,7 @@ class _Run:
         extra = sorted(max(0.0, float(m.get("elapsed_s", 0.0)) - float(m.get("window_s", 0.0)))
                        for m in meas["source"][-len(levels):]) if levels else [0.0]
         again = [k for k in disagreeing(meas["source"]) if _missing(meas["source"], [k], 3)]
-        room = int(max(0.0, self.left() - 0.5) // max(_AGAIN_S, extra[len(extra) // 2] + _AGAIN_S))
+        room = int(max(0.0, self.left() - 0.5) // (extra[len(extra) // 2] + _AGAIN_S))
         if len(again) > room:
             skipped, again = again[room:], again[:room]
             self._say(f"calibrate: the source's two measurements with {', '.join(map(str, skipped))} reader(s) "
