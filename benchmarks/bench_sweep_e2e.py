@@ -168,15 +168,17 @@ def trial_args(row: str, lr: float, ckpt_dir: Path, report: Path, args: argparse
             "--ckpt-every", str(args.ckpt_every), "--report", str(report)]
 
 
-def write_spec(path: Path, row: str, data: Path, work: Path, shm: Path, cache_bytes: int, scenario: Path | None,
-               args: argparse.Namespace) -> None:
-    """The job spec of an hpcstagger row: four trials, the cache, the plan mode, the shared loader."""
+def write_spec(path: Path, row: str, data: Path, work: Path, shm: Path, cache_bytes: int | None,
+               scenario: Path | None, args: argparse.Namespace) -> None:
+    """The job spec of an hpcstagger row: four trials, the cache ("auto" without ``cache_bytes``: sized
+    by the launch from the jobs' memory in the calibrated scenario), the plan mode, the shared loader."""
     mode = "plan" if row in ("plan", "shared", "hpcstagger") and scenario is not None else "simultaneous"
+    capacity = '"auto"' if cache_bytes is None else str(cache_bytes)
     lines = ["[run]", 'name = "sweep"', f'workdir = "{work / "runs"}"', "timeout = 3600", "",
              "[dataset]", f'path = "{data}"', 'pattern = "**/*.jpg"', "",
-             "[cache]", f"capacity = {cache_bytes}", f'root = "{shm}"', "",
+             "[cache]", f"capacity = {capacity}", f'root = "{shm}"', "",
              "[checkpoint]", f'directory = "{work / "ckpt"}"', f"every = {args.ckpt_every}", "",
-             "[plan]", f'mode = "{mode}"'] + ([f'scenario = "{scenario}"'] if mode == "plan" else []) + [""]
+             "[plan]", f'mode = "{mode}"'] + ([f'scenario = "{scenario}"'] if scenario is not None else []) + [""]
     if row in ("shared", "hpcstagger"):
         lines += ["[loader]", "share = true", ""]
     for lr in LRS:
@@ -227,8 +229,11 @@ def run_row(row: str, size: str, rep: int, node: dict[str, Any], args: argparse.
                                  "loss": r["loss"], "cpu_s": r["cpu_s"]}
     shutil.rmtree(work, ignore_errors=True)
     ok = all(c == 0 for c in codes) and len(trials) == len(LRS)
+    sized = [line.split("auto: ", 1)[1] for line in log.read_text(errors="replace").splitlines()
+             if "[cache] capacity auto: " in line]
     return {"row": row, "size": size, "rep": rep, "ok": ok, "exit": codes, "makespan": t1 - t0, "trials": trials,
-            "sampled_peak_bytes": sampler.peak, "anon_shm_peak_bytes": sampler.anon_peak, "dropped_files": dropped,
+            "cache_sized": sized[0] if sized else None, "sampled_peak_bytes": sampler.peak,
+            "anon_shm_peak_bytes": sampler.anon_peak, "dropped_files": dropped,
             "log": str(log), **stats}
 
 
@@ -254,7 +259,10 @@ def calibrate(node: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(work, ignore_errors=True)
     if rc != 0:
         raise SystemExit(f"calibration failed (exit {rc}): see {node['root'] / (node['size'] + '-calibrate.log')}")
-    return {"seconds": time.monotonic() - t0, "scenario": scenario.read_text()}
+    text = scenario.read_text()
+    said = [line for line in (node["root"] / f"{node['size']}-calibrate.log").read_text(errors="replace").splitlines()
+            if "jobs_memory" in line or 'capacity "auto"' in line]
+    return {"seconds": time.monotonic() - t0, "scenario": text, "memory": said}
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -287,7 +295,7 @@ def report(results: dict[str, Any]) -> None:
     for size, entry in results["sizes"].items():
         entry["summary"] = summarise(entry["runs"])
         print(f"\n{size}: {entry['files']} files, {entry['dataset_mb']:.0f} MB, limit {args['mem_mb']} MiB, "
-              f"{args['mbps']:g} MB/s, /dev/shm cache {entry['cache_mb']:.0f} MB\n"
+              f"{args['mbps']:g} MB/s, /dev/shm cache {_cache_said(entry)}\n"
               "| row | makespan | vs plain | CPU s | peak (cgroup) | peak (anon + shm) | runs failed | OOM kills |\n"
               "|---|---|---|---|---|---|---|---|")
         for row, s in entry["summary"].items():
@@ -296,6 +304,14 @@ def report(results: dict[str, Any]) -> None:
             print(f"| {row} | {span} | {s['cgroup_peak_bytes'] / 2**20:.0f} MiB | "
                   f"{s['anon_shm_peak_bytes'] / 2**20:.0f} MiB | {s['failed']} of {s['failed'] + s['runs']} | "
                   f"{s['oom_kills']} |")
+
+
+def _cache_said(entry: dict[str, Any]) -> str:
+    """The cache's size: the one given, or what "auto" became in the runs (each distinct line once)."""
+    if entry["cache_mb"] != "auto":
+        return f"{float(entry['cache_mb']):.0f} MB"
+    said = sorted({r["cache_sized"] for r in entry["runs"] if r.get("cache_sized")})
+    return '"auto": ' + (" | ".join(said) if said else "not run")
 
 
 def plot(results: dict[str, Any], path: str) -> None:
@@ -336,7 +352,8 @@ def main() -> int:
     p.add_argument("--fits-mb", type=float, default=150.0, help="dataset size that fits the page cache, MB")
     p.add_argument("--nofit-mb", type=float, default=900.0, help="dataset size about twice the page cache's room")
     p.add_argument("--cache-mb", type=float, default=0.0,
-                   help="the /dev/shm cache's capacity, MB (default: the dataset, at most half the limit)")
+                   help='the /dev/shm cache\'s capacity, MB (default: "auto", sized by the launch to what the '
+                        "limit leaves beside the jobs' memory measured in calibration)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--workers", type=int, default=2)
@@ -378,11 +395,11 @@ def main() -> int:
             fsdir.mkdir()
             with real_fs(src, args.mbps * 1e6, fsdir) as (data, blkio):
                 shutil.rmtree(src.parent)
-                cache_mb = args.cache_mb or min(mb * 1.05, args.mem_mb / 2)
                 node = {"size": size, "root": root, "data": data, "blkio": blkio, "mem_bytes": args.mem_mb << 20,
-                        "cache_bytes": int(cache_mb * 1e6), "ckpt_root": data.parent}
-                entry: dict[str, Any] = {"files": files, "dataset_mb": mb, "cache_mb": cache_mb, "runs": []}
-                if any(r in rows for r in ("plan", "shared", "hpcstagger")):
+                        "cache_bytes": int(args.cache_mb * 1e6) if args.cache_mb else None, "ckpt_root": data.parent}
+                entry: dict[str, Any] = {"files": files, "dataset_mb": mb, "cache_mb": args.cache_mb or "auto",
+                                         "runs": []}
+                if any(r in rows for r in ("cache", "plan", "shared", "hpcstagger")):
                     entry["calibration"] = calibrate(node, args)
                     node["scenario"] = root / f"{size}-scenario.toml"
                 order = list(rows)

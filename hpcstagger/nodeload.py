@@ -9,16 +9,23 @@ leftover job) are slower than the same jobs alone, and a plan calibrated or judg
 :func:`memory_limit` reads the memory cgroup this process lives in (cgroup v1 or v2, the tightest
 limit on its path), as Slurm's ``task/cgroup`` plugin sets one for every job: the page cache and
 ``/dev/shm`` pages are charged to it, so a job's page cache can hold far less than the node's
-``MemAvailable`` says.
+``MemAvailable`` says. :func:`memory_total` is that limit, or the node's RAM without one.
+
+:class:`PeakMemory` follows a process tree (a command and every process it starts: MPI ranks,
+DataLoader workers) and keeps the peaks of their anonymous memory (what a job holds that the kernel cannot drop) and
+of their mapped file pages (its libraries'), each page counted once however many processes share
+it (the sums of ``Pss_Anon`` and ``Pss_File``).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 
-__all__ = ["NodeLoad", "MemoryLimit", "memory_limit", "usable_cores", "sample", "busy_warning"]
+__all__ = ["NodeLoad", "MemoryLimit", "memory_limit", "memory_total", "usable_cores", "sample", "busy_warning",
+           "tree_memory", "PeakMemory"]
 
 # Other processes' CPU use, in cores, above which a measurement is flagged (a quarter of a core, or
 # a tenth of the usable cores on a large node).
@@ -181,3 +188,82 @@ def _mem_total() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def memory_total() -> int | None:
+    """All the memory this process's processes may hold: its memory cgroup's limit
+    (:func:`memory_limit`), or the node's ``MemTotal`` without one; None when neither can be read."""
+    group = memory_limit()
+    return group.limit if group is not None else _mem_total()
+
+
+def _parent_of(pid: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            text = f.read()
+        return int(text[text.rindex(")") + 2:].split()[1])  # state, ppid
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _pss(pid: str) -> tuple[int, int]:
+    """A process's share of its anonymous pages (``Pss_Anon``, else its ``Pss`` less file and shmem
+    pages) and of its mapped file pages (``Pss_File``), bytes; 0s when it is gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", encoding="ascii", errors="replace") as f:
+            pairs = (line.partition(":") for line in f)
+            fields = {k: int(v.split()[0]) for k, _, v in pairs if v.strip()[:1].isdigit()}
+    except (OSError, ValueError):
+        return 0, 0
+    file = fields.get("Pss_File", 0)
+    anon = fields.get("Pss_Anon", max(0, fields.get("Pss", 0) - file - fields.get("Pss_Shmem", 0)))
+    return anon * 1024, file * 1024
+
+
+def tree_memory(root: int) -> tuple[int, int]:
+    """The anonymous memory and the mapped file pages (its libraries', bytes) of process ``root`` and
+    all its descendants (MPI launchers put their ranks in sessions of their own), each shared page
+    counted once."""
+    children: dict[int, list[str]] = {}
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            children.setdefault(_parent_of(pid) or 0, []).append(pid)
+    anon = file = 0
+    todo = [str(root)]
+    while todo:
+        pid = todo.pop()
+        a, f = _pss(pid)
+        anon, file = anon + a, file + f
+        todo.extend(children.get(int(pid), ()))
+    return anon, file
+
+
+class PeakMemory:
+    """The peaks of :func:`tree_memory` of one process tree, sampled every ``every`` seconds by a
+    daemon thread between :meth:`start` and :meth:`stop`: ``peak`` (anonymous) and ``file_peak``
+    (mapped files), bytes, 0 until a sample."""
+
+    def __init__(self, every: float = 0.25):
+        self.every, self.peak, self.file_peak, self.samples = every, 0, 0, 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, pid: int) -> None:
+        """Follow process ``pid`` and its descendants."""
+        def run() -> None:
+            while True:
+                anon, file = tree_memory(pid)
+                self.peak, self.file_peak = max(self.peak, anon), max(self.file_peak, file)
+                self.samples += 1
+                if self._stop.wait(self.every):
+                    return
+
+        self._thread = threading.Thread(target=run, name="hpcstagger-peak-memory", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> int:
+        """Stop sampling; the anonymous peak."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        return self.peak

@@ -316,7 +316,7 @@ def test_a_command_is_stopped_once_stop_when_says_so(tmp_path):
     run_group asks stop_when every half second and stops the whole process group (status 124)."""
     import os
 
-    from hpcstagger.colocated.launch import run_group
+    from hpcstagger.colocated.procgroup import run_group
 
     t0 = time.monotonic()
     rc = run_group(["bash", "-c", "sleep 60 & echo $! > child; wait"], dict(os.environ), str(tmp_path), 120,

@@ -44,7 +44,7 @@ def _scrubbed(monkeypatch):
     """Calibration reads these from the environment: a caller's values never reach these tests."""
     for name in ("HPCSTAGGER_SPEC", "HPCSTAGGER_JOB", "HPCSTAGGER_CALIBRATE", "HPCSTAGGER_CALIBRATE_UNTIL",
                  "HPCSTAGGER_RUN_DIR", "HPCSTAGGER_ONLY_JOBS", "HPCSTAGGER_PLAN_MODE", "HPCSTAGGER_DELAYS",
-                 "HPCSTAGGER_CALIBRATE_BUDGET"):
+                 "HPCSTAGGER_CALIBRATE_BUDGET", "HPCSTAGGER_CACHE_CAPACITY"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -71,7 +71,7 @@ path = "data.h5"
 name = "samples"
 throttle = [4.0e6, 3.0e6]
 [cache]
-capacity = "64MB"
+capacity = "auto"
 [[job]]
 name = "ddp"
 command = "python calib_job.py --workers 1 --batch 16"
@@ -135,6 +135,16 @@ def test_calibrate_spec_measures_every_job_from_its_own_command(tmp_path, shm_di
     assert all(sum(m["readers"] == k for m in meas["source"]) >= 2 for k in (1, 2, 3, 4))
     assert "fit_baseline = " in text and "counted in flight while each ran alone" in text
     assert "job ddp: " in res.stderr and "calibrate" in res.stderr          # progress on stderr
+    # each job's processes followed while it ran: every rank and DataLoader worker holds a Python with torch
+    memory = {j: (m["memory"], m["memory_file"]) for j, m in meas["jobs"].items()}
+    assert memory["ddp"][0] > 4 * 20e6 and memory["plain"][0] > 3 * 20e6, memory
+    files = max(meas["jobs"][j]["memory_file"] for j in ("ddp", "plain"))
+    assert sc.node.jobs_memory == meas["jobs"]["ddp"]["memory"] + meas["jobs"]["plain"]["memory"] + files > 0
+    assert f"  # {sc.node.jobs_memory / 1e6:.0f} MB: each job's processes followed alone" in text
+    # capacity "auto" beside an emulated source (no page cache): the dataset, which fits in this node's memory
+    dataset = sc.dataset.samples * sc.dataset.sample_bytes
+    assert sc.cache.capacity == int(dataset * 1.01) + (1 << 20) and meas["cache_sizing"]["room"] > dataset
+    assert 'capacity "auto": the dataset' in text and '[cache] capacity "auto": the dataset' in res.stderr
     reports = Path(meas["reports"])
     assert {p.name for p in reports.iterdir()} >= {"ddp", "plain", "measurements.json"}
     assert _leftovers(shm_dir) == [] and not os.path.exists(root)            # private cache, throttle, root removed

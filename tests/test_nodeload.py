@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from hpcstagger import nodeload
 from hpcstagger.nodeload import NodeLoad, busy_warning, sample, usable_cores
 
 pytestmark = pytest.mark.timeout(60)
@@ -146,3 +147,25 @@ def test_a_process_in_a_real_memory_cgroup_sees_its_room_not_the_nodes(tmp_path)
                 break
             except OSError:
                 time.sleep(0.1)
+
+
+def test_peak_memory_follows_a_process_tree_and_nothing_else():
+    """A parent whose child (in a session of its own, as MPI launchers start ranks) touches 160 MB
+    for a while: the peak counts the child's pages once; a process outside the tree is not counted."""
+    touch = "import time; b = bytearray({n} << 20); b[::4096] = b'x' * len(b[::4096]); time.sleep({s})"
+    outsider = subprocess.Popen([sys.executable, "-c", touch.format(n=300, s=3)])
+    child = ("import subprocess, sys; subprocess.run([sys.executable, '-c', sys.argv[1]], start_new_session=True, "
+             "check=True)")
+    try:
+        parent = subprocess.Popen([sys.executable, "-c", child, touch.format(n=160, s=1.5)])
+        meter = nodeload.PeakMemory(every=0.1)
+        meter.start(parent.pid)
+        assert parent.wait(timeout=60) == 0
+        peak = meter.stop()
+    finally:
+        outsider.kill()
+        outsider.wait()
+    assert meter.samples >= 5
+    assert 160 << 20 < peak < 260 << 20, peak / 2**20      # the child's 160 MB and two interpreters, not 300 MB more
+    assert meter.file_peak > 1 << 20                        # the interpreter's mapped files
+    assert nodeload.tree_memory(os.getpid())[0] > 0

@@ -14,24 +14,23 @@ import json
 import logging
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from hpcstagger import _io, config
 from hpcstagger.cache.throttle import remove_if_idle, throttle_dir
 from hpcstagger.colocated import leftovers, preflight
-from hpcstagger.colocated._shm import remove_stale_mpich_segments
+from hpcstagger.colocated.procgroup import run_group
 from hpcstagger.colocated.batch import job_wrapper, multiprog_conf
 from hpcstagger.colocated.startcache import make_cold
 from hpcstagger.errors import CacheError, ConfigError, LaunchError
 from hpcstagger.slurm import het_component
 from hpcstagger.spec import runenv
+from hpcstagger.spec.cachesize import for_launch
 from hpcstagger.spec.identity import resolve_job
 from hpcstagger.spec.jobspec import PLAN_MODES, JobSpec, Spec
 from hpcstagger.spec.records import misshapen_status, progress_path
@@ -319,55 +318,6 @@ def _collect_sequential(spec: Spec, run_dir: Path, returncode: int) -> RunResult
                      cache=cache)
 
 
-def run_group(argv: list[str], env: dict[str, str], cwd: str, timeout: float, *, output: Any = None,
-              on_timeout: Callable[[], None] | None = None, stop_when: Callable[[], bool] | None = None) -> int:
-    """Run ``argv`` in a session of its own (its output to the file ``output``, else inherited) and
-    return its exit status, or 124 after ``timeout`` seconds or once ``stop_when()`` (asked every
-    half second) is true. On a timeout (after ``on_timeout``) or an exception here (Ctrl-C) the
-    whole process group gets SIGTERM, then SIGKILL 15 s later. Killed MPICH ranks skip the cleanup
-    of their /dev/shm segments, so a failed run removes them.
-    """
-    started = time.time()
-    proc = subprocess.Popen(argv, env=env, cwd=cwd, start_new_session=True, stdout=output,
-                            stderr=subprocess.STDOUT if output is not None else None)
-
-    def stop() -> None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-    try:
-        rc = _wait(proc, timeout, stop_when)
-    except subprocess.TimeoutExpired:
-        if on_timeout is not None:
-            on_timeout()
-        stop()
-        rc = 124
-    except BaseException:
-        stop()
-        remove_stale_mpich_segments(started, settle=3.0)
-        raise
-    if rc != 0:
-        remove_stale_mpich_segments(started, settle=3.0)
-    return rc
-
-
-def _wait(proc: subprocess.Popen[Any], timeout: float, stop_when: Callable[[], bool] | None) -> int:
-    """``proc.wait(timeout)``, ending early (TimeoutExpired) once ``stop_when()`` is true."""
-    if stop_when is None:
-        return proc.wait(timeout=timeout)
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return proc.wait(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            if time.monotonic() >= deadline or stop_when():
-                raise
-
-
 def _release_throttle(spec: Spec, env: Mapping[str, str]) -> None:
     """Remove the emulated source's shared reader table once the run is over and nobody reads it
     (the jobs' DataLoader workers exit without detaching, so it would stay in /dev/shm). ``env``
@@ -463,6 +413,11 @@ def launch(spec: Spec, *, mode: str | None = None, delays: Mapping[str, float] |
         log.info("cold cache before the run: %s", cold)
         _io.atomic_write_json(run_dir / _COLD_CACHE_FILE, cold, durable=False)
     base_env = {**os.environ, **(env or {}), runenv.SPEC: spec.path, runenv.MODE: mode}
+    sized = for_launch(spec, base_env)  # [cache] capacity "auto": one size for every process of the run
+    if sized is not None:
+        base_env[runenv.CACHE_CAPACITY] = str(sized.capacity)
+        spec = replace(spec, cache=replace(spec.cache, capacity=sized.capacity, sized=sized.why))
+        print(f"hpcstagger launch: [cache] capacity auto: {sized.why}", file=sys.stderr)
     root_existed = os.path.lexists(config.get("shm_root", base_env))
     base_env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), base_env.get("PATH", "")])
     base_env.pop("MPIR_CVAR_PMI_VERSION", None)

@@ -242,10 +242,11 @@ class _Run:
             return time.monotonic() > loopless and not (directory / "job.json").exists()
 
         before = self._reads(share + GRACE_S + _KILL_S)
+        memory = nodeload.PeakMemory()
         with open(directory / "output.log", "wb") as out:
             rc = run_group(self._argv(job), self._env(job, directory, time.time() + share - _EXIT_S),
                            os.path.dirname(self.spec.path) or ".", share + GRACE_S + _KILL_S, output=out,
-                           stop_when=no_loop)
+                           stop_when=no_loop, memory=memory)
         after = self._reads(0.0)
         reports = read_reports(str(directory))
         if reports["job"] is None and rc in (0, 124):
@@ -262,7 +263,8 @@ class _Run:
         fields = job_fields(job.name, reports["job"], reports["loops"], reports["samples"])
         if fields["ranks"] != job.ranks:
             raise ModelError(f"job {job.name!r} measured {fields['ranks']} rank(s), the spec says {job.ranks}")
-        fields.update(route="command", reports=str(directory), seconds=time.monotonic() - started)
+        fields.update(route="command", reports=str(directory), seconds=time.monotonic() - started,
+                      memory=memory.peak, memory_file=memory.file_peak)
         if before is not None and after is not None:  # its source reads, counted in flight
             fields["source_reads"] = {"bytes": after[0] - before[0], "seconds": after[1] - before[1],
                                       "flight": [max(0.0, b - a) for a, b in zip(before[2], after[2], strict=True)]}
@@ -298,6 +300,8 @@ class _Run:
         env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
         for name in (runenv.DELAYS, runenv.MODE, "MPIR_CVAR_PMI_VERSION"):
             env.pop(name, None)
+        if self.spec.cache.auto:  # the jobs' calibration cache has the size this driver's has
+            env[runenv.CACHE_CAPACITY] = str(self.spec.cache.capacity)
         return env
 
     def _later_levels(self, meas: dict[str, Any]) -> None:
@@ -372,6 +376,27 @@ def _fresh_cache(twin: Spec) -> Any:
     except CacheError:
         pass
     return twin.make_cache(local=True)
+
+
+def _say_memory(meas: dict[str, Any], spec: Spec, scenario: Any, capacity: Any, progress: bool) -> None:
+    """One line on stderr about the cache's size beside the jobs' measured memory: what "auto" chose,
+    or that a given size leaves the jobs too little (the kernel would kill them)."""
+    sized = meas.pop("cache_sizing")
+    meas["cache_sizing"] = {"capacity": sized.capacity, "why": sized.why, "room": sized.room}
+    if capacity is None and spec.cache.auto:
+        line = f'calibrate: [cache] capacity "auto": {sized.why}'
+    elif meas["jobs_memory"] and sized.room is not None and spec.cache.capacity > max(0, sized.room) \
+            and scenario.cache.capacity > 0 and not scenario.cache.coalesce:
+        line = (f"calibrate: the [cache] capacity ({spec.cache.capacity / 1e6:.0f} MB) is more than the "
+                f"{max(0, sized.room) / 1e6:.0f} MB the memory leaves beside the jobs' measured "
+                f"{meas['jobs_memory'] / 1e6:.0f} MB: the kernel may kill jobs as the cache fills; set "
+                'capacity = "auto" to size it to what is left')
+    else:
+        return
+    if progress:
+        print(line, file=sys.stderr)
+    else:
+        log.info("%s", line)
 
 
 def _tail(log: Path, lines: int = 5) -> str:
@@ -464,6 +489,7 @@ def calibrate_spec(spec: Spec, *, steps: Mapping[str, Callable[[list[bytes]], An
     meas["cores_how"] = ("the CPUs this calibration could run on (its affinity); the jobs share them"
                          if cores is None else "given with --cores")
     scenario, comments = build_scenario(meas, spec, epochs, capacity, policy)
+    _say_memory(meas, spec, scenario, capacity, progress)
     meas["elapsed_s"] = time.monotonic() - t_start
     _io.atomic_write_json(Path(meas["reports"]) / "measurements.json", _io.json_safe(meas), durable=False)
     notes = [load_line(load)] + ([meas["source_disagree"]] if meas["source_disagree"] else [])

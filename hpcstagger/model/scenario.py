@@ -23,6 +23,7 @@ valid keys with their defaults. The format::
     prefetch = 2               # default prefetch of the jobs' loaders (a job's own value wins)
     [node]                     # optional
     cores = 2                  # CPU cores the jobs share; 0 (the default): CPU time is not shared
+    jobs_memory = 1.2e9        # bytes the jobs hold together (measured); sizes a cache of capacity "auto"
     [[job]]
     name = "resnet"
     sample_time = 0.002        # seconds per sample of the training loop with data in memory (whole job)
@@ -123,7 +124,8 @@ class Loader:
 
 @dataclass(frozen=True)
 class Node:
-    """The node the jobs share: ``cores`` CPU cores (0: unlimited, CPU time is not shared).
+    """The node the jobs share: ``cores`` CPU cores (0: unlimited, CPU time is not shared), and the bytes
+    the jobs hold together (``jobs_memory``, 0: not measured; it sizes a spec's ``capacity = "auto"``).
 
     With cores, every CPU task (a rank's step, a worker's preparation of a sample, a rank's
     start-up) uses one core at full speed; while k tasks run on the node, each runs at
@@ -131,6 +133,7 @@ class Node:
     """
 
     cores: float = 0.0
+    jobs_memory: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -197,7 +200,8 @@ _CACHE = S.Table("cache", [
             shown="unset; required when partitioned over nodes > 1"),
 ])
 _LOADER = S.Table("loader", [S.Field("prefetch", S.integer(minimum=1), 2)])
-_NODE = S.Table("node", [S.Field("cores", S.number(minimum=0), 0.0, shown="0 (CPU not shared)")])
+_NODE = S.Table("node", [S.Field("cores", S.number(minimum=0), 0.0, shown="0 (CPU not shared)"),
+                         S.Field("jobs_memory", S.number(minimum=0), 0.0, shown="0 (not measured)")])
 _JOB = S.Table("job", [S.Field("name", _job_name), S.Field("sample_time", _POSITIVE),
                        S.Field("epochs", S.integer(minimum=1), 1),
                        S.Field("ranks", S.integer(minimum=1, maximum=1024), 1),
@@ -387,18 +391,16 @@ class Scenario:
         }
         if self.storage.fit_baseline != 1.0:
             out["storage"]["fit_baseline"] = self.storage.fit_baseline
-        if self.node.cores:
-            cores = self.node.cores
+        if self.node.cores or self.node.jobs_memory:
+            cores, mem = self.node.cores, self.node.jobs_memory
             out["node"] = {"cores": int(cores) if float(cores).is_integer() else cores}  # "2", not "2.0"
+            out["node"].update({"jobs_memory": mem} if mem else {})
         out["job"] = [_job_dict(j) for j in self.jobs]
         return out
 
     def to_toml(self, comments: Mapping[str, str] | None = None) -> str:
-        """The scenario as TOML text that :meth:`from_toml` reads back.
-
-        ``comments`` maps a dotted key (``"storage.bandwidth"``, ``"job.resnet"``) to a comment
-        written beside it, e.g. how calibration measured it.
-        """
+        """The scenario as TOML text that :meth:`from_toml` reads back; ``comments`` maps a dotted key
+        (``"storage.bandwidth"``, ``"job.resnet"``) to a comment written beside it (how it was measured)."""
         comments = dict(comments or {})
         d = self.to_dict()
         out: list[str] = []

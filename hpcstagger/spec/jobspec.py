@@ -16,7 +16,8 @@ rank, through ``HPCSTAGGER_SPEC``) all read it. The format::
                                    # with 1, 2, ... concurrent readers
 
     [cache]
-    capacity = "120MB"             # bytes or a size; 0 = no cache
+    capacity = "auto"              # bytes or a size; 0 = no cache; "auto": what the node's memory leaves
+                                   # beside the jobs (hpcstagger.spec.cachesize)
     policy = "minio"               # minio | none
     partitioned = false            # true: one cache partitioned across the job's nodes over MPI
 
@@ -65,6 +66,7 @@ from collections.abc import Mapping, Sequence
 
 from hpcstagger import _schema as S, config
 from hpcstagger.spec.runenv import PLAN_MODES
+from hpcstagger.spec.cachesize import AUTO, resolve_auto
 from hpcstagger.errors import CacheError, ConfigError
 from hpcstagger.cache.sources import DirectorySource, HDF5Source
 from hpcstagger.cache.store import ShmCache, default_max_entries
@@ -102,7 +104,9 @@ class DatasetSpec:
 @dataclass(frozen=True)
 class CacheSpec:
     """The shared node-local cache; ``capacity`` 0 means no cache. ``partitioned``: the node caches
-    of a job form one cache partitioned across its nodes (:mod:`hpcstagger.cache.partitioned`)."""
+    of a job form one cache partitioned across its nodes (:mod:`hpcstagger.cache.partitioned`).
+    ``auto``: the spec said ``capacity = "auto"``, and ``capacity`` is the size found for this
+    process (:func:`hpcstagger.spec.cachesize.resolve_auto`; ``sized`` says why)."""
 
     name: str = ""
     capacity: int = 0
@@ -110,6 +114,8 @@ class CacheSpec:
     root: str = ""
     max_entries: int = 0
     partitioned: bool = False
+    auto: bool = False
+    sized: str = ""
 
 
 @dataclass(frozen=True)
@@ -203,7 +209,8 @@ _DATASET = S.Table("dataset", [
 ])
 _CACHE = S.Table("cache", [
     S.Field("name", S.string(pattern=_NAME, hint=_NAME_HINT), "", shown="the run name"),
-    S.Field("capacity", S.size, 0),
+    S.Field("capacity", lambda where, v: AUTO if isinstance(v, str) and v.strip().lower() == AUTO else S.size(where, v),
+            0, shown='0 (no cache); "auto": what the memory leaves beside the jobs'),
     S.Field("policy", S.choice("minio", "none"), "minio"),
     S.Field("root", S.string(), "", shown="HPCSTAGGER_SHM_ROOT or /dev/shm/hpcstagger-<uid>"),
     S.Field("max_entries", S.integer(minimum=0), 0,
@@ -356,6 +363,9 @@ class Spec:
             raise ConfigError(f"plan.min_delay ({pl['min_delay']:g} s) is above plan.max_delay "
                               f"({pl['max_delay']:g} s): lower min_delay or raise max_delay")
 
+        if ca["capacity"] == AUTO:
+            sized = resolve_auto(pl["scenario"], file_source=bool(ds["path"]) and not ds["throttle"])
+            ca.update(capacity=sized.capacity, auto=True, sized=sized.why)
         sl = _SLURM.parse("slurm", data.get("slurm"))
         lo = _LOADER.parse("loader", data.get("loader"))
         return cls(jobs=jobs, run=RunSpec(**run), dataset=DatasetSpec(**ds), cache=CacheSpec(**ca),

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from hpcstagger.errors import ConfigError
 
 __all__ = ["SPEC", "JOB", "MODE", "PLAN_MODES", "PLAN_MODES_IN_WORLD", "PLANNED_MODES", "DELAYS", "RUN_DIR",
-           "NO_HISTORY", "ONLY", "CALIBRATE", "CALIBRATE_UNTIL", "encode_delays", "decode_delays"]
+           "NO_HISTORY", "ONLY", "CALIBRATE", "CALIBRATE_UNTIL", "CACHE_CAPACITY", "encode_delays", "decode_delays"]
 
 SPEC = "HPCSTAGGER_SPEC"          # path of the job spec
 JOB = "HPCSTAGGER_JOB"            # this rank's job: a name, or an index into the spec's jobs
@@ -26,6 +26,7 @@ NO_HISTORY = "HPCSTAGGER_NO_HISTORY"  # "1": plan without the spec's run history
 ONLY = "HPCSTAGGER_ONLY_JOBS"     # comma-separated: this launch runs only these jobs of the spec
 CALIBRATE = "HPCSTAGGER_CALIBRATE"  # calibration mode (hpcstagger calibrate --spec): the job's reports directory
 CALIBRATE_UNTIL = "HPCSTAGGER_CALIBRATE_UNTIL"  # calibration mode: when (epoch seconds) the job's share of time ends
+CACHE_CAPACITY = "HPCSTAGGER_CACHE_CAPACITY"  # bytes: [cache] capacity "auto" as sized once for the whole run
 
 
 def encode_delays(delays: Mapping[str, float]) -> str:

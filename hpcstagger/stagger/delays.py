@@ -329,7 +329,8 @@ def scenario_for(spec: Spec | None, order: Sequence[str], calibrations: Mapping[
     A run whose cache is partitioned (the spec's ``[cache] partitioned``, or a ``partition`` given:
     the coordinator gives one for the ``cache_partitioned`` knob too) is planned with a partitioned
     cache, whatever the file says: see :func:`partition_cache` for where ``nodes`` and
-    ``remote_bandwidth`` come from.
+    ``remote_bandwidth`` come from. A spec's ``capacity = "auto"`` cache sized smaller for this run
+    than at calibration (less memory free now) is planned at this run's size.
     """
     if spec is None or not spec.plan.scenario:
         raise _needs_scenario()
@@ -355,6 +356,8 @@ def scenario_for(spec: Spec | None, order: Sequence[str], calibrations: Mapping[
             entry["startup"] = float((startups or {})[name])
         jobs.append(entry)
     base["job"] = jobs
+    if spec.cache.auto and base.get("cache") and not base["cache"].get("coalesce"):  # not the page cache
+        base["cache"]["capacity"] = min(float(base["cache"].get("capacity", 0)), float(spec.cache.capacity))
     if (spec.cache.partitioned or partition is not None) and base.get("cache"):
         base["cache"] = partition_cache(base["cache"], partition, calibrations)
     if cache_state is not None:

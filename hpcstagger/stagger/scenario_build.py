@@ -21,12 +21,13 @@ from hpcstagger.errors import ConfigError
 from hpcstagger.model.calibrate import capacity_bytes
 from hpcstagger.model.source_probe import SPREAD_LIMIT, combine_levels
 from hpcstagger.model.scenario import POLICIES, Cache, Dataset, Job, Loader, Node, Scenario, Storage
+from hpcstagger.spec.cachesize import size_cache
 from hpcstagger.spec.jobspec import Spec
 from hpcstagger.model.runfit import counted_factor
 from hpcstagger.stagger.steering import MIN_READS
 
-__all__ = ["BASELINE_RANGE", "build_scenario", "describe_job", "fit_baseline", "scenario_cache", "scenario_job",
-           "source_note", "fold_miss_overhead"]
+__all__ = ["BASELINE_RANGE", "build_scenario", "describe_job", "fit_baseline", "jobs_memory", "scenario_cache",
+           "scenario_job", "source_note", "fold_miss_overhead"]
 
 BASELINE_RANGE = (0.5, 2.0)  # a fit baseline outside this is not a read pattern's: it is not used
 
@@ -40,6 +41,8 @@ def describe_job(f: Mapping[str, Any]) -> str:
             f"order {f.get('order') or 'its own'}, "
             f"prep {f['prep_time'] * 1e3:.3f} ms/sample, miss overhead {f['miss_overhead'] * 1e3:.3f} ms "
             f"({f['hits']} hits, {f['misses']} misses; stopped: {f['stopped']})"
+            + (f"; memory {f['memory'] / 1e6:.0f} MB anonymous, {f.get('memory_file', 0) / 1e6:.0f} MB mapped files"
+               if f.get("memory") else "")
             + ("" if f["samples_seen"] else
                "; no CachedDataset sample costs seen: prep is its DataLoader workers' CPU per sample, reads and "
                "decode included, and the miss overhead is not measured" if f.get("prep_from_workers") else
@@ -71,7 +74,10 @@ def scenario_cache(meas: Mapping[str, Any], spec: Spec, capacity: float | str | 
         notes["cache.readahead"] = f"samples' worth of bytes one random read brings into the page cache: {ahead['how']}"
         return Cache(capacity=n * size, policy="minio", hit_bandwidth=_finite(hit), coalesce=True,
                      readahead=float(ahead["readahead"])), notes
-    cap = capacity_bytes(capacity, n, size) if capacity is not None else float(spec.cache.capacity)
+    sized: Any = meas.get("cache_sizing")
+    auto = capacity is None and spec.cache.auto and sized is not None
+    cap = capacity_bytes(capacity, n, size) if capacity is not None else float(sized.capacity if auto
+                                                                                 else spec.cache.capacity)
     pol = policy or (spec.cache.policy if cap > 0 else "none")
     if pol not in POLICIES:
         raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {pol!r}")
@@ -81,7 +87,9 @@ def scenario_cache(meas: Mapping[str, Any], spec: Spec, capacity: float | str | 
         notes["cache.capacity"] = (f"{entries} entries of {size:.0f} bytes: the cache's index ([cache] max_entries) "
                                    f"holds fewer samples than {cap:.0f} bytes would")
         return _partitioned(spec, Cache(capacity=entries * size, policy=pol, hit_bandwidth=_finite(shm)), notes), notes
-    if not pc["holds"] and pc["source"] != "other":
+    if auto:
+        notes["cache.capacity"] = f'[cache] capacity "auto": {sized.why}'
+    elif not pc["holds"] and pc["source"] != "other":
         notes["cache.capacity"] = ("the spec's [cache] (the source is emulated: no page cache)" if pc["emulated"] else
                                    "the spec's [cache]: the dataset is too large for the page cache to keep")
     return _partitioned(spec, Cache(capacity=cap, policy=pol, hit_bandwidth=_finite(shm)), notes), notes
@@ -204,7 +212,15 @@ def build_scenario(meas: dict[str, Any], spec: Spec, epochs: int | Mapping[str, 
                  if m["route"] == "command" and m["misses"] and m["miss_overhead"] > 0]
     overhead = sum(overheads) / len(overheads) if overheads else 0.0
     meas.update(miss_overhead=overhead, source_measured=measured, source_spread=spread)
+    memory, memory_note = jobs_memory(meas["jobs"])
+    pc = meas["page_cache"]
+    sized = size_cache(pc.get("mem_available"), memory, pc.get("dataset_bytes"),
+                       file_source=pc.get("source", "other") != "other" and not pc.get("emulated"))
+    meas.update(jobs_memory=memory, cache_sizing=sized)
+    if pc["holds"] and memory and sized.room is not None and pc["dataset_bytes"] > sized.room:
+        pc.update(holds=False, beside_jobs=sized.room)  # the page cache keeps what the jobs leave it, not all
     cache, comments = scenario_cache(meas, spec, capacity, policy)
+    comments["node.jobs_memory"] = memory_note
     comments["dataset.sample_bytes"] = f"mean of {meas['preloaded']} samples read"
     jobs = []
     for j in spec.jobs:
@@ -225,8 +241,23 @@ def build_scenario(meas: dict[str, Any], spec: Spec, epochs: int | Mapping[str, 
     meas["fit_baseline"] = baseline
     scenario = Scenario(dataset=Dataset(samples=meas["samples"], sample_bytes=size),
                         storage=Storage(curve, fit_baseline=baseline, spread=tuple(spread)), jobs=tuple(jobs),
-                        cache=cache, loader=Loader(prefetch=2), node=Node(cores=cores))
+                        cache=cache, loader=Loader(prefetch=2), node=Node(cores=cores, jobs_memory=memory))
     return scenario, comments
+
+
+def jobs_memory(jobs: Mapping[str, Mapping[str, Any]]) -> tuple[float, str]:
+    """The bytes the jobs hold together, co-located: each job's anonymous memory at its peak (its
+    processes followed while it ran alone in calibration), added up, and the mapped file pages of
+    the job that maps the most (their libraries, which the jobs share); 0 and why when a job's
+    memory was not measured. With a comment."""
+    unmeasured = [name for name, m in jobs.items() if not m.get("memory")]
+    if unmeasured or not jobs:
+        return 0.0, f"not measured (job(s) {', '.join(unmeasured)} not run from their command)"
+    anon = sum(float(m["memory"]) for m in jobs.values())
+    files = max(float(m.get("memory_file", 0)) for m in jobs.values())
+    return anon + files, (f"{(anon + files) / 1e6:.0f} MB: each job's processes followed alone, their anonymous "
+                          f"memory at its peak added up ({anon / 1e6:.0f} MB), and the most mapped files any job held "
+                          f"({files / 1e6:.0f} MB: libraries the jobs share)")
 
 
 def fold_miss_overhead(bandwidth: Sequence[float], sample_bytes: float, overhead: float) -> list[float]:

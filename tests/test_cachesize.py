@@ -1,0 +1,173 @@
+"""``[cache] capacity = "auto"``: the /dev/shm cache sized to what the memory leaves beside the jobs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hpcstagger.cache.store import ShmCache
+from hpcstagger.errors import ConfigError
+from hpcstagger.model import Scenario
+from hpcstagger.spec import cachesize as C
+from hpcstagger.spec.jobspec import Spec
+from hpcstagger.stagger.delays import scenario_for
+
+MB = 1_000_000
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher_size(monkeypatch):
+    monkeypatch.delenv("HPCSTAGGER_CACHE_CAPACITY", raising=False)
+
+
+# ----------------------------------------------------------------------------------- the rule (pure)
+def test_what_is_left_beside_the_jobs_is_the_cache():
+    s = C.size_cache(2000 * MB, 1000 * MB, 4000 * MB, file_source=True)
+    reserve = max(C.RESERVE_MIN, int(C.RESERVE_SHARE * 2000 * MB))
+    assert s.capacity == s.room == 2000 * MB - 1100 * MB - reserve
+    assert "of the 4000 MB dataset" in s.why and "measured 1000 MB" in s.why
+
+
+def test_a_dataset_the_page_cache_keeps_beside_the_jobs_gets_no_cache():
+    s = C.size_cache(2000 * MB, 1000 * MB, 300 * MB, file_source=True)
+    assert s.capacity == 0 and s.room > 300 * MB and "page cache keeps it" in s.why
+    # an emulated source has no page cache: the whole dataset, with room for the arena's rounding
+    e = C.size_cache(2000 * MB, 1000 * MB, 300 * MB, file_source=False)
+    assert 300 * MB < e.capacity <= 300 * MB * 1.01 + (1 << 20) and "which fits" in e.why
+
+
+@pytest.mark.parametrize("memory, jobs, what", [(1500 * MB, 1400 * MB, "nothing is left"),
+                                                (2000 * MB, 1700 * MB, "too little to pay")])
+def test_no_cache_where_too_little_is_left(memory, jobs, what):
+    s = C.size_cache(memory, jobs, 4000 * MB, file_source=True)
+    assert s.capacity == 0 and what in s.why
+
+
+def test_unmeasured_jobs_leave_the_cache_a_share_and_unknown_memory_no_cache():
+    s = C.size_cache(2000 * MB, 0.0, None, file_source=True)
+    assert s.capacity == int(C.UNMEASURED_SHARE * 2000 * MB) and "not measured" in s.why
+    assert C.size_cache(None, 1000 * MB, 4000 * MB, file_source=True).capacity == 0
+
+
+# ------------------------------------------------------------------------------------ the spec
+SPEC = """
+[run]
+name = "autocache"
+[dataset]
+path = "data"
+[cache]
+capacity = "{capacity}"
+[plan]
+mode = "plan"
+scenario = "scenario.toml"
+[[job]]
+name = "a"
+command = "true"
+"""
+
+
+def _scenario(path, *, jobs_memory: float, samples: int = 4000, sample_bytes: float = 1e6, coalesce=False):
+    text = (f"[dataset]\nsamples = {samples}\nsample_bytes = {sample_bytes}\n[storage]\nbandwidth = [1e8]\n"
+            f"[cache]\ncapacity = 2e9\ncoalesce = {str(coalesce).lower()}\n"
+            f"[node]\ncores = 2\njobs_memory = {jobs_memory}\n[[job]]\nname = \"a\"\nsample_time = 0.001\n")
+    path.write_text(text)
+
+
+def _spec(tmp_path, capacity="auto"):
+    (tmp_path / "data").mkdir(exist_ok=True)
+    (tmp_path / "spec.toml").write_text(SPEC.format(capacity=capacity))
+    return Spec.from_toml(tmp_path / "spec.toml")
+
+
+def test_auto_takes_the_launchers_size_and_rejects_a_bad_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("HPCSTAGGER_CACHE_CAPACITY", "123456789")
+    spec = _spec(tmp_path, "AUTO")
+    assert spec.cache.auto and spec.cache.capacity == 123456789 and "launcher" in spec.cache.sized
+    monkeypatch.setenv("HPCSTAGGER_CACHE_CAPACITY", "-5")
+    with pytest.raises(ConfigError, match="HPCSTAGGER_CACHE_CAPACITY"):
+        _spec(tmp_path)
+    monkeypatch.delenv("HPCSTAGGER_CACHE_CAPACITY")
+    assert not _spec(tmp_path, "64MB").cache.auto and _spec(tmp_path, "64MB").cache.capacity == 64 * MB
+
+
+def test_auto_without_a_launcher_sizes_from_the_nodes_total_memory_and_the_scenario(tmp_path):
+    """Every process of a node computes the same size: the memory its processes may hold in all."""
+    total = C.memory_total()
+    assert total
+    spec = _spec(tmp_path)  # no scenario file yet: the jobs' memory is not known
+    assert spec.cache.capacity == int(C.UNMEASURED_SHARE * total) and "not measured" in spec.cache.sized
+    _scenario(tmp_path / "scenario.toml", jobs_memory=2 * total)  # the jobs take it all
+    assert _spec(tmp_path).cache.capacity == 0
+    _scenario(tmp_path / "scenario.toml", jobs_memory=total / 4, samples=1000)  # a small dataset: page cache
+    spec = _spec(tmp_path)
+    assert spec.cache.capacity == 0 and "page cache keeps it" in spec.cache.sized
+
+
+def test_the_plan_uses_the_runs_smaller_size_but_not_for_the_page_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HPCSTAGGER_CACHE_CAPACITY", str(300 * MB))
+    _scenario(tmp_path / "scenario.toml", jobs_memory=1e9)
+    assert scenario_for(_spec(tmp_path), ["a"], {}).cache.capacity == 300 * MB
+    assert Scenario.from_toml(tmp_path / "scenario.toml").cache.capacity == 2e9  # the file is left as it is
+    _scenario(tmp_path / "scenario.toml", jobs_memory=1e9, coalesce=True)
+    assert scenario_for(_spec(tmp_path), ["a"], {}).cache.capacity == 2e9
+    monkeypatch.delenv("HPCSTAGGER_CACHE_CAPACITY")
+    assert scenario_for(_spec(tmp_path, "3GB"), ["a"], {}).cache.capacity == 2e9  # a given size: the file's
+
+
+def test_a_launch_keeps_an_existing_caches_size(tmp_path, shm_root):
+    spec = _spec(tmp_path)
+    cache = ShmCache(spec.cache.name, 8 << 20)
+    try:
+        cache.put("k", b"x" * 100)
+        sized = C.for_launch(spec, {})
+        assert sized is not None and sized.capacity == 8 << 20 and "keeps its" in sized.why
+        assert C.for_launch(spec, {"HPCSTAGGER_CACHE_CAPACITY": "5"}) is None
+        assert C.for_launch(_spec(tmp_path, "1MB"), {}) is None
+    finally:
+        cache.destroy(force=True)
+
+
+def _v1_memory() -> str | None:
+    path = "/sys/fs/cgroup/memory"
+    return path if os.path.isfile(os.path.join(path, "memory.limit_in_bytes")) and os.access(path, os.W_OK) else None
+
+
+@pytest.mark.skipif(_v1_memory() is None, reason="needs a writable cgroup v1 memory hierarchy (root)")
+def test_a_launch_in_a_real_memory_cgroup_sizes_the_cache_to_its_room(tmp_path, shm_root):
+    """In a 768 MiB memory cgroup with jobs measured at 300 MB: the cache is what the group leaves
+    beside them, far less than the node's free memory would give, and the launch hands every
+    process that one size."""
+    _scenario(tmp_path / "scenario.toml", jobs_memory=300e6, samples=2000)  # a 2 GB dataset
+    _spec(tmp_path)
+    group = os.path.join(_v1_memory() or "", f"hpcstagger-test-{os.getpid()}")
+    os.mkdir(group)
+    try:
+        with open(os.path.join(group, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(768 << 20))
+        code = ("import json, sys; from hpcstagger.spec.jobspec import Spec; from hpcstagger.spec import cachesize; "
+                "from hpcstagger.model.source_probe import mem_available; "
+                f"spec = Spec.from_toml({str(tmp_path / 'spec.toml')!r}); s = cachesize.for_launch(spec, {{}}); "
+                "print(json.dumps([s.capacity, s.room, mem_available()]))")
+
+        def join() -> None:
+            with open(os.path.join(group, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, preexec_fn=join,
+                             env={**os.environ, "HPCSTAGGER_SHM_ROOT": shm_root})
+        assert out.returncode == 0, out.stderr
+        capacity, room, available = json.loads(out.stdout)
+        assert available <= 768 << 20
+        assert capacity == room and 0 < capacity <= (768 << 20) - 330e6 - C.RESERVE_MIN
+    finally:
+        for _ in range(50):
+            try:
+                os.rmdir(group)
+                break
+            except OSError:
+                time.sleep(0.1)
