@@ -19,10 +19,11 @@ Rows, each a run of the four trials started at once, interleaved over ``--repeat
   the same file system), all four started together as a job array would;
 - ``dcp``: the same with torch.distributed.checkpoint.async_save;
 - then hpcstagger, one part added at a time, each through ``hpcstagger launch`` with the
-  documented lines (``--mode hpcstagger``): ``cache`` (the node's /dev/shm cache, a simultaneous
-  start), ``plan`` (+ the planner's stagger from ``hpcstagger calibrate --spec``, the closed loop
-  on), ``shared`` (+ one shared loader for the four trials), ``hpcstagger`` (+ AsyncCheckpointer:
-  the whole tool).
+  documented lines (``--mode hpcstagger``): ``cache`` (the node's /dev/shm cache, ``capacity =
+  "auto"``: sized by the launch to what the limit leaves beside the trials' memory, as
+  ``hpcstagger calibrate --spec`` measured it; a simultaneous start), ``plan`` (+ the planner's
+  stagger from that calibration, the closed loop on), ``shared`` (+ one shared loader for the four
+  trials, calibrated with it), ``hpcstagger`` (+ AsyncCheckpointer: the whole tool).
 
 Two sizes: ``fits`` (the dataset fits in the page cache under the limit, so plain PyTorch already
 shares it) and ``nofit`` (about twice what the page cache can hold under the limit). Every row
@@ -205,7 +206,7 @@ def run_row(row: str, size: str, rep: int, node: dict[str, Any], args: argparse.
                          + ["--data", str(node["data"])] for lr in LRS]
             else:
                 spec = work / "spec.toml"
-                write_spec(spec, row, node["data"], work, shm, node["cache_bytes"], node.get("scenario"), args)
+                write_spec(spec, row, node["data"], work, shm, node["cache_bytes"], node["scenarios"][row], args)
                 argvs = [[sys.executable, "-m", "hpcstagger", "launch", str(spec), "--cold-cache", "--no-history"]]
             sampler.start()
             t0 = time.time()
@@ -237,19 +238,24 @@ def run_row(row: str, size: str, rep: int, node: dict[str, Any], args: argparse.
             "log": str(log), **stats}
 
 
-def calibrate(node: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """``hpcstagger calibrate --spec`` of the plan row's spec, once per size, inside the node's limits."""
+SHARED_ROWS = ("shared", "hpcstagger")  # the rows whose spec shares one loader (and is calibrated so)
+
+
+def calibrate(node: dict[str, Any], args: argparse.Namespace, row: str) -> dict[str, Any]:
+    """``hpcstagger calibrate --spec`` of ``row``'s spec (``plan``: each trial its own loader;
+    ``hpcstagger``: one shared loader), once per size, inside the node's limits."""
     work = Path(tempfile.mkdtemp(prefix="calibrate-", dir=node["ckpt_root"]))
     (work / "reports").mkdir()
     shm = Path(tempfile.mkdtemp(prefix="hpcstagger-sweep-", dir="/dev/shm"))
-    spec, scenario = work / "spec.toml", node["root"] / f"{node['size']}-scenario.toml"
-    write_spec(spec, "plan", node["data"], work, shm, node["cache_bytes"], scenario, args)
+    tag = f"{node['size']}-{'shared' if row in SHARED_ROWS else 'own'}"
+    spec, scenario = work / "spec.toml", node["root"] / f"{tag}-scenario.toml"
+    write_spec(spec, row, node["data"], work, shm, node["cache_bytes"], scenario, args)
     drop_dataset(node["data"])
-    group = RunGroup(f"hpcstagger-sweep-{os.getpid()}-{node['size']}-calibrate", node["mem_bytes"], node["blkio"])
+    group = RunGroup(f"hpcstagger-sweep-{os.getpid()}-{tag}-calibrate", node["mem_bytes"], node["blkio"])
     env = dict(os.environ, PYTHONPATH=str(HERE.parent), HPCSTAGGER_SHM_ROOT=str(shm))
     t0 = time.monotonic()
     try:
-        with open(node["root"] / f"{node['size']}-calibrate.log", "wb") as out:
+        with open(node["root"] / f"{tag}-calibrate.log", "wb") as out:
             rc = subprocess.run([sys.executable, "-m", "hpcstagger", "calibrate", "--spec", str(spec), "-o",
                                  str(scenario), "--budget", str(args.budget)], stdout=out, stderr=subprocess.STDOUT,
                                 env=env, cwd=str(work), preexec_fn=group.join, timeout=600).returncode
@@ -258,11 +264,11 @@ def calibrate(node: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     if rc != 0:
-        raise SystemExit(f"calibration failed (exit {rc}): see {node['root'] / (node['size'] + '-calibrate.log')}")
+        raise SystemExit(f"calibration failed (exit {rc}): see {node['root'] / (tag + '-calibrate.log')}")
     text = scenario.read_text()
-    said = [line for line in (node["root"] / f"{node['size']}-calibrate.log").read_text(errors="replace").splitlines()
-            if "jobs_memory" in line or 'capacity "auto"' in line]
-    return {"seconds": time.monotonic() - t0, "scenario": text, "memory": said}
+    said = [line for line in (node["root"] / f"{tag}-calibrate.log").read_text(errors="replace").splitlines()
+            if 'capacity "auto"' in line]
+    return {"seconds": time.monotonic() - t0, "scenario": text, "path": str(scenario), "cache": said}
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -399,9 +405,12 @@ def main() -> int:
                         "cache_bytes": int(args.cache_mb * 1e6) if args.cache_mb else None, "ckpt_root": data.parent}
                 entry: dict[str, Any] = {"files": files, "dataset_mb": mb, "cache_mb": args.cache_mb or "auto",
                                          "runs": []}
-                if any(r in rows for r in ("cache", "plan", "shared", "hpcstagger")):
-                    entry["calibration"] = calibrate(node, args)
-                    node["scenario"] = root / f"{size}-scenario.toml"
+                entry["calibration"] = {}
+                for first, group in (("plan", ("cache", "plan")), ("hpcstagger", SHARED_ROWS)):
+                    if any(r in rows for r in group):  # one calibration per loader layout the rows use
+                        entry["calibration"][first] = calibrate(node, args, first)
+                node["scenarios"] = {row: Path(entry["calibration"]["hpcstagger" if row in SHARED_ROWS else "plan"]
+                                               ["path"]) for row in rows if row not in ("plain", "dcp")}
                 order = list(rows)
                 for rep in range(args.repeat):
                     random.Random(rep).shuffle(order)

@@ -78,6 +78,10 @@ _KNOB_LIST: list[Knob] = [
     Knob("cache_min_sample_bytes", int, 4096,
          "smallest mean sample size a cache's index is sized for: a cache holds at most "
          "capacity_bytes / this many entries (ShmCache's max_entries overrides it)"),
+    Knob("cache_memory_guard", bool, True,
+         "a cache refuses inserts while the memory (MemAvailable, or the memory cgroup's room) would keep less "
+         "than 5% of the node's or the cgroup's memory (at least 96 MiB) free: /dev/shm pages cannot be dropped, "
+         "so a full node would kill the jobs instead"),
     Knob("throttle_dir", str, "",
          "where ThrottledSource keeps its shared reader state; empty means <shm_root>/.throttle"),
     # --- partitioned cache across nodes (hpcstagger.cache.partitioned) ---

@@ -11,6 +11,11 @@ limit on its path), as Slurm's ``task/cgroup`` plugin sets one for every job: th
 ``/dev/shm`` pages are charged to it, so a job's page cache can hold far less than the node's
 ``MemAvailable`` says. :func:`memory_total` is that limit, or the node's RAM without one.
 
+:func:`memory_free` is what this process can still fill now: the node's ``MemAvailable``, or
+the room its memory cgroup leaves, the smaller. :class:`MemoryGuard` says whether a /dev/shm
+cache may take more bytes and still leave :func:`memory_reserve` free, so that filling the cache
+never pushes the jobs beside it into the kernel's out-of-memory killer.
+
 :class:`PeakMemory` follows a process tree (a command and every process it starts: MPI ranks,
 DataLoader workers) and keeps the peaks of their anonymous memory (what a job holds that the kernel cannot drop) and
 of their mapped file pages (its libraries'), each page counted once however many processes share
@@ -24,8 +29,11 @@ import threading
 import time
 from dataclasses import dataclass
 
-__all__ = ["NodeLoad", "MemoryLimit", "memory_limit", "memory_total", "usable_cores", "sample", "busy_warning",
-           "tree_memory", "PeakMemory"]
+__all__ = ["NodeLoad", "MemoryLimit", "memory_limit", "memory_total", "memory_free", "memory_reserve", "MemoryGuard",
+           "usable_cores", "sample", "busy_warning", "tree_memory", "PeakMemory", "RESERVE_SHARE", "RESERVE_MIN"]
+
+RESERVE_SHARE = 0.05     # of the memory, kept free beside a /dev/shm cache (launcher, coordinator, MPI, libraries)
+RESERVE_MIN = 96 << 20   # bytes, the least of that reserve
 
 # Other processes' CPU use, in cores, above which a measurement is flagged (a quarter of a core, or
 # a tenth of the usable cores on a large node).
@@ -220,31 +228,49 @@ def _pss(pid: str) -> tuple[int, int]:
     return anon * 1024, file * 1024
 
 
-def tree_memory(root: int) -> tuple[int, int]:
-    """The anonymous memory and the mapped file pages (its libraries', bytes) of process ``root`` and
-    all its descendants (MPI launchers put their ranks in sessions of their own), each shared page
-    counted once."""
+def _program(pid: str) -> tuple[str, bytes]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return os.readlink(f"/proc/{pid}/exe"), f.read()
+    except OSError:
+        return "", b""
+
+
+def _is_worker(me: tuple[str, bytes], parent: tuple[str, bytes]) -> bool:
+    """A DataLoader (multiprocessing) worker of ``parent``: the same program, forked with its
+    command line, or started by multiprocessing's spawn or forkserver."""
+    return bool(me[0]) and me[0] == parent[0] and (me[1] == parent[1] or b"multiprocessing" in me[1])
+
+
+def tree_memory(root: int) -> tuple[int, int, int]:
+    """What process ``root`` and all its descendants hold (MPI launchers put their ranks in sessions
+    of their own), bytes, each shared page counted once: the anonymous memory of all of them, of
+    the workers among them (multiprocessing children of a process of the same program: DataLoader
+    workers), and their mapped file pages (their libraries)."""
     children: dict[int, list[str]] = {}
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             children.setdefault(_parent_of(pid) or 0, []).append(pid)
-    anon = file = 0
-    todo = [str(root)]
+    anon = workers = file = 0
+    todo: list[tuple[str, tuple[str, bytes]]] = [(str(root), ("", b""))]
     while todo:
-        pid = todo.pop()
+        pid, parent = todo.pop()
         a, f = _pss(pid)
+        me = _program(pid)
         anon, file = anon + a, file + f
-        todo.extend(children.get(int(pid), ()))
-    return anon, file
+        workers += a if _is_worker(me, parent) else 0
+        todo.extend((c, me) for c in children.get(int(pid), ()))
+    return anon, workers, file
 
 
 class PeakMemory:
     """The peaks of :func:`tree_memory` of one process tree, sampled every ``every`` seconds by a
-    daemon thread between :meth:`start` and :meth:`stop`: ``peak`` (anonymous) and ``file_peak``
-    (mapped files), bytes, 0 until a sample."""
+    daemon thread between :meth:`start` and :meth:`stop`: ``peak`` (anonymous), ``workers_peak``
+    (the DataLoader workers' anonymous memory) and ``file_peak`` (mapped files), bytes, 0 until a
+    sample."""
 
     def __init__(self, every: float = 0.25):
-        self.every, self.peak, self.file_peak, self.samples = every, 0, 0, 0
+        self.every, self.peak, self.workers_peak, self.file_peak, self.samples = every, 0, 0, 0, 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -252,8 +278,9 @@ class PeakMemory:
         """Follow process ``pid`` and its descendants."""
         def run() -> None:
             while True:
-                anon, file = tree_memory(pid)
-                self.peak, self.file_peak = max(self.peak, anon), max(self.file_peak, file)
+                anon, workers, file = tree_memory(pid)
+                self.peak, self.workers_peak = max(self.peak, anon), max(self.workers_peak, workers)
+                self.file_peak = max(self.file_peak, file)
                 self.samples += 1
                 if self._stop.wait(self.every):
                     return
@@ -267,3 +294,50 @@ class PeakMemory:
         if self._thread is not None:
             self._thread.join()
         return self.peak
+
+
+def memory_free(meminfo: str = "/proc/meminfo") -> int | None:
+    """The memory this process can still fill, in bytes: the node's ``MemAvailable``, or less where
+    its memory cgroup (a Slurm job's, say) leaves less room (:func:`memory_limit`); None when
+    neither can be read."""
+    node = None
+    try:
+        with open(meminfo, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    node = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        node = None
+    group = memory_limit()
+    if group is None:
+        return node
+    return group.available if node is None else min(node, group.available)
+
+
+def memory_reserve(total: int | None) -> int:
+    """The bytes a /dev/shm cache leaves free of ``total`` (:func:`memory_total`): :data:`RESERVE_SHARE`
+    of it, at least :data:`RESERVE_MIN`."""
+    return max(RESERVE_MIN, int(RESERVE_SHARE * (total or 0)))
+
+
+class MemoryGuard:
+    """Whether ``n`` more bytes of /dev/shm leave :func:`memory_reserve` free (:meth:`allows`). The
+    memory is looked at (:func:`memory_free`) at most every ``every`` seconds; in between, what this
+    process was allowed is taken off. Where it cannot be read, everything is allowed."""
+
+    def __init__(self, every: float = 0.1):
+        self.every, self.reserve = every, memory_reserve(memory_total())
+        self.free: int | None = None
+        self._next = 0.0
+
+    def allows(self, n: int) -> bool:
+        now = time.monotonic()
+        if now >= self._next:
+            self.free, self._next = memory_free(), now + self.every
+        if self.free is None:
+            return True
+        if self.free - n < self.reserve:
+            return False
+        self.free -= n
+        return True

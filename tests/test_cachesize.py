@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -16,6 +18,7 @@ from hpcstagger.model import Scenario
 from hpcstagger.spec import cachesize as C
 from hpcstagger.spec.jobspec import Spec
 from hpcstagger.stagger.delays import scenario_for
+from hpcstagger.stagger.scenario_build import jobs_memory
 
 MB = 1_000_000
 
@@ -52,6 +55,17 @@ def test_unmeasured_jobs_leave_the_cache_a_share_and_unknown_memory_no_cache():
     s = C.size_cache(2000 * MB, 0.0, None, file_source=True)
     assert s.capacity == int(C.UNMEASURED_SHARE * 2000 * MB) and "not measured" in s.why
     assert C.size_cache(None, 1000 * MB, 4000 * MB, file_source=True).capacity == 0
+
+
+def test_jobs_memory_adds_the_jobs_up_and_counts_a_shared_loaders_workers_once():
+    jobs = {"a": {"memory": 300 * MB, "memory_workers": 200 * MB, "memory_file": 100 * MB},
+            "b": {"memory": 250 * MB, "memory_workers": 150 * MB, "memory_file": 90 * MB},
+            "c": {"memory": 120 * MB, "memory_workers": 0, "memory_file": 80 * MB}}
+    total, note = jobs_memory(jobs)
+    assert total == (300 + 250 + 120 + 100) * MB and note.startswith("770 MB: ")
+    total, note = jobs_memory(jobs, {"sweep": ["a", "b"]})  # one loader's workers: the larger, 200 MB
+    assert total == (770 - 150) * MB and "less 150 MB of DataLoader workers" in note
+    assert jobs_memory({**jobs, "d": {"sample_time": 1.0}})[0] == 0.0
 
 
 # ------------------------------------------------------------------------------------ the spec
@@ -165,6 +179,58 @@ def test_a_launch_in_a_real_memory_cgroup_sizes_the_cache_to_its_room(tmp_path, 
         assert available <= 768 << 20
         assert capacity == room and 0 < capacity <= (768 << 20) - 330e6 - C.RESERVE_MIN
     finally:
+        for _ in range(50):
+            try:
+                os.rmdir(group)
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+FILL = """
+import json, sys
+from hpcstagger.cache.store import ShmCache
+cache = ShmCache("fill", 2 << 30)
+blob, stored = b"x" * (1 << 20), 0
+for i in range(1200):
+    if not cache.put(i, blob):
+        break
+    stored += 1
+json.dump({"stored": stored, "reserve": cache._guard.reserve if cache._guard else None}, sys.stdout)
+"""
+
+
+@pytest.mark.skipif(_v1_memory() is None, reason="needs a writable cgroup v1 memory hierarchy (root)")
+@pytest.mark.parametrize("guard", [True, False])
+def test_a_cache_filling_a_real_memory_cgroup_stops_at_the_reserve_instead_of_being_killed(tmp_path, guard):
+    """A process in a 384 MiB memory cgroup fills a 2 GiB cache with 1 MiB samples: with the guard
+    (the default) inserts are refused once the reserve is reached and the process lives on; without
+    it the kernel's out-of-memory killer ends the process, since /dev/shm pages cannot be dropped."""
+    root = tempfile.mkdtemp(prefix="hpcs-fill-", dir="/dev/shm")
+    group = os.path.join(_v1_memory() or "", f"hpcstagger-test-fill-{os.getpid()}")
+    os.mkdir(group)
+    try:
+        with open(os.path.join(group, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(384 << 20))
+
+        def join() -> None:
+            with open(os.path.join(group, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+
+        env = {**os.environ, "HPCSTAGGER_SHM_ROOT": root, "HPCSTAGGER_CACHE_MEMORY_GUARD": "1" if guard else "0"}
+        out = subprocess.run([sys.executable, "-c", FILL], capture_output=True, text=True, timeout=120,
+                             preexec_fn=join, env=env)
+        with open(os.path.join(group, "memory.oom_control")) as f:
+            kills = int(dict(line.split() for line in f).get("oom_kill", 0))
+        if guard:
+            assert out.returncode == 0 and kills == 0, (out.returncode, out.stderr[-2000:])
+            got = json.loads(out.stdout)
+            assert got["reserve"] == 96 << 20                       # 5% of 384 MiB is less than the least reserve
+            assert 150 < got["stored"] < 384 - 96, got              # what the group leaves beside the interpreter
+        else:
+            assert out.returncode == -9 and kills >= 1, (out.returncode, out.stdout, out.stderr[-2000:])
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
         for _ in range(50):
             try:
                 os.rmdir(group)

@@ -149,15 +149,23 @@ def test_a_process_in_a_real_memory_cgroup_sees_its_room_not_the_nodes(tmp_path)
                 time.sleep(0.1)
 
 
-def test_peak_memory_follows_a_process_tree_and_nothing_else():
-    """A parent whose child (in a session of its own, as MPI launchers start ranks) touches 160 MB
-    for a while: the peak counts the child's pages once; a process outside the tree is not counted."""
+def test_peak_memory_follows_a_process_tree_and_tells_its_workers():
+    """A parent with a forked multiprocessing worker that touches 100 MB and a child program (in a
+    session of its own, as MPI launchers start ranks) that touches 160 MB: the peak counts both once,
+    and only the worker as a worker; a process outside the tree is not counted."""
     touch = "import time; b = bytearray({n} << 20); b[::4096] = b'x' * len(b[::4096]); time.sleep({s})"
-    outsider = subprocess.Popen([sys.executable, "-c", touch.format(n=300, s=3)])
-    child = ("import subprocess, sys; subprocess.run([sys.executable, '-c', sys.argv[1]], start_new_session=True, "
-             "check=True)")
+    outsider = subprocess.Popen([sys.executable, "-c", touch.format(n=300, s=4)])
+    parent_code = (
+        "import multiprocessing as mp, subprocess, sys\n"
+        "def work():\n"
+        "    exec(sys.argv[2])\n"
+        "if __name__ == '__main__':\n"
+        "    w = mp.get_context('fork').Process(target=work)\n"
+        "    w.start()\n"
+        "    subprocess.run([sys.executable, '-c', sys.argv[1]], start_new_session=True, check=True)\n"
+        "    w.join()\n")
     try:
-        parent = subprocess.Popen([sys.executable, "-c", child, touch.format(n=160, s=1.5)])
+        parent = subprocess.Popen([sys.executable, "-c", parent_code, touch.format(n=160, s=2), touch.format(n=100, s=2)])
         meter = nodeload.PeakMemory(every=0.1)
         meter.start(parent.pid)
         assert parent.wait(timeout=60) == 0
@@ -166,6 +174,7 @@ def test_peak_memory_follows_a_process_tree_and_nothing_else():
         outsider.kill()
         outsider.wait()
     assert meter.samples >= 5
-    assert 160 << 20 < peak < 260 << 20, peak / 2**20      # the child's 160 MB and two interpreters, not 300 MB more
-    assert meter.file_peak > 1 << 20                        # the interpreter's mapped files
+    assert 260 << 20 < peak < 380 << 20, peak / 2**20        # 160 + 100 MB and the interpreters, not 300 MB more
+    assert 100 << 20 < meter.workers_peak < 130 << 20, meter.workers_peak / 2**20  # the forked worker only
+    assert meter.file_peak > 1 << 20                          # the interpreters' mapped files
     assert nodeload.tree_memory(os.getpid())[0] > 0

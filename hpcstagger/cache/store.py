@@ -19,6 +19,7 @@ import xxhash
 from hpcstagger import config
 from hpcstagger._io import CHECKSUM_ALGORITHM
 from hpcstagger.errors import CacheError
+from hpcstagger.nodeload import MemoryGuard
 from hpcstagger.cache import _flight, _fs
 from hpcstagger.cache._layout import (ENTRY, ENTRY_HDR, ENTRY_MAGIC, H_ENTRIES, H_GEN, H_INDEX_USED, H_MAX_ENTRIES,
                                       H_POLICY, H_RESERVED, H_RESERVED_ENTRIES, H_TOP, H_USED, H_WASTED, LIVE, SLOT,
@@ -91,6 +92,8 @@ class ShmCache(Reads, LoadThrough):
         self.max_entries = int(w[H_MAX_ENTRIES])
         self.policy: Policy = get_policy(int(w[H_POLICY]))
         self._stores = self.policy.stores
+        self._guard: MemoryGuard | None = None  # made at the first insert, when the cache_memory_guard knob is on
+        self._guard_said = False
 
     # ---- pickling: reattach by name in the other process ----------------------------------------
 
@@ -156,7 +159,9 @@ class ShmCache(Reads, LoadThrough):
 
         Returns True if the key is now cached (inserted, or already there), False if the policy
         refused it: the cache is full, the sample is larger than the capacity, the policy is
-        ``"none"``, or /dev/shm ran out of space (ENOSPC). Raises CacheError on other I/O errors.
+        ``"none"``, /dev/shm ran out of space (ENOSPC), or the memory would keep less than its
+        reserve free (:class:`~hpcstagger.nodeload.MemoryGuard`, knob ``cache_memory_guard``).
+        Raises CacheError on other I/O errors.
         """
         view = memoryview(data)
         if view.ndim != 1 or view.itemsize != 1 or not view.c_contiguous:
@@ -173,6 +178,15 @@ class ShmCache(Reads, LoadThrough):
             self._count(S_DUPLICATES)
             return True
         if n > self.capacity_bytes or self.policy.refuse_fast(int(w[H_USED]), self.capacity_bytes, n):
+            self._count(S_REFUSED)
+            return False
+        if self._guard is None and config.get("cache_memory_guard"):
+            self._guard = MemoryGuard()
+        if self._guard is not None and not self._guard.allows(n):
+            if not self._guard_said:  # once per process: the memory can come back, and inserts with it
+                self._guard_said = True
+                log.info("cache %s: the memory left (%s MB) is below the reserve (%s MB) kept for the jobs; inserts "
+                         "are refused while it is", self.name, (self._guard.free or 0) >> 20, self._guard.reserve >> 20)
             self._count(S_REFUSED)
             return False
         with led.put_lock:  # one reservation in flight per process

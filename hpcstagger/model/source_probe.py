@@ -39,7 +39,7 @@ from hpcstagger.errors import ConfigError, ModelError
 from hpcstagger.cache.sources import DirectorySource, HDF5Source
 from hpcstagger.cache.throttle import ThrottledSource
 from hpcstagger._io import drop_cached_pages
-from hpcstagger.nodeload import memory_limit
+from hpcstagger.nodeload import memory_free
 from hpcstagger.model.source_levels import (MIN_WINDOW_S, SHORT_SHARE, SPREAD_LIMIT, combine_levels, disagreeing,
                                            trusted_bandwidth, weighted_median)
 
@@ -403,18 +403,8 @@ def parse_meminfo(text: str) -> dict[str, int]:
 
 
 def mem_available(path: str = "/proc/meminfo") -> int | None:
-    """The memory this process can still fill, in bytes: the node's ``MemAvailable``, or less where
-    its memory cgroup (a Slurm job's, say) leaves less room (:func:`hpcstagger.nodeload.memory_limit`);
-    None when neither can be read."""
-    try:
-        with open(path) as f:
-            node = parse_meminfo(f.read()).get("MemAvailable")
-    except OSError:
-        node = None
-    group = memory_limit()
-    if group is None:
-        return node
-    return group.available if node is None else min(node, group.available)
+    """The memory this process can still fill (:func:`hpcstagger.nodeload.memory_free`)."""
+    return memory_free(path)
 
 
 def page_cache_holds(dataset_bytes: float, available: int | None, *, file_source: bool, emulated: bool) -> bool:

@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from hpcstagger.errors import CacheError, ConfigError
 from hpcstagger.model.scenario import Scenario
 from hpcstagger.model.source_probe import mem_available
-from hpcstagger.nodeload import memory_total
+from hpcstagger.nodeload import RESERVE_MIN, RESERVE_SHARE, memory_reserve, memory_total
 from hpcstagger.spec import runenv
 
 __all__ = ["AUTO", "Sizing", "size_cache", "resolve_auto", "for_launch", "scenario_facts", "JOB_MARGIN",
@@ -51,8 +51,6 @@ log = logging.getLogger(__name__)
 
 AUTO = "auto"
 JOB_MARGIN = 0.10        # the jobs' measured memory, plus this share
-RESERVE_SHARE = 0.05     # of the memory, kept free for the launcher, the coordinator and MPI
-RESERVE_MIN = 96 << 20   # bytes, the least reserve
 MIN_SHARE = 0.10         # a cache under this share of the dataset is not worth its inserts: none
 UNMEASURED_SHARE = 0.5   # the jobs' memory unknown: the cache takes at most this share of the memory
 
@@ -80,7 +78,7 @@ def size_cache(memory: int | None, jobs_memory: float, dataset_bytes: float | No
     if memory is None or memory <= 0:
         return Sizing(0, "the memory this node leaves could not be read (/proc/meminfo, the memory cgroup): no cache; "
                          "give [cache] capacity as a size")
-    reserve = max(RESERVE_MIN, int(RESERVE_SHARE * memory))
+    reserve = memory_reserve(memory)
     if jobs_memory <= 0:
         room = int(min(UNMEASURED_SHARE * memory, memory - reserve))
         how = (f"{UNMEASURED_SHARE:.0%} of the {_mb(memory)} {memory_is}, as the jobs' memory is not measured "

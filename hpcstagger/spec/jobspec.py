@@ -448,11 +448,15 @@ class Spec:
         """How many samples the ``[cache]`` can index: its ``max_entries``, or when that is 0
         ``capacity // cache_min_sample_bytes`` (ShmCache's default) and at least the dataset's
         sample count, so that a cache sized for the dataset holds all of it however small its
-        samples are. Every process of the run computes the same number."""
+        samples are; a ``capacity = "auto"`` cache, the dataset's samples where they are known (its
+        index need not hold more). Every process of the run computes the same number."""
         c = self.cache
         if c.max_entries:
             return c.max_entries
-        return max(default_max_entries(c.capacity), self.dataset_samples() or 0)
+        samples = self.dataset_samples() or 0
+        if c.auto and samples:
+            return max(64, samples)
+        return max(default_max_entries(c.capacity), samples)
 
     def dataset_samples(self) -> int | None:
         """The ``[dataset]``'s sample count (None without a path, or when it cannot be opened)."""

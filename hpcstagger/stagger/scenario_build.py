@@ -212,7 +212,7 @@ def build_scenario(meas: dict[str, Any], spec: Spec, epochs: int | Mapping[str, 
                  if m["route"] == "command" and m["misses"] and m["miss_overhead"] > 0]
     overhead = sum(overheads) / len(overheads) if overheads else 0.0
     meas.update(miss_overhead=overhead, source_measured=measured, source_spread=spread)
-    memory, memory_note = jobs_memory(meas["jobs"])
+    memory, memory_note = jobs_memory(meas["jobs"], spec.loader_groups())
     pc = meas["page_cache"]
     sized = size_cache(pc.get("mem_available"), memory, pc.get("dataset_bytes"),
                        file_source=pc.get("source", "other") != "other" and not pc.get("emulated"))
@@ -245,19 +245,28 @@ def build_scenario(meas: dict[str, Any], spec: Spec, epochs: int | Mapping[str, 
     return scenario, comments
 
 
-def jobs_memory(jobs: Mapping[str, Mapping[str, Any]]) -> tuple[float, str]:
-    """The bytes the jobs hold together, co-located: each job's anonymous memory at its peak (its
-    processes followed while it ran alone in calibration), added up, and the mapped file pages of
-    the job that maps the most (their libraries, which the jobs share); 0 and why when a job's
-    memory was not measured. With a comment."""
+def jobs_memory(jobs: Mapping[str, Mapping[str, Any]], shared: Mapping[str, Sequence[str]] | None = None
+                ) -> tuple[float, str]:
+    """The bytes the jobs hold together, co-located, and a comment: each job's anonymous memory at
+    its peak (its processes followed while it ran alone in calibration), added up, and the mapped
+    file pages of the job that maps the most (their libraries, which the jobs share). Jobs that share
+    a loader (``shared``: loader -> its jobs) hold their DataLoader workers' memory once, as one
+    loader's workers: the largest of theirs. 0 and why when a job's memory was not measured."""
     unmeasured = [name for name, m in jobs.items() if not m.get("memory")]
     if unmeasured or not jobs:
         return 0.0, f"not measured (job(s) {', '.join(unmeasured)} not run from their command)"
     anon = sum(float(m["memory"]) for m in jobs.values())
     files = max(float(m.get("memory_file", 0)) for m in jobs.values())
-    return anon + files, (f"{(anon + files) / 1e6:.0f} MB: each job's processes followed alone, their anonymous "
-                          f"memory at its peak added up ({anon / 1e6:.0f} MB), and the most mapped files any job held "
-                          f"({files / 1e6:.0f} MB: libraries the jobs share)")
+    spared = 0.0
+    for names in (shared or {}).values():
+        workers = [float(jobs[n].get("memory_workers", 0)) for n in names if n in jobs]
+        spared += sum(workers) - max(workers, default=0.0)
+    total = anon - spared + files
+    return total, (f"{total / 1e6:.0f} MB: each job's processes followed alone, their anonymous memory at its peak "
+                   f"added up ({anon / 1e6:.0f} MB"
+                   + (f", less {spared / 1e6:.0f} MB of DataLoader workers that a shared loader runs once"
+                      if spared else "")
+                   + f"), and the most mapped files any job held ({files / 1e6:.0f} MB: libraries the jobs share)")
 
 
 def fold_miss_overhead(bandwidth: Sequence[float], sample_bytes: float, overhead: float) -> list[float]:
