@@ -23,7 +23,11 @@ Rows, each a run of the four trials started at once, interleaved over ``--repeat
   "auto"``: sized by the launch to what the limit leaves beside the trials' memory, as
   ``hpcstagger calibrate --spec`` measured it; a simultaneous start), ``plan`` (+ the planner's
   stagger from that calibration, the closed loop on), ``shared`` (+ one shared loader for the four
-  trials, calibrated with it), ``hpcstagger`` (+ AsyncCheckpointer: the whole tool).
+  trials, calibrated with it), ``hpcstagger`` (+ AsyncCheckpointer: the whole tool);
+- ``slurm`` (asked for with ``--rows``): row ``hpcstagger``'s spec submitted with ``hpcstagger
+  slurm submit --wait`` to a fresh single-node test cluster (``tests/support/local_slurm.py``)
+  whose slurmd runs in the run's cgroups; compared with row ``hpcstagger`` (makespan from
+  submission, and the last trial's end).
 
 Two sizes: ``fits`` (the dataset fits in the page cache under the limit, so plain PyTorch already
 shares it) and ``nofit`` (about twice what the page cache can hold under the limit). Every row
@@ -58,11 +62,14 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent / "tests" / "support"))
 from bench_userjobs import drop_dataset, kill_members, real_fs  # noqa: E402  (benchmarks/bench_userjobs.py)
+from local_slurm import LocalSlurm  # noqa: E402  (tests/support/local_slurm.py: the test cluster)
 
 TRIAL = HERE / "sweep" / "trial.py"
 LRS = (0.02, 0.05, 0.1, 0.2)
-ROWS = ("plain", "dcp", "cache", "plan", "shared", "hpcstagger")
+ROWS = ("plain", "dcp", "cache", "plan", "shared", "hpcstagger", "slurm")
+DEFAULT_ROWS = ROWS[:-1]  # row slurm (the hpcstagger row through sbatch on a local test cluster) when asked for
 CG = "/sys/fs/cgroup"
 
 
@@ -172,7 +179,9 @@ def trial_args(row: str, lr: float, ckpt_dir: Path, report: Path, args: argparse
 def write_spec(path: Path, row: str, data: Path, work: Path, shm: Path, cache_bytes: int | None,
                scenario: Path | None, args: argparse.Namespace) -> None:
     """The job spec of an hpcstagger row: four trials, the cache ("auto" without ``cache_bytes``: sized
-    by the launch from the jobs' memory in the calibrated scenario), the plan mode, the shared loader."""
+    by the launch from the jobs' memory in the calibrated scenario), the plan mode, the shared loader.
+    Row ``slurm`` is row ``hpcstagger``'s spec with a ``[slurm]`` table for the test cluster."""
+    slurm, row = row == "slurm", "hpcstagger" if row == "slurm" else row
     mode = "plan" if row in ("plan", "shared", "hpcstagger") and scenario is not None else "simultaneous"
     capacity = '"auto"' if cache_bytes is None else str(cache_bytes)
     lines = ["[run]", 'name = "sweep"', f'workdir = "{work / "runs"}"', "timeout = 3600", "",
@@ -182,6 +191,8 @@ def write_spec(path: Path, row: str, data: Path, work: Path, shm: Path, cache_by
              "[plan]", f'mode = "{mode}"'] + ([f'scenario = "{scenario}"'] if scenario is not None else []) + [""]
     if row in ("shared", "hpcstagger"):
         lines += ["[loader]", "share = true", ""]
+    if slurm:
+        lines += ["[slurm]", 'partition = "debug"', 'time = "02:00:00"', ""]
     for lr in LRS:
         argv = trial_args(row, lr, work / "ckpt" / f"lr{lr}", work / "reports" / f"lr{lr}.json", args)
         lines += ["[[job]]", f'name = "lr{lr}"', f'command = "{" ".join(argv)}"', f"epochs = {args.epochs}",
@@ -199,7 +210,15 @@ def run_row(row: str, size: str, rep: int, node: dict[str, Any], args: argparse.
     group = RunGroup(f"hpcstagger-sweep-{os.getpid()}-{size}-{row}-{rep}", node["mem_bytes"], node["blkio"])
     sampler = MemorySampler(group, shm)
     env = dict(os.environ, PYTHONPATH=str(HERE.parent), HPCSTAGGER_SHM_ROOT=str(shm))
+    cluster = None
     try:
+        if row == "slurm":  # a fresh test cluster whose slurmd, and so every job step, lives in the run's groups
+            cluster = LocalSlurm().start()
+            for path in (group.mem, group.cpu, group.blkio):
+                with open(f"{path}/cgroup.procs", "w") as f:
+                    f.write(str(cluster.procs[f"slurmd-{cluster.node}"].pid))
+            env.update(cluster.env, PYTHONPATH=str(HERE.parent), HPCSTAGGER_SHM_ROOT=str(shm),
+                       HPCSTAGGER_NO_HISTORY="1")
         with open(log, "wb") as out:
             if row in ("plain", "dcp"):
                 argvs = [trial_args(row, lr, work / "ckpt" / f"lr{lr}", work / "reports" / f"lr{lr}.json", args)
@@ -207,7 +226,9 @@ def run_row(row: str, size: str, rep: int, node: dict[str, Any], args: argparse.
             else:
                 spec = work / "spec.toml"
                 write_spec(spec, row, node["data"], work, shm, node["cache_bytes"], node["scenarios"][row], args)
-                argvs = [[sys.executable, "-m", "hpcstagger", "launch", str(spec), "--cold-cache", "--no-history"]]
+                argvs = [[sys.executable, "-m", "hpcstagger", "slurm", "submit", str(spec), "--wait", "--timeout",
+                          str(args.timeout)] if row == "slurm" else
+                         [sys.executable, "-m", "hpcstagger", "launch", str(spec), "--cold-cache", "--no-history"]]
             sampler.start()
             t0 = time.time()
             procs = [subprocess.Popen(a, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=str(work),
@@ -219,6 +240,8 @@ def run_row(row: str, size: str, rep: int, node: dict[str, Any], args: argparse.
         stats = group.stats()
     finally:
         sampler.stop.set()
+        if cluster is not None:
+            cluster.stop()
         group.close()
         shutil.rmtree(shm, ignore_errors=True)
     trials = {}
@@ -234,11 +257,12 @@ def run_row(row: str, size: str, rep: int, node: dict[str, Any], args: argparse.
              if "[cache] capacity auto: " in line]
     return {"row": row, "size": size, "rep": rep, "ok": ok, "exit": codes, "makespan": t1 - t0, "trials": trials,
             "cache_sized": sized[0] if sized else None, "sampled_peak_bytes": sampler.peak,
+            "trials_end": max((t["end"] for t in trials.values()), default=None),
             "anon_shm_peak_bytes": sampler.anon_peak, "dropped_files": dropped,
             "log": str(log), **stats}
 
 
-SHARED_ROWS = ("shared", "hpcstagger")  # the rows whose spec shares one loader (and is calibrated so)
+SHARED_ROWS = ("shared", "hpcstagger", "slurm")  # the rows whose spec shares one loader (and is calibrated so)
 
 
 def calibrate(node: dict[str, Any], args: argparse.Namespace, row: str) -> dict[str, Any]:
@@ -292,6 +316,11 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         for row in out:
             if "makespan" in out[row]:
                 out[row]["vs_plain"] = out[row]["makespan"] / out["plain"]["makespan"] - 1
+    if "makespan" in out.get("slurm", {}) and "makespan" in out.get("hpcstagger", {}):
+        ends = {row: statistics.median(r["trials_end"] for r in runs if r["row"] == row and r["ok"])
+                for row in ("slurm", "hpcstagger")}
+        out["slurm"].update(vs_launch=out["slurm"]["makespan"] / out["hpcstagger"]["makespan"] - 1,
+                            trials_end_vs_launch=ends["slurm"] / ends["hpcstagger"] - 1)
     return out
 
 
@@ -310,6 +339,10 @@ def report(results: dict[str, Any]) -> None:
             print(f"| {row} | {span} | {s['cgroup_peak_bytes'] / 2**20:.0f} MiB | "
                   f"{s['anon_shm_peak_bytes'] / 2**20:.0f} MiB | {s['failed']} of {s['failed'] + s['runs']} | "
                   f"{s['oom_kills']} |")
+        sl = entry["summary"].get("slurm", {})
+        if "vs_launch" in sl:
+            print(f"\nslurm (sbatch) against hpcstagger (launch): makespan {100 * sl['vs_launch']:+.1f}%, the last "
+                  f"trial's end {100 * sl['trials_end_vs_launch']:+.1f}%")
 
 
 def _cache_said(entry: dict[str, Any]) -> str:
@@ -351,7 +384,8 @@ def plot(results: dict[str, Any], path: str) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="fits,nofit", help="fits, nofit or both (comma-separated)")
-    p.add_argument("--rows", default=",".join(ROWS), help=f"rows to run, of {', '.join(ROWS)}")
+    p.add_argument("--rows", default=",".join(DEFAULT_ROWS),
+                   help=f"rows to run, of {', '.join(ROWS)} (default: all but slurm)")
     p.add_argument("--repeat", type=int, default=3, help="runs per row (medians); rows interleave")
     p.add_argument("--mem-mb", type=int, default=1536, help="the node's RAM: the memory cgroup's limit, MB")
     p.add_argument("--mbps", type=float, default=20.0, help="the file system's read bandwidth, MB/s")

@@ -18,7 +18,7 @@ from hpcstagger.model import Scenario
 from hpcstagger.spec import cachesize as C
 from hpcstagger.spec.jobspec import Spec
 from hpcstagger.stagger.delays import scenario_for
-from hpcstagger.stagger.scenario_build import jobs_memory
+from hpcstagger.stagger.scenario_build import jobs_memory, scenario_cache
 
 MB = 1_000_000
 
@@ -66,6 +66,24 @@ def test_jobs_memory_adds_the_jobs_up_and_counts_a_shared_loaders_workers_once()
     total, note = jobs_memory(jobs, {"sweep": ["a", "b"]})  # one loader's workers: the larger, 200 MB
     assert total == (770 - 150) * MB and "less 150 MB of DataLoader workers" in note
     assert jobs_memory({**jobs, "d": {"sample_time": 1.0}})[0] == 0.0
+
+
+def test_a_page_cache_too_small_beside_the_jobs_is_planned_as_what_it_keeps(tmp_path):
+    """The page-cache rule saw the dataset fit in the free memory before the jobs started; measured,
+    the jobs leave the page cache 250 MB of a 600 MB dataset and no /dev/shm cache fits: the plan's
+    cache is the page cache of 250 MB, least recently used first, readers of one page sharing a read."""
+    spec = _spec(tmp_path)
+    pc = {"source": "directory", "emulated": False, "dataset_bytes": 600 * MB, "mem_available": 1500 * MB,
+          "holds": True, "hit_bandwidth": 2e9, "how": "measured"}
+    meas = {"samples": 20000, "sample_bytes": 30000.0, "page_cache": pc, "hits": {"hit_bandwidth": 5e9, "how": "x"},
+            "jobs": {"a": {"memory": 1150 * MB, "memory_workers": 0, "memory_file": 100 * MB}}}
+    memory, _ = jobs_memory(meas["jobs"])
+    sized = C.size_cache(pc["mem_available"], memory, pc["dataset_bytes"], file_source=True)
+    assert sized.capacity == 0 and sized.page_room == 250 * MB
+    pc.update(holds=False, beside_jobs=sized.page_room)
+    cache, notes = scenario_cache({**meas, "cache_sizing": sized}, spec, None, None)
+    assert (cache.capacity, cache.policy, cache.coalesce, cache.hit_bandwidth) == (250 * MB, "lru", True, 2e9)
+    assert "250 MB the memory leaves beside the jobs" in notes["cache.capacity"]
 
 
 # ------------------------------------------------------------------------------------ the spec

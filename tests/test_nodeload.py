@@ -165,7 +165,8 @@ def test_peak_memory_follows_a_process_tree_and_tells_its_workers():
         "    subprocess.run([sys.executable, '-c', sys.argv[1]], start_new_session=True, check=True)\n"
         "    w.join()\n")
     try:
-        parent = subprocess.Popen([sys.executable, "-c", parent_code, touch.format(n=160, s=2), touch.format(n=100, s=2)])
+        parent = subprocess.Popen([sys.executable, "-c", parent_code, touch.format(n=160, s=2),
+                                   touch.format(n=100, s=2)])
         meter = nodeload.PeakMemory(every=0.1)
         meter.start(parent.pid)
         assert parent.wait(timeout=60) == 0

@@ -57,12 +57,14 @@ UNMEASURED_SHARE = 0.5   # the jobs' memory unknown: the cache takes at most thi
 
 @dataclass(frozen=True)
 class Sizing:
-    """A cache capacity in bytes (0: no cache), one line saying why, and ``room``: the bytes left
-    beside the jobs and the reserve (None: not known)."""
+    """A cache capacity in bytes (0: no cache), one line saying why, ``room``: the bytes left beside
+    the jobs (with their margin) and the reserve, and ``page_room``: the bytes the page cache keeps
+    beside the jobs as measured (None: not known)."""
 
     capacity: int
     why: str
     room: int | None = None
+    page_room: int | None = None
 
 
 def _mb(x: float) -> str:
@@ -85,24 +87,32 @@ def size_cache(memory: int | None, jobs_memory: float, dataset_bytes: float | No
                "(hpcstagger calibrate --spec measures it)")
     else:
         held = (1.0 + JOB_MARGIN) * jobs_memory
-        room = int(memory - held - reserve)
+        room, page = int(memory - held - reserve), int(memory - jobs_memory)
         how = (f"the {_mb(memory)} {memory_is}, less the jobs' measured {_mb(jobs_memory)} (+{JOB_MARGIN:.0%}) "
                f"and a reserve of {_mb(reserve)}")
-        if dataset_bytes is not None and file_source and 0 < dataset_bytes <= room:
-            return Sizing(0, f"no cache: the dataset ({_mb(dataset_bytes)}) fits in {how} ({_mb(room)}), so the "
-                             "page cache keeps it once read for every job; a /dev/shm copy would hold it twice", room)
+        if dataset_bytes is not None and file_source and 0 < dataset_bytes <= page:
+            return Sizing(0, f"no cache: the dataset ({_mb(dataset_bytes)}) fits in what the {_mb(memory)} "
+                             f"{memory_is} keeps beside the jobs' measured {_mb(jobs_memory)} ({_mb(page)}), so the "
+                             "page cache keeps it once read for every job; a /dev/shm copy would hold it twice",
+                          room, page)
+        return _left(room, how, dataset_bytes, page)
+    return _left(room, how, dataset_bytes, None)
+
+
+def _left(room: int, how: str, dataset_bytes: float | None, page: int | None) -> Sizing:
+    """The cache of ``room`` bytes (``how`` says where they come from), at most the dataset."""
     if room <= 0:
-        return Sizing(0, f"no cache: nothing is left of {how}", room)
+        return Sizing(0, f"no cache: nothing is left of {how}", room, page)
     if dataset_bytes is not None and dataset_bytes > 0:
         if room < MIN_SHARE * dataset_bytes:
             return Sizing(0, f"no cache: {how} leaves {_mb(room)}, under {MIN_SHARE:.0%} of the dataset "
-                             f"({_mb(dataset_bytes)}), too little to pay for the cache's inserts", room)
+                             f"({_mb(dataset_bytes)}), too little to pay for the cache's inserts", room, page)
         if room >= dataset_bytes:  # the whole dataset, with room for the arena's rounding
             return Sizing(int(dataset_bytes * 1.01) + (1 << 20), f"the dataset ({_mb(dataset_bytes)}), which fits "
-                                                                   f"in {how} ({_mb(room)})", room)
+                                                                   f"in {how} ({_mb(room)})", room, page)
         return Sizing(room, f"{_mb(room)}: {how} ({room / dataset_bytes:.0%} of the {_mb(dataset_bytes)} dataset)",
-                      room)
-    return Sizing(room, f"{_mb(room)}: {how}", room)
+                      room, page)
+    return Sizing(room, f"{_mb(room)}: {how}", room, page)
 
 
 def scenario_facts(path: str) -> tuple[float, float | None]:

@@ -78,6 +78,8 @@ def scenario_cache(meas: Mapping[str, Any], spec: Spec, capacity: float | str | 
     auto = capacity is None and spec.cache.auto and sized is not None
     cap = capacity_bytes(capacity, n, size) if capacity is not None else float(sized.capacity if auto
                                                                                  else spec.cache.capacity)
+    if cap <= 0 and policy is None and pc.get("beside_jobs") is not None and "hit_bandwidth" in pc:
+        return _page_cache_beside_jobs(pc, n, size)
     pol = policy or (spec.cache.policy if cap > 0 else "none")
     if pol not in POLICIES:
         raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {pol!r}")
@@ -93,6 +95,21 @@ def scenario_cache(meas: Mapping[str, Any], spec: Spec, capacity: float | str | 
         notes["cache.capacity"] = ("the spec's [cache] (the source is emulated: no page cache)" if pc["emulated"] else
                                    "the spec's [cache]: the dataset is too large for the page cache to keep")
     return _partitioned(spec, Cache(capacity=cap, policy=pol, hit_bandwidth=_finite(shm)), notes), notes
+
+
+def _page_cache_beside_jobs(pc: Mapping[str, Any], n: int, size: float) -> tuple[Cache, dict[str, str]]:
+    """The page cache where it holds only part of the dataset, what the memory leaves beside the jobs
+    (``pc["beside_jobs"]`` bytes): the least recently used pages go first, and jobs that read the
+    same samples at about the same time share each read."""
+    room = max(0.0, min(float(pc["beside_jobs"]), n * size))
+    page = float(pc["hit_bandwidth"])
+    notes = {"cache.capacity": f"the page cache: the {room / 1e6:.0f} MB the memory leaves beside the jobs (their "
+                               f"measured memory, [node] jobs_memory), {room / (n * size):.0%} of the dataset",
+             "cache.policy": "the page cache: the least recently used pages are dropped first",
+             "cache.hit_bandwidth": f"the page cache's ({page / 1e9:.2f} GB/s, {pc['how']})",
+             "cache.coalesce": "the page cache: a reader of a page being read waits for that read"}
+    return Cache(capacity=room, policy="lru" if room > 0 else "none", hit_bandwidth=_finite(page),
+                 coalesce=room > 0), notes
 
 
 def _partitioned(spec: Spec, cache: Cache, notes: dict[str, str]) -> Cache:
@@ -217,8 +234,8 @@ def build_scenario(meas: dict[str, Any], spec: Spec, epochs: int | Mapping[str, 
     sized = size_cache(pc.get("mem_available"), memory, pc.get("dataset_bytes"),
                        file_source=pc.get("source", "other") != "other" and not pc.get("emulated"))
     meas.update(jobs_memory=memory, cache_sizing=sized)
-    if pc["holds"] and memory and sized.room is not None and pc["dataset_bytes"] > sized.room:
-        pc.update(holds=False, beside_jobs=sized.room)  # the page cache keeps what the jobs leave it, not all
+    if pc["holds"] and sized.page_room is not None and pc["dataset_bytes"] > sized.page_room:
+        pc.update(holds=False, beside_jobs=sized.page_room)  # the page cache keeps what the jobs leave it, not all
     cache, comments = scenario_cache(meas, spec, capacity, policy)
     comments["node.jobs_memory"] = memory_note
     comments["dataset.sample_bytes"] = f"mean of {meas['preloaded']} samples read"
