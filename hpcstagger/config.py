@@ -150,6 +150,9 @@ _KNOB_LIST: list[Knob] = [
          "is on one host, else rank 0's host name)"),
     # makespan model and planning (hpcstagger.model)
     Knob("calibrate_budget", float, 60.0, "seconds hpcstagger calibrate spends measuring, all steps together"),
+    Knob("plan_apart", bool, True,
+         "world rank 0 plans in a child interpreter, so that the planner's memory is not inherited by the "
+         "DataLoader workers its job forks later (0: plan in the rank's own process)"),
     Knob("plan_min_gain", float, 0.01,
          "least predicted gain (fraction of the makespan) for which optimal_plan recommends a stagger"),
     Knob("plan_jitter", float, 0.25,

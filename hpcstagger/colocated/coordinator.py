@@ -51,7 +51,7 @@ from hpcstagger.spec.identity import resolve_job
 from hpcstagger.spec.jobspec import Spec
 from hpcstagger.spec.records import status_path
 from hpcstagger.stagger import learning as learn
-from hpcstagger.stagger.delays import plan_run
+from hpcstagger.stagger.planproc import plan_apart
 from hpcstagger.stagger.history import describe as describe_history, plan_history
 from hpcstagger.stagger.runplan import PlanInputs, RunPlan
 from hpcstagger.stagger.steering import Decision
@@ -447,7 +447,7 @@ def _exchange_plan(world: Comm, comm: Comm, spec: Spec | None, name: str, order:
                    calibration: Mapping[str, float] | Callable[[], Mapping[str, float]] | None,
                    limit: float, timings: dict[str, float]) -> RunPlan:
     """Step 3: each job's leader calibrates; world rank 0 plans with every calibration
-    (:func:`~hpcstagger.stagger.delays.plan_run`); every rank gets it (as its dictionary on the wire)."""
+    (:func:`~hpcstagger.stagger.planproc.plan_apart`, in a child); every rank gets it (as a dictionary on the wire)."""
     t = time.perf_counter()
     calib = _calibration_of(calibration) if comm.rank == 0 else {}
     timings["calibration"] = time.perf_counter() - t
@@ -463,7 +463,7 @@ def _exchange_plan(world: Comm, comm: Comm, spec: Spec | None, name: str, order:
                             steer_min_gain=float(config.get("steer_min_gain")),
                             learned=learn.resolve(spec, mode), partition=partition)
         # the run id names what the run's processes share (the dataset's listing)
-        decided = plan_run(spec, order, leaders, mode, inputs).with_run_id(os.urandom(8).hex()).to_dict()
+        decided = plan_apart(spec, order, leaders, mode, inputs).with_run_id(os.urandom(8).hex()).to_dict()
         return {r: decided for r in range(len(hellos))}
 
     t = time.perf_counter()
