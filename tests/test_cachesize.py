@@ -13,12 +13,14 @@ import time
 import pytest
 
 from hpcstagger.cache.store import ShmCache
+from hpcstagger.colocated.batch import render_batch
 from hpcstagger.errors import ConfigError
 from hpcstagger.model import Scenario
 from hpcstagger.spec import cachesize as C
 from hpcstagger.spec.jobspec import Spec
 from hpcstagger.stagger.delays import scenario_for
 from hpcstagger.stagger.scenario_build import jobs_memory, scenario_cache
+from support.cli import cli_env, run_cli
 
 MB = 1_000_000
 
@@ -151,6 +153,23 @@ def test_the_plan_uses_the_runs_smaller_size_but_not_for_the_page_cache(tmp_path
     assert scenario_for(_spec(tmp_path, "3GB"), ["a"], {}).cache.capacity == 2e9  # a given size: the file's
 
 
+def test_the_batch_script_sizes_an_auto_cache_once_with_hpcstagger_cache_size(tmp_path, shm_root):
+    """Under sbatch no launcher sizes the cache: the script exports what ``hpcstagger cache size``
+    prints (the launch's sizing, from the memory free when the job starts) to every process."""
+    _scenario(tmp_path / "scenario.toml", jobs_memory=1e9, samples=2000)
+    assert "HPCSTAGGER_CACHE_CAPACITY" not in render_batch(_spec(tmp_path, "64MB"))
+    script = render_batch(_spec(tmp_path))
+    assert 'export HPCSTAGGER_CACHE_CAPACITY="$(hpcstagger cache size "$HPCSTAGGER_SPEC")"' in script
+    res = run_cli("cache", "size", str(tmp_path / "spec.toml"), env=cli_env(HPCSTAGGER_SHM_ROOT=shm_root))
+    assert res.returncode == 0, res.stderr
+    expected = C.size_cache(C.mem_available(), 1e9, 2e9, file_source=True).capacity
+    assert abs(int(res.stdout) - expected) <= max(64 << 20, 0.1 * expected)  # the free memory moves a little
+    assert "jobs' measured 1000 MB" in res.stderr
+    res = run_cli("cache", "size", str(tmp_path / "spec.toml"), env=cli_env(HPCSTAGGER_SHM_ROOT=shm_root,
+                                                                          HPCSTAGGER_CACHE_CAPACITY="5"))
+    assert res.returncode == 0 and int(res.stdout) != 5  # it sizes anew: the variable is what it sets
+
+
 def test_a_launch_keeps_an_existing_caches_size(tmp_path, shm_root):
     spec = _spec(tmp_path)
     cache = ShmCache(spec.cache.name, 8 << 20)
@@ -208,6 +227,7 @@ def test_a_launch_in_a_real_memory_cgroup_sizes_the_cache_to_its_room(tmp_path, 
 FILL = """
 import json, sys
 from hpcstagger.cache.store import ShmCache
+from hpcstagger.colocated.batch import render_batch
 cache = ShmCache("fill", 2 << 30)
 blob, stored = b"x" * (1 << 20), 0
 for i in range(1200):

@@ -1,4 +1,5 @@
-"""``hpcstagger cache ls | stats NAME | clear NAME``: inspect and empty the shared /dev/shm caches."""
+"""``hpcstagger cache ls | stats NAME | clear NAME | size SPEC``: inspect, empty and size the shared
+/dev/shm caches."""
 
 from __future__ import annotations
 
@@ -44,6 +45,15 @@ def register(sub: Any) -> None:
     q.add_argument("name", metavar="NAME", help="the cache to empty, as 'hpcstagger cache ls' lists it")
     common(q)
     q.set_defaults(func=run_clear)
+
+    q = csub.add_parser("size", help="print the bytes a spec's [cache] gets here, now (capacity \"auto\")",
+                        description='Print the capacity in bytes that SPEC\'s [cache] gets on this node now, and '
+                                    'why on stderr: for capacity = "auto", what the memory (MemAvailable, or the '
+                                    "memory cgroup's room) leaves beside the jobs' memory measured in the "
+                                    "calibrated scenario, as hpcstagger launch sizes it. The Slurm batch script "
+                                    "exports it as HPCSTAGGER_CACHE_CAPACITY, one size for every process.")
+    q.add_argument("spec", metavar="SPEC", help="the job spec (TOML)")
+    q.set_defaults(func=run_size)
 
 
 def _root(args: argparse.Namespace) -> str:
@@ -125,4 +135,18 @@ def run_clear(args: argparse.Namespace) -> int:
               f"kept it because {done['processes']} live process(es) use it")
     else:
         print(f"removed cache {args.name!r} ({human_bytes(done['bytes'])} freed) from {root}")
+    return 0
+
+
+def run_size(args: argparse.Namespace) -> int:
+    import os
+
+    from hpcstagger.spec import cachesize
+    from hpcstagger.spec.jobspec import Spec
+
+    spec = Spec.from_toml(args.spec)
+    sized = cachesize.for_launch(spec, {k: v for k, v in os.environ.items() if k != "HPCSTAGGER_CACHE_CAPACITY"})
+    capacity, why = (sized.capacity, sized.why) if sized is not None else (spec.cache.capacity, "given in the spec")
+    print(capacity)
+    print(f"hpcstagger cache size: {capacity} bytes: {why}", file=sys.stderr)
     return 0

@@ -71,6 +71,9 @@ def render_batch(spec: Spec, *, python_bin: str | None = None, version: str = ""
     lines += [f"export {runenv.SPEC}={shlex.quote(spec.path)}",
               f"export {runenv.MODE}={spec.plan.mode}",
               "unset MPIR_CVAR_PMI_VERSION",
+              *([f'export {runenv.CACHE_CAPACITY}="$(hpcstagger cache size "${runenv.SPEC}")"   '
+                 "# [cache] capacity auto: one size for every process, from the memory free now"]
+                if spec.cache.auto else []),
               f'run_dir="{run_dir}"',
               'mkdir -p "$run_dir"',
               "rc=0",
