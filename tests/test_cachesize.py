@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
 
@@ -20,6 +19,7 @@ from hpcstagger.spec import cachesize as C
 from hpcstagger.spec.jobspec import Spec
 from hpcstagger.stagger.delays import scenario_for
 from hpcstagger.stagger.scenario_build import jobs_memory, scenario_cache
+from support.cgroups import memory_group, v1_memory
 from support.cli import cli_env, run_cli
 
 MB = 1_000_000
@@ -183,51 +183,29 @@ def test_a_launch_keeps_an_existing_caches_size(tmp_path, shm_root):
         cache.destroy(force=True)
 
 
-def _v1_memory() -> str | None:
-    path = "/sys/fs/cgroup/memory"
-    return path if os.path.isfile(os.path.join(path, "memory.limit_in_bytes")) and os.access(path, os.W_OK) else None
-
-
-@pytest.mark.skipif(_v1_memory() is None, reason="needs a writable cgroup v1 memory hierarchy (root)")
+@pytest.mark.skipif(v1_memory() is None, reason="needs a writable cgroup v1 memory hierarchy (root)")
 def test_a_launch_in_a_real_memory_cgroup_sizes_the_cache_to_its_room(tmp_path, shm_root):
     """In a 768 MiB memory cgroup with jobs measured at 300 MB: the cache is what the group leaves
     beside them, far less than the node's free memory would give, and the launch hands every
     process that one size."""
     _scenario(tmp_path / "scenario.toml", jobs_memory=300e6, samples=2000)  # a 2 GB dataset
     _spec(tmp_path)
-    group = os.path.join(_v1_memory() or "", f"hpcstagger-test-{os.getpid()}")
-    os.mkdir(group)
-    try:
-        with open(os.path.join(group, "memory.limit_in_bytes"), "w") as f:
-            f.write(str(768 << 20))
-        code = ("import json, sys; from hpcstagger.spec.jobspec import Spec; from hpcstagger.spec import cachesize; "
-                "from hpcstagger.model.source_probe import mem_available; "
-                f"spec = Spec.from_toml({str(tmp_path / 'spec.toml')!r}); s = cachesize.for_launch(spec, {{}}); "
-                "print(json.dumps([s.capacity, s.room, mem_available()]))")
-
-        def join() -> None:
-            with open(os.path.join(group, "cgroup.procs"), "w") as f:
-                f.write(str(os.getpid()))
-
+    code = ("import json, sys; from hpcstagger.spec.jobspec import Spec; from hpcstagger.spec import cachesize; "
+            "from hpcstagger.model.source_probe import mem_available; "
+            f"spec = Spec.from_toml({str(tmp_path / 'spec.toml')!r}); s = cachesize.for_launch(spec, {{}}); "
+            "print(json.dumps([s.capacity, s.room, mem_available()]))")
+    with memory_group(768 << 20, "size") as (_, join):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, preexec_fn=join,
                              env={**os.environ, "HPCSTAGGER_SHM_ROOT": shm_root})
-        assert out.returncode == 0, out.stderr
-        capacity, room, available = json.loads(out.stdout)
-        assert available <= 768 << 20
-        assert capacity == room and 0 < capacity <= (768 << 20) - 330e6 - C.RESERVE_MIN
-    finally:
-        for _ in range(50):
-            try:
-                os.rmdir(group)
-                break
-            except OSError:
-                time.sleep(0.1)
+    assert out.returncode == 0, out.stderr
+    capacity, room, available = json.loads(out.stdout)
+    assert available <= 768 << 20
+    assert capacity == room and 0 < capacity <= (768 << 20) - 330e6 - C.RESERVE_MIN
 
 
 FILL = """
 import json, sys
 from hpcstagger.cache.store import ShmCache
-from hpcstagger.colocated.batch import render_batch
 cache = ShmCache("fill", 2 << 30)
 blob, stored = b"x" * (1 << 20), 0
 for i in range(1200):
@@ -238,40 +216,27 @@ json.dump({"stored": stored, "reserve": cache._guard.reserve if cache._guard els
 """
 
 
-@pytest.mark.skipif(_v1_memory() is None, reason="needs a writable cgroup v1 memory hierarchy (root)")
+@pytest.mark.skipif(v1_memory() is None, reason="needs a writable cgroup v1 memory hierarchy (root)")
 @pytest.mark.parametrize("guard", [True, False])
 def test_a_cache_filling_a_real_memory_cgroup_stops_at_the_reserve_instead_of_being_killed(tmp_path, guard):
     """A process in a 384 MiB memory cgroup fills a 2 GiB cache with 1 MiB samples: with the guard
     (the default) inserts are refused once the reserve is reached and the process lives on; without
     it the kernel's out-of-memory killer ends the process, since /dev/shm pages cannot be dropped."""
     root = tempfile.mkdtemp(prefix="hpcs-fill-", dir="/dev/shm")
-    group = os.path.join(_v1_memory() or "", f"hpcstagger-test-fill-{os.getpid()}")
-    os.mkdir(group)
+    env = {**os.environ, "HPCSTAGGER_SHM_ROOT": root, "HPCSTAGGER_CACHE_MEMORY_GUARD": "1" if guard else "0"}
     try:
-        with open(os.path.join(group, "memory.limit_in_bytes"), "w") as f:
-            f.write(str(384 << 20))
-
-        def join() -> None:
-            with open(os.path.join(group, "cgroup.procs"), "w") as f:
-                f.write(str(os.getpid()))
-
-        env = {**os.environ, "HPCSTAGGER_SHM_ROOT": root, "HPCSTAGGER_CACHE_MEMORY_GUARD": "1" if guard else "0"}
-        out = subprocess.run([sys.executable, "-c", FILL], capture_output=True, text=True, timeout=120,
-                             preexec_fn=join, env=env)
-        with open(os.path.join(group, "memory.oom_control")) as f:
-            kills = int(dict(line.split() for line in f).get("oom_kill", 0))
-        if guard:
-            assert out.returncode == 0 and kills == 0, (out.returncode, out.stderr[-2000:])
-            got = json.loads(out.stdout)
-            assert got["reserve"] == 96 << 20                       # 5% of 384 MiB is less than the least reserve
-            assert 150 < got["stored"] < 384 - 96, got              # what the group leaves beside the interpreter
-        else:
-            assert out.returncode == -9 and kills >= 1, (out.returncode, out.stdout, out.stderr[-2000:])
+        with memory_group(384 << 20, "fill") as (group, join):
+            out = subprocess.run([sys.executable, "-c", FILL], capture_output=True, text=True, timeout=120,
+                                 preexec_fn=join, env=env)
+            with open(os.path.join(group, "memory.oom_control")) as f:
+                kills = int(dict(line.split() for line in f).get("oom_kill", 0))
+            shutil.rmtree(root, ignore_errors=True)  # its pages are the group's until they go
     finally:
         shutil.rmtree(root, ignore_errors=True)
-        for _ in range(50):
-            try:
-                os.rmdir(group)
-                break
-            except OSError:
-                time.sleep(0.1)
+    if guard:
+        assert out.returncode == 0 and kills == 0, (out.returncode, out.stderr[-2000:])
+        got = json.loads(out.stdout)
+        assert got["reserve"] == 96 << 20                       # 5% of 384 MiB is less than the least reserve
+        assert 150 < got["stored"] < 384 - 96, got              # what the group leaves beside the interpreter
+    else:
+        assert out.returncode == -9 and kills >= 1, (out.returncode, out.stdout, out.stderr[-2000:])

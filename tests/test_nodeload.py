@@ -12,6 +12,7 @@ import time
 import pytest
 
 from hpcstagger import nodeload
+from support.cgroups import memory_group, v1_memory
 from hpcstagger.nodeload import NodeLoad, busy_warning, sample, usable_cores
 
 pytestmark = pytest.mark.timeout(60)
@@ -111,42 +112,21 @@ def test_the_tightest_v2_limit_on_the_path_counts_and_max_is_none(tmp_path):
     assert memory_limit(str(tmp_path / "missing"), root) is None
 
 
-def _v1_memory() -> str | None:
-    path = "/sys/fs/cgroup/memory"
-    return path if os.path.isfile(os.path.join(path, "memory.limit_in_bytes")) and os.access(path, os.W_OK) else None
-
-
-@pytest.mark.skipif(_v1_memory() is None, reason="needs a writable cgroup v1 memory hierarchy (root)")
+@pytest.mark.skipif(v1_memory() is None, reason="needs a writable cgroup v1 memory hierarchy (root)")
 def test_a_process_in_a_real_memory_cgroup_sees_its_room_not_the_nodes(tmp_path):
     """The page-cache rule's memory (source_probe.mem_available) in a real 256 MiB memory cgroup:
     at most the limit, where the node's MemAvailable is far larger."""
-    group = os.path.join(_v1_memory() or "", f"hpcstagger-test-{os.getpid()}")
-    os.mkdir(group)
-    try:
-        with open(os.path.join(group, "memory.limit_in_bytes"), "w") as f:
-            f.write(str(256 << 20))
-        code = ("import json; from hpcstagger.model.source_probe import mem_available, parse_meminfo; "
-                "from hpcstagger.nodeload import memory_limit; m = memory_limit(); "
-                "print(json.dumps([mem_available(), m.limit if m else None, "
-                "parse_meminfo(open('/proc/meminfo').read())['MemAvailable']]))")
-
-        def join() -> None:
-            with open(os.path.join(group, "cgroup.procs"), "w") as f:
-                f.write(str(os.getpid()))
-
+    code = ("import json; from hpcstagger.model.source_probe import mem_available, parse_meminfo; "
+            "from hpcstagger.nodeload import memory_limit; m = memory_limit(); "
+            "print(json.dumps([mem_available(), m.limit if m else None, "
+            "parse_meminfo(open('/proc/meminfo').read())['MemAvailable']]))")
+    with memory_group(256 << 20, "room") as (_, join):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, preexec_fn=join)
-        assert out.returncode == 0, out.stderr
-        avail, limit, node = json.loads(out.stdout)
-        assert limit == 256 << 20 and 0 < avail <= 256 << 20
-        if node > 1 << 30:  # the check can fail: the node's own figure is above the group's room
-            assert avail < node
-    finally:
-        for _ in range(50):
-            try:
-                os.rmdir(group)
-                break
-            except OSError:
-                time.sleep(0.1)
+    assert out.returncode == 0, out.stderr
+    avail, limit, node = json.loads(out.stdout)
+    assert limit == 256 << 20 and 0 < avail <= 256 << 20
+    if node > 1 << 30:  # the check can fail: the node's own figure is above the group's room
+        assert avail < node
 
 
 def test_peak_memory_follows_a_process_tree_and_tells_its_workers():
