@@ -141,11 +141,11 @@ def run_clear(args: argparse.Namespace) -> int:
 def run_size(args: argparse.Namespace) -> int:
     import os
 
-    from hpcstagger.spec import cachesize
+    from hpcstagger.spec import cachesize, runenv
     from hpcstagger.spec.jobspec import Spec
 
     spec = Spec.from_toml(args.spec)
-    sized = cachesize.for_launch(spec, {k: v for k, v in os.environ.items() if k != "HPCSTAGGER_CACHE_CAPACITY"})
+    sized = cachesize.for_launch(spec, {k: v for k, v in os.environ.items() if k != runenv.CACHE_CAPACITY})
     capacity, why = (sized.capacity, sized.why) if sized is not None else (spec.cache.capacity, "given in the spec")
     print(capacity)
     print(f"hpcstagger cache size: {capacity} bytes: {why}", file=sys.stderr)
