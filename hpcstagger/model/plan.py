@@ -153,9 +153,10 @@ def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain
     simultaneous start, its curve labelled with why. For 3 or more jobs the search (after the jobs'
     solo runs) keeps to ``budget`` seconds of its thread's CPU time: the scan of start points is as
     fine as a quarter of it affords, coordinate descent stops at 70% of it (its first sweep visits
-    every job on the full grid whatever the time, without Brent once late), and a last search along
-    the plan's delays scaled together uses the rest; this bounds the time on slow scenarios (lru,
-    many epochs). ``jitter`` is how far, in seconds, a job's real start may stray from its
+    every job on a grid as fine as that time affords at planning accuracy, at least 2 points and
+    without Brent once late), and a last search along the plan's delays scaled together uses the
+    rest (4 scales instead of 8 once late); this bounds the time on slow scenarios (lru, many
+    epochs, many samples). ``jitter`` is how far, in seconds, a job's real start may stray from its
     planned delay (default: the ``plan_jitter`` knob times the jobs' mean start-up; 0 plans for
     exact starts).
     Raises ConfigError for a bad argument and ModelError when the model cannot answer.
@@ -250,7 +251,8 @@ def _plan_scaled(ev: Evaluator, base: list[float], best: float,
     if there is time before ``deadline``. Returns the delays, their makespan, the curve, its label."""
     base = list(base)
     top = max(base)
-    scales = [0.0, 0.25, 0.5, 0.75, 0.9, 1.0, 1.25, 1.6]
+    # the curve; past the deadline only the points that say whether less or more of the stagger pays
+    scales = [0.0, 0.25, 0.5, 0.75, 0.9, 1.0, 1.25, 1.6] if _cpu_clock() < deadline else [0.0, 0.5, 1.0, 1.25]
     ev.cutoff = math.inf  # the reported curve: every point runs to the end
     vals = [ev([lam * x for x in base]) for lam in scales]
     ev.cutoff = CUTOFF
@@ -370,10 +372,16 @@ def _plan_many(sc: Scenario, ev: Evaluator, bound: list[float], points: int,
             candidates.append(d)
     scored = sorted(((scan(d), i) for i, d in enumerate(candidates)))
     best_d, best = list(candidates[scored[0][1]]), math.inf
+    t_ev = _cpu_clock()
     for _, i in scored[:2]:  # the two best starts, at planning accuracy
         val = ev(candidates[i])
         if val < best:
             best_d, best = list(candidates[i]), val
+    t_ev = (_cpu_clock() - t_ev) / 2
+    # the first sweep's grid: as many points per job as the rest of the budget affords at this
+    # accuracy, at least 2 (a slow model: an lru cache over many samples took 0.27 s a run, and 6
+    # points per job took 8 s for 4 jobs against a budget of 0.45 s)
+    points = int(min(max((deadline - _cpu_clock()) / max(J * t_ev, 1e-9), 2), points))
     width = [bound[j] / points for j in range(J)]
     for sweep in range(2):
         before = best
@@ -387,8 +395,8 @@ def _plan_many(sc: Scenario, ev: Evaluator, bound: list[float], points: int,
                 d[j] = x
                 return ev(d)
 
-            if sweep == 0:  # a grid over the whole range, then Brent around the best point. The grid
-                # is a fixed count, deadline or not (the scan alone is too coarse to stop at, and a plan
+            if sweep == 0:  # a grid over the whole range, then Brent around the best point. The grid's
+                # count is set once, before the sweep (the scan alone is too coarse to stop at, and a plan
                 # must not depend on how busy the node was); past the deadline Brent is skipped
                 x, val, _ = line_search(f, 0.0, bound[j], best_d[j], best, points, 0 if late else 5)
             else:  # Brent in a bracket around the current point
