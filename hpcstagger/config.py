@@ -153,6 +153,10 @@ _KNOB_LIST: list[Knob] = [
     Knob("plan_apart", bool, True,
          "world rank 0 plans in a child interpreter, so that the planner's memory is not inherited by the "
          "DataLoader workers its job forks later (0: plan in the rank's own process)"),
+    Knob("plan_ahead", bool, True,
+         "hpcstagger launch starts world rank 0's planning process before the ranks, for the request rank 0 "
+         "is expected to make; rank 0 takes its plan when its own request is the same (0: rank 0 plans "
+         "after the ranks have met)"),
     Knob("plan_min_gain", float, 0.01,
          "least predicted gain (fraction of the makespan) for which optimal_plan recommends a stagger"),
     Knob("plan_jitter", float, 0.25,

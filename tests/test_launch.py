@@ -10,7 +10,7 @@ import pytest
 from hpcstagger.errors import ConfigError
 from hpcstagger.colocated.launch import mpmd_command, parse_delays
 from hpcstagger.spec.jobspec import Spec
-from support.cli import run_cli
+from support.cli import cli_env, run_cli
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -191,3 +191,51 @@ def test_a_job_killed_with_sigkill_is_named_as_the_likely_oom_kill():
     other = RunResult(mode="simultaneous", returncode=3, run_dir="r", delays={}, makespan=None,
                       jobs={"a": JobResult("a", 1, "started")})
     assert other.failures() == ["job 'a' (1 rank(s)) did not finish: stopped while started (exit status 3)"]
+
+
+def test_the_launcher_plans_ahead_and_rank_0_takes_its_plan_only_for_the_same_request(tmp_path):
+    """hpcstagger launch starts world rank 0's planning while the ranks start: the plan file is in
+    the run directory, and every rank's plan says it was planned ahead. A job that reports a
+    calibration of its own changes the request, and rank 0 plans itself; the knob off plans as before."""
+    (tmp_path / "s.toml").write_text(textwrap.dedent("""
+        [dataset]
+        samples = 200
+        sample_bytes = 1000
+        [storage]
+        bandwidth = [1.0e6, 1.5e6]
+        [cache]
+        capacity = 2.0e5
+        [[job]]
+        name = "a"
+        sample_time = 0.0005
+        [[job]]
+        name = "b"
+        sample_time = 0.001
+    """))
+    spec = _spec(tmp_path, mode="plan", extra='scenario = "s.toml"')
+    work = (tmp_path / "work.py").read_text()
+    (tmp_path / "work.py").write_text(work.replace(
+        "s = init()", "s = init(calibration={'sample_time': 0.002} if os.environ.get('CALIBRATED') else None)"))
+
+    def run(**env):
+        out = run_cli("launch", str(spec), "--json", cwd=tmp_path, timeout=150, env={**cli_env(), **env})
+        assert out.returncode == 0, out.stderr
+        run_dir = tmp_path / json.loads(out.stdout)["run_dir"]
+        plans = [json.loads((run_dir / f).read_text())["plan"] for f in ("a.0.json", "b.0.json")]  # the leaders
+        said = [ln for ln in out.stderr.splitlines() if "] mode plan: delays" in ln]
+        return run_dir, plans, said
+
+    run_dir, plans, said = run()
+    assert (run_dir / "plan-ahead.json").exists()
+    assert all(p.get("planned_ahead") is True for p in plans), plans
+    assert len(said) == 2 and all("planned by the launcher while the ranks started" in ln for ln in said), said
+    ahead = json.loads((run_dir / "plan-ahead.json").read_text())
+    assert ahead["plan"]["delays"] == plans[0]["delays"]
+
+    _, plans, said = run(CALIBRATED="1")  # rank 0's request names the jobs' calibrations
+    assert not any(p.get("planned_ahead") for p in plans)
+    assert plans[0]["calibrations"]["a"] == {"sample_time": 0.002}
+    assert not any("planned by the launcher" in ln for ln in said)
+
+    run_dir, plans, _ = run(HPCSTAGGER_PLAN_AHEAD="0")
+    assert not (run_dir / "plan-ahead.json").exists() and not any(p.get("planned_ahead") for p in plans)

@@ -37,10 +37,11 @@ from hpcstagger.colocated import source_watch
 from hpcstagger.colocated._rendezvous import rendezvous
 from hpcstagger.colocated.dataloader import data_loader
 from hpcstagger.colocated.idle import flush_root, flusher_for
+from hpcstagger.colocated.planahead import plan_inputs
 from hpcstagger.colocated.jobmeter import calibration_dir, calibration_spec, no_plan, wrap_loader
 from hpcstagger.colocated.prefetch import prefetcher_for
 from hpcstagger.colocated.progress import ProgressMeter, plain_metrics
-from hpcstagger.colocated.startcache import describe_start, observe_cache, run_partition
+from hpcstagger.colocated.startcache import describe_start, run_partition
 from hpcstagger.colocated.watcher import set_host, wait_for_release
 from hpcstagger.comm import Comm, as_comm
 from hpcstagger.errors import CollectiveError, CollectiveTimeout, ConfigError
@@ -52,8 +53,8 @@ from hpcstagger.spec.jobspec import Spec
 from hpcstagger.spec.records import status_path
 from hpcstagger.stagger import learning as learn
 from hpcstagger.stagger.planproc import plan_apart
-from hpcstagger.stagger.history import describe as describe_history, plan_history
-from hpcstagger.stagger.runplan import PlanInputs, RunPlan
+from hpcstagger.stagger.history import describe as describe_history
+from hpcstagger.stagger.runplan import RunPlan
 from hpcstagger.stagger.steering import Decision
 
 __all__ = ["Session", "init", "resolve_job"]
@@ -452,16 +453,12 @@ def _exchange_plan(world: Comm, comm: Comm, spec: Spec | None, name: str, order:
     calib = _calibration_of(calibration) if comm.rank == 0 else {}
     timings["calibration"] = time.perf_counter() - t
     mode = os.environ.get(runenv.MODE) or (spec.plan.mode if spec else "simultaneous")
-    fixed = runenv.decode_delays(os.environ)
     partition = run_partition(world, spec, limit)  # a partitioned cache: the nodes the run spans (collective)
 
     def plan(hellos: list[Any]) -> dict[int, Any]:
         leaders = {h["job"]: h["calibration"] for h in hellos if h["leader"]}
         # plan from the cache as it is now: a warm cache (an earlier run's) changes the plan
-        inputs = PlanInputs(fixed=fixed, cache_state=observe_cache(spec), history=plan_history(spec, mode),
-                            steer_interval=float(config.get("steer_interval")),
-                            steer_min_gain=float(config.get("steer_min_gain")),
-                            learned=learn.resolve(spec, mode), partition=partition)
+        inputs = plan_inputs(spec, mode, os.environ, partition)
         # the run id names what the run's processes share (the dataset's listing)
         decided = plan_apart(spec, order, leaders, mode, inputs).with_run_id(os.urandom(8).hex()).to_dict()
         return {r: decided for r in range(len(hellos))}
@@ -497,4 +494,5 @@ def _announce(session: Session, decided: RunPlan) -> None:
         extra += f"; {decided.learn.get('why', '')}"
     if h := decided.history:
         extra += f"; from the history of {h['runs']} run(s): {describe_history(h)}"
-    session.say(f"mode {decided.mode}: delays {summary}{extra} (coordinator {session.overhead * 1000:.0f} ms)")
+    ahead = "; planned by the launcher while the ranks started" if decided.planned_ahead else ""
+    session.say(f"mode {decided.mode}: delays {summary}{extra} (coordinator {session.overhead * 1000:.0f} ms{ahead})")

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from hpcstagger import _io, config
 from hpcstagger.cache.throttle import remove_if_idle, throttle_dir
 from hpcstagger.colocated import leftovers, preflight
+from hpcstagger.colocated import planahead
 from hpcstagger.colocated.procgroup import run_group
 from hpcstagger.colocated.batch import job_wrapper, multiprog_conf
 from hpcstagger.colocated.startcache import make_cold
@@ -433,7 +434,13 @@ def launch(spec: Spec, *, mode: str | None = None, delays: Mapping[str, float] |
         return mpmd_command(spec, mpiexec=exe, jobs=jobs)
 
     if mode != "sequential":
-        rc = _run(command(None, run_dir), {**base_env, runenv.RUN_DIR: str(run_dir)}, limit, cwd)
+        run_env = {**base_env, runenv.RUN_DIR: str(run_dir)}
+        # world rank 0's planning, started now: it plans while the ranks start
+        ahead, planner = planahead.start(spec, mode, run_env, run_dir, [j.name for j in spec.jobs])
+        try:
+            rc = _run(command(None, run_dir), {**run_env, **ahead}, limit, cwd)
+        finally:
+            planahead.stop(planner)
         result = collect_results(spec, run_dir, mode=mode, returncode=rc)
     else:
         rc = 0

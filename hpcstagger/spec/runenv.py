@@ -27,6 +27,7 @@ ONLY = "HPCSTAGGER_ONLY_JOBS"     # comma-separated: this launch runs only these
 CALIBRATE = "HPCSTAGGER_CALIBRATE"  # calibration mode (hpcstagger calibrate --spec): the job's reports directory
 CALIBRATE_UNTIL = "HPCSTAGGER_CALIBRATE_UNTIL"  # calibration mode: when (epoch seconds) the job's share of time ends
 CACHE_CAPACITY = "HPCSTAGGER_CACHE_CAPACITY"  # bytes: [cache] capacity "auto" as sized once for the whole run
+PLAN_AHEAD = "HPCSTAGGER_LAUNCHER_PLAN"  # "<pid>:<path>": the launcher's planning process and the file of its plan
 
 
 def encode_delays(delays: Mapping[str, float]) -> str:

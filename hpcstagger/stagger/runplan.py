@@ -55,7 +55,8 @@ class RunPlan:
     made for), ``steer`` (the closed loop's record: release groups, host, bounds), ``cache`` (the
     shared cache at the start), ``partition``, ``history``, ``learn``, ``loader_groups`` (jobs
     planned as one because they share a loader), ``simultaneous_reason`` (why every job starts at
-    once) and ``run_id`` (names what the run's processes share, such as the dataset's listing).
+    once), ``run_id`` (names what the run's processes share, such as the dataset's listing) and
+    ``planned_ahead`` (True: the launcher's planning process made it while the ranks started).
     """
 
     mode: str
@@ -73,6 +74,7 @@ class RunPlan:
     loader_groups: dict[str, Any] | None = None
     simultaneous_reason: str | None = None
     run_id: str | None = None
+    planned_ahead: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-able values, without the parts it does not have."""
