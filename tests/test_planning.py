@@ -78,6 +78,28 @@ def test_plan_mode_uses_the_calibrations_and_predicts_every_mode(tmp_path):
         predict(sc, fixed["delays"]).makespan, rel=1e-9)
 
 
+def test_modes_that_do_not_plan_predict_their_own_delays_without_a_search(tmp_path, monkeypatch):
+    """Every rank waits while world rank 0 plans: modes simultaneous and fixed predict their own
+    delays only (the search took 3 s of CPU for a 4-trial sweep, before a run that uses none of it)."""
+    from hpcstagger.stagger import delays as delays_mod
+
+    spec = _spec(tmp_path)
+    calib = {"a": {"sample_time": 0.0004}, "b": {"sample_time": 0.0002}}
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("searched a plan for a mode that does not use one")
+
+    monkeypatch.setattr(delays_mod, "optimal_plan", no_search)
+    together = plan_run(spec, ["a", "b"], calib, "simultaneous").to_dict()
+    sc = Scenario.from_dict(together["scenario"])
+    assert together["delays"] == {"a": 0.0, "b": 0.0} and "curve" not in together and "steer" not in together
+    assert together["predicted"] == {"simultaneous": pytest.approx(predict(sc, {"a": 0.0, "b": 0.0}).makespan)}
+    fixed = plan_run(spec, ["a", "b"], calib, "fixed").to_dict()
+    assert fixed["predicted"] == {"fixed": pytest.approx(predict(sc, {"a": 0.0, "b": 2.0}).makespan)}
+    with pytest.raises(AssertionError, match="searched"):
+        plan_run(spec, ["a", "b"], calib, "plan")
+
+
 def test_sample_time_comes_from_calibration_then_spec_then_scenario(tmp_path):
     spec = _spec(tmp_path, b_sample_time=0.003)
     sc = scenario_for(spec, ["a", "b"], {})

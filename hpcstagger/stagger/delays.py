@@ -63,9 +63,12 @@ def plan_run(spec: Spec | None, order: Sequence[str], calibrations: Mapping[str,
     says how many samples the dataset has, and the plan starts from it (``cache.initial``).
 
     With a calibrated scenario (``[plan] scenario``), every mode also reports the predicted
-    makespan of its delays and of the plan, a simultaneous start and sequential runs
-    (``predicted``), and the scenario it used, with each job's own calibration in it
-    (``scenario``). Modes ``"plan"`` and ``"open"`` take the plan's delays; ``"plan"`` also adds
+    makespan of its delays (``predicted``) and the scenario it used, with each job's own calibration
+    in it (``scenario``). Modes ``"plan"`` and ``"open"`` search the plan and also report the predicted
+    makespan of the plan, a simultaneous start and sequential runs, with the ``curve``; the other
+    modes do not search (each rank waits for planning: a 4-job search took 3 s of CPU on a
+    20,000-sample lru model), so ``hpcstagger plan SPEC`` says what a plan would give them.
+    Modes ``"plan"`` and ``"open"`` take the plan's delays; ``"plan"`` also adds
     ``steer`` when some job waits (:func:`~hpcstagger.stagger.steering.steer_record`, with the watcher's period
     ``steer_interval`` and the least predicted gain ``steer_min_gain`` that moves a release off
     the plan): the run then releases waiting jobs on evidence. ``history`` (from
@@ -120,11 +123,15 @@ def _plan(spec: Spec | None, order: Sequence[str], calibrations: Mapping[str, Ma
     if cache_state is not None:
         out["cache"].update(fraction=scenario.cache.initial, samples=scenario.dataset.samples,
                             initial_samples=scenario.initial_samples)
+    if mode not in PLANNED_MODES:  # its own delays' makespan only: no search while every rank waits for it
+        own = float(predict(scenario, out["delays"]).makespan)
+        together = mode != "sequential" and not any(float(d) > 0 for d in out["delays"].values())
+        out.update(predicted={mode: own, **({"simultaneous": own} if together else {})}, delays=given,
+                   scenario=scenario.to_dict())
+        return out
     p = optimal_plan(scenario, max_delay=spec.plan.max_delay, jitter=spec.plan.jitter)  # min_gain: plan_min_gain
-    if mode in PLANNED_MODES:
-        out["delays"] = {n: float(p.delays.get(n, 0.0)) for n in order}
-    out["predicted"] = _predicted(p, scenario, mode, out["delays"])
-    out["delays"] = {n: out["delays"][rep[n]] for n in full_order} if mode in PLANNED_MODES else given
+    out["predicted"] = _predicted(p, mode)
+    out["delays"] = {n: float(p.delays.get(rep[n], 0.0)) for n in full_order}
     order = full_order
     guard = _guard(spec, p, out["delays"], rep, scenario, steer_interval) if mode == "plan" else None
     prior, why = None, None
@@ -139,7 +146,7 @@ def _plan(spec: Spec | None, order: Sequence[str], calibrations: Mapping[str, Ma
     out["jitter"] = float(p.jitter)  # the start-time spread the plan was made for (seconds)
     if why is not None:
         return {**out, "simultaneous_reason": why}
-    return _with_reason(out, spec, unseen_loaders(scenario)) if mode in PLANNED_MODES else out
+    return _with_reason(out, spec, unseen_loaders(scenario))
 
 
 def _guard(spec: Spec, p: Any, delays: Mapping[str, float], rep: Mapping[str, str], scenario: Scenario,
@@ -185,14 +192,10 @@ def _with_reason(out: dict[str, Any], spec: Spec, unseen: list[str]) -> dict[str
     return out
 
 
-def _predicted(p: Any, scenario: Any, mode: str, delays: Mapping[str, float]) -> dict[str, float]:
-    """A plan record's predicted makespans: the plan's, a simultaneous start's, sequential runs' and
-    ``mode``'s own (its ``delays``); one launch of a sequential run (one job) reports only its own."""
-    own = float(p.makespan) if mode in PLANNED_MODES else float(predict(scenario, delays).makespan)
-    if mode == "sequential":
-        return {mode: own}
+def _predicted(p: Any, mode: str) -> dict[str, float]:
+    """A planned mode's predicted makespans: the plan's (its own), a simultaneous start's, sequential runs'."""
     return {"plan": float(p.makespan), "simultaneous": float(p.simultaneous), "sequential": float(p.sequential),
-            mode: own}
+            mode: float(p.makespan)}
 
 
 def simultaneous_reason(delays: Mapping[str, float], predicted: Mapping[str, float] | None,
