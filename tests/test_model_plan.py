@@ -15,6 +15,7 @@ import statistics
 
 import pytest
 
+from hpcstagger import config
 from hpcstagger.errors import ConfigError
 from hpcstagger.model import optimal_plan, predict, simulate
 
@@ -262,3 +263,26 @@ def test_a_model_slow_to_run_gets_a_coarser_first_sweep(monkeypatch):
     fast = optimal_plan(sc, jitter=0.0)
     assert fast.evaluations >= 3 * 6, fast.evaluations
     assert slow.makespan <= slow.simultaneous  # coarser, still a plan that does not lose
+
+
+def test_a_default_spread_below_the_model_s_finest_step_is_planned_as_exact_starts():
+    """Start-ups of 0.13 s (four trials whose imports came before the plan) gave a default spread
+    of 0.03 s, under the model's finest step (1/64 of the shortest epoch): weighing it cost half of
+    the plan's time and could not change it. Above the step, and for an explicit jitter, the spread
+    is planned for."""
+    from dataclasses import replace
+
+    from hpcstagger.model import Scenario
+    from hpcstagger.model import plan as plan_mod
+
+    sc = Scenario.from_dict(_THREE_JOBS)
+    step = plan_mod._finest_step(sc, plan_mod._solo_times(sc))
+    assert step > 0
+
+    def starting_in(seconds):  # start-ups whose default spread (plan_jitter 0.25 of their mean) is ``seconds``
+        return replace(sc, jobs=tuple(replace(j, startup=seconds / 0.25) for j in sc.jobs))
+
+    with config.override(plan_jitter=0.25):
+        assert optimal_plan(starting_in(step / 2)).jitter == 0.0
+        assert optimal_plan(starting_in(step / 2), jitter=step / 2).jitter == pytest.approx(step / 2)
+        assert optimal_plan(starting_in(step * 2)).jitter == pytest.approx(step * 2)
