@@ -100,6 +100,3 @@ def stop(proc: subprocess.Popen[str] | None) -> None:
             proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
-
-
-
