@@ -283,6 +283,9 @@ def test_a_default_spread_below_the_model_s_finest_step_is_planned_as_exact_star
         return replace(sc, jobs=tuple(replace(j, startup=seconds / 0.25) for j in sc.jobs))
 
     with config.override(plan_jitter=0.25):
+        one = starting_in(step / 2)
+        alone = optimal_plan(replace(one, jobs=one.jobs[:1]))  # one job (jobs sharing one loader): nothing to weigh
+        assert alone.delays == {"cnn": 0.0}
         assert optimal_plan(starting_in(step / 2)).jitter == 0.0
         assert optimal_plan(starting_in(step / 2), jitter=step / 2).jitter == pytest.approx(step / 2)
         assert optimal_plan(starting_in(step * 2)).jitter == pytest.approx(step * 2)

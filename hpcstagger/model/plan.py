@@ -177,7 +177,7 @@ def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain
     ev = Evaluator(sc, _quality.COARSE)
     spread_s = start_jitter(sc, jitter)
     solo = _solo_times(sc) if J >= 2 else []
-    if jitter is None and 0 < spread_s < _finest_step(sc, solo):
+    if J >= 2 and jitter is None and 0 < spread_s < _finest_step(sc, solo):
         spread_s = 0.0  # the default spread, shorter than the model's finest step: it cannot tell it from exact starts
     if J == 2:
         spread = Spread(ev, spread_s, OFFSETS_TWO)
