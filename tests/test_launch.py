@@ -48,6 +48,26 @@ def _spec(tmp_path, mode="simultaneous", extra=""):
     return path
 
 
+def _scenario(initial: float = 0.0) -> str:
+    """A calibrated scenario for the spec's jobs a and b (the cache ``initial``-full at the start)."""
+    return textwrap.dedent(f"""
+        [dataset]
+        samples = 200
+        sample_bytes = 1000
+        [storage]
+        bandwidth = [1.0e6, 1.5e6]
+        [cache]
+        capacity = 2.0e5
+        initial = {initial}
+        [[job]]
+        name = "a"
+        sample_time = 0.0005
+        [[job]]
+        name = "b"
+        sample_time = 0.001
+    """)
+
+
 def test_simultaneous_fixed_and_sequential_runs(tmp_path):
     spec = _spec(tmp_path)
     out = run_cli("launch", str(spec), "--json", cwd=tmp_path, timeout=150)
@@ -145,22 +165,7 @@ def test_the_plan_line_says_why_a_plan_starts_together_and_sequential_runs_say_s
     """A plan of all zeros says why in each job's plan line; a sequential run's one-job launches say
     mode sequential (not simultaneous) in their lines and status files."""
     monkeypatch.delenv("HPCSTAGGER_PLAN_MIN_GAIN", raising=False)
-    (tmp_path / "s.toml").write_text(textwrap.dedent("""
-        [dataset]
-        samples = 200
-        sample_bytes = 1000
-        [storage]
-        bandwidth = [1.0e6, 1.5e6]
-        [cache]
-        capacity = 2.0e5
-        initial = 1.0
-        [[job]]
-        name = "a"
-        sample_time = 0.0005
-        [[job]]
-        name = "b"
-        sample_time = 0.001
-    """))
+    (tmp_path / "s.toml").write_text(_scenario(initial=1.0))
     spec = _spec(tmp_path, mode="plan", extra='scenario = "s.toml"')
     out = run_cli("launch", str(spec), cwd=tmp_path, timeout=150)
     assert out.returncode == 0, out.stderr
@@ -197,21 +202,7 @@ def test_the_launcher_plans_ahead_and_rank_0_takes_its_plan_only_for_the_same_re
     """hpcstagger launch starts world rank 0's planning while the ranks start: the plan file is in
     the run directory, and every rank's plan says it was planned ahead. A job that reports a
     calibration of its own changes the request, and rank 0 plans itself; the knob off plans as before."""
-    (tmp_path / "s.toml").write_text(textwrap.dedent("""
-        [dataset]
-        samples = 200
-        sample_bytes = 1000
-        [storage]
-        bandwidth = [1.0e6, 1.5e6]
-        [cache]
-        capacity = 2.0e5
-        [[job]]
-        name = "a"
-        sample_time = 0.0005
-        [[job]]
-        name = "b"
-        sample_time = 0.001
-    """))
+    (tmp_path / "s.toml").write_text(_scenario())
     spec = _spec(tmp_path, mode="plan", extra='scenario = "s.toml"')
     work = (tmp_path / "work.py").read_text()
     (tmp_path / "work.py").write_text(work.replace(
