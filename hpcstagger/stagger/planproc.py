@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hpcstagger import _io, config
+from hpcstagger.cache._fs import alive  # a zombie has ended
 from hpcstagger.spec import runenv
 from hpcstagger.spec.jobspec import Spec
 from hpcstagger.stagger.delays import plan_run
@@ -90,15 +91,6 @@ def plan_apart(spec: Spec | None, order: Sequence[str], calibrations: Mapping[st
     return plan_run(spec, order, calibrations, mode, inputs)
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie has ended)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def _ahead(request: Mapping[str, Any], where: str) -> RunPlan | None:
     """The plan the launcher's planning process made (``where``: ``<pid>:<path>``) for ``request``,
     waiting while it plans; None without one, or when it was made for another request or failed."""
@@ -106,7 +98,7 @@ def _ahead(request: Mapping[str, Any], where: str) -> RunPlan | None:
     if not path or not pid_text.isdigit():
         return None
     pid, until = int(pid_text), time.monotonic() + CHILD_TIMEOUT
-    while not os.path.exists(path) and _alive(pid) and time.monotonic() < until:
+    while not os.path.exists(path) and alive(pid, 0) and time.monotonic() < until:
         time.sleep(_POLL)
     try:
         with open(path) as f:
