@@ -86,6 +86,12 @@ def format_plan(path: str, sc: Any, plan: Any) -> str:
         how = ("the least mean makespan over that spread" if len(sc.jobs) == 2 else
                "a stagger only if its mean makespan over that spread beats a simultaneous start's")
         lines.append(f"(planned for starts within {plan.jitter:.2g} s of their delays: {how})")
+    if plan.simulated:
+        sim_plan, sim_together = plan.simulated["plan"], plan.simulated["simultaneous"]
+        verdict = ("confirmed" if any(plan.delays.values()) else
+                   "not confirmed, so the jobs start together (the models disagree by more than the gain)")
+        lines.append(f"(the model's stagger replayed by the sample-level simulator: {_seconds(sim_plan)} against "
+                     f"{_seconds(sim_together)} simultaneous; {verdict})")
     return "\n".join(lines)
 
 

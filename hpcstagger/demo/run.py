@@ -194,7 +194,8 @@ def prepare(cfg: DemoConfig) -> DemoSetup:
     min_gain = float(config.get("plan_min_gain"))
     plan = optimal_plan(scenario, max_delay=spec.plan.max_delay, min_gain=min_gain, jitter=spec.plan.jitter)
     reason = simultaneous_reason(plan.delays, {"simultaneous": plan.simultaneous}, plan.to_dict()["curve"],
-                                 min_gain=min_gain, max_delay=spec.plan.max_delay, jitter=plan.jitter)
+                                 min_gain=min_gain, max_delay=spec.plan.max_delay, jitter=plan.jitter,
+                                 simulated=plan.simulated)
     print(f"demo: plan {', '.join(f'{n} +{d:.1f}s' for n, d in plan.delays.items())}: predicted makespan "
           f"{plan.makespan:.1f} s (simultaneous {plan.simultaneous:.1f} s, sequential {plan.sequential:.1f} s)"
           + (f"; {reason}" if reason else ""), file=sys.stderr)

@@ -39,6 +39,10 @@ The search runs the model at a coarser integration tolerance (the scan of start 
 still) and, for 3 or more jobs, stops refining after a budget of CPU time (its own thread's, so
 that other work on the node does not change the plan); the plan's makespans are
 recomputed at full accuracy, and a stagger that does not pay then is dropped.
+
+Last, a stagger is replayed by the sample-level simulator (:mod:`._confirm`; the ``plan_replay``
+knob) with its delays and with a simultaneous start: unless the simulator too finds it ahead by
+``min_gain``, the two models disagree about it and the jobs start together (``Plan.simulated``).
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from typing import Any
 from collections.abc import Callable
 
 from hpcstagger.errors import ConfigError
-from hpcstagger.model import _engine, _quality
+from hpcstagger.model import _confirm, _engine, _quality
 from hpcstagger.model._search import CUTOFF, Evaluator, grid, line_search
 from hpcstagger.model._spread import OFFSETS_MANY, OFFSETS_TWO, Spread, robust_two, start_jitter
 from hpcstagger.model.scenario import Scenario
@@ -72,7 +76,10 @@ class Plan:
     the plan and of a simultaneous start (0.0 when the plan is for exact starts or starts together).
     ``staggered`` is the best stagger the search found whether or not the plan takes it (empty when
     it found none), and ``staggered_makespan`` its predicted makespan: beside a simultaneous plan,
-    how near the model came to staggering.
+    how near the model came to staggering. ``simulated`` holds the sample-level simulator's
+    makespans of that stagger (``plan``) and of a simultaneous start, when the stagger was replayed
+    (empty otherwise); a plan whose delays are 0 beside them was dropped because the simulator did
+    not confirm its gain.
     """
 
     delays: dict[str, float]
@@ -91,6 +98,7 @@ class Plan:
     spread_simultaneous: float = 0.0
     staggered: dict[str, float] = field(default_factory=dict)
     staggered_makespan: float = math.nan
+    simulated: dict[str, float] = field(default_factory=dict)
 
     @property
     def gain(self) -> float:
@@ -107,7 +115,8 @@ class Plan:
                 "evaluations": self.evaluations, "seconds": self.seconds, "jitter": self.jitter,
                 "spread_makespan": self.spread_makespan, "spread_simultaneous": self.spread_simultaneous,
                 "staggered": dict(self.staggered),
-                "staggered_makespan": self.staggered_makespan if self.staggered else None}
+                "staggered_makespan": self.staggered_makespan if self.staggered else None,
+                "simulated": dict(self.simulated)}
 
 
 def _solo_times(sc: Scenario) -> list[float]:
@@ -310,6 +319,9 @@ def _final_plan(sc: Scenario, best_d: list[float], curve: list[tuple[float, floa
     if any(best_d) and mine > together * (1.0 - min_gain):
         # the stagger does not pay at full accuracy: start together
         best_d, means, finish = list(zero), (0.0, 0.0), together_finish
+    simulated = _confirm.replay(sc, best_d) if any(best_d) and config.get("plan_replay") else None
+    if simulated is not None and _confirm.disagree(simulated, max(finish) / simultaneous, min_gain):
+        best_d, means, finish = list(zero), (0.0, 0.0), together_finish  # the simulator does not confirm it
     sequential = _sequential(sc) if J > 1 else max(finish)
     order = tuple(names[j] for j in sorted(range(J), key=lambda j: (best_d[j], j)))
     stag_d = list(staggered) if staggered and any(staggered) else []
@@ -319,7 +331,8 @@ def _final_plan(sc: Scenario, best_d: list[float], curve: list[tuple[float, floa
                 curve_stagger=tuple(c[0] for c in curve), curve_makespan=tuple(c[1] for c in curve),
                 curve_label=label, evaluations=evaluations, seconds=time.perf_counter() - t0, jitter=jitter,
                 spread_makespan=means[0], spread_simultaneous=means[1],
-                staggered=dict(zip(names, stag_d, strict=True)) if stag_d else {}, staggered_makespan=stag_m)
+                staggered=dict(zip(names, stag_d, strict=True)) if stag_d else {}, staggered_makespan=stag_m,
+                simulated=simulated or {})
 
 
 def _plan_two(ev: Evaluator, spread: Spread, bound: list[float], points: int):

@@ -144,6 +144,8 @@ def _plan(spec: Spec | None, order: Sequence[str], calibrations: Mapping[str, Ma
     out["scenario"] = scenario.to_dict()
     out["curve"] = p.to_dict()["curve"]
     out["jitter"] = float(p.jitter)  # the start-time spread the plan was made for (seconds)
+    if p.simulated:
+        out["simulated"] = dict(p.simulated)
     if why is not None:
         return {**out, "simultaneous_reason": why}
     return _with_reason(out, spec, unseen_loaders(scenario))
@@ -161,10 +163,12 @@ def _guard(spec: Spec, p: Any, delays: Mapping[str, float], rep: Mapping[str, st
     choice, a simultaneous start, and releases them as soon as the run's evidence confirms it, or
     holds them while the fitted model says a later start is better. Not for mode ``open``, for
     ``[plan] steer = false``, when a loader was not measured, or for a stagger shorter than the
-    first evidence can come (the first jobs' start-up, the watcher's warm-up and one re-fit): such
-    a hold would only cost."""
+    first evidence can come (the first jobs' start-up, the watcher's warm-up and one re-fit), nor
+    for a stagger the sample-level simulator replayed without finding its gain: such a hold would
+    only cost."""
     limit = float(config.get("plan_guard"))
     if (limit <= 0 or not spec.plan.steer or any(float(d) > 0 for d in delays.values()) or not p.staggered
+            or p.simulated  # the simulator replayed that stagger and found no gain: nothing to hold for
             or not math.isfinite(p.staggered_makespan) or p.simultaneous <= 0
             or p.staggered_makespan > p.simultaneous * (1.0 + limit)):
         return None
@@ -186,7 +190,7 @@ def _with_reason(out: dict[str, Any], spec: Spec, unseen: list[str]) -> dict[str
     """A plan record ``out``, with its ``simultaneous_reason`` when the plan starts every job at once."""
     reason = unseen_reason(unseen) if unseen and len(out["delays"]) > 1 else simultaneous_reason(
         out["delays"], out["predicted"], out["curve"], max_delay=spec.plan.max_delay,
-        min_gain=float(config.get("plan_min_gain")), jitter=float(out["jitter"]))
+        min_gain=float(config.get("plan_min_gain")), jitter=float(out["jitter"]), simulated=out.get("simulated"))
     if reason:
         out["simultaneous_reason"] = reason
     return out
@@ -200,14 +204,16 @@ def _predicted(p: Any, mode: str) -> dict[str, float]:
 
 def simultaneous_reason(delays: Mapping[str, float], predicted: Mapping[str, float] | None,
                         curve: Mapping[str, Any] | None, *, min_gain: float, max_delay: float | None = None,
-                        jitter: float = 0.0) -> str | None:
+                        jitter: float = 0.0, simulated: Mapping[str, float] | None = None) -> str | None:
     """Why a plan starts every job at once, in one line; None when some job waits (or only one runs).
 
     ``delays`` are the plan's, ``predicted`` its predicted makespans (``simultaneous``, used when
     the curve lacks a stagger of 0), ``curve``
     the model's makespan-versus-stagger curve (``stagger``, ``makespan``: a signed stagger of the
     second job for 2 jobs, else the largest delay), ``min_gain`` the least gain for which a stagger
-    is planned, ``max_delay`` the spec's bound on a delay and ``jitter`` the start-time spread (s).
+    is planned, ``max_delay`` the spec's bound on a delay, ``jitter`` the start-time spread (s) and
+    ``simulated`` the sample-level simulator's makespans of the model's stagger (``plan``) and of a
+    simultaneous start, when it replayed them (``Plan.simulated``).
     """
     names = list(delays)
     if len(names) < 2 or any(float(d) > 0 for d in delays.values()):
@@ -226,7 +232,11 @@ def simultaneous_reason(delays: Mapping[str, float], predicted: Mapping[str, flo
     which = f"largest delay +{secs} s" if len(names) != 2 else f"{names[1] if x > 0 else names[0]} +{secs} s"
     figures = f"best stagger {which}: predicted makespan {best:.1f} s against {sim:.1f} s simultaneous"
     gain = 1.0 - best / sim if sim > 0 else 0.0
-    if gain < 1e-3:  # a flat curve: the model's own accuracy
+    if simulated:
+        a, b = float(simulated["plan"]), float(simulated["simultaneous"])
+        why = (f"the sample-level simulator does not confirm the model's stagger ({figures}; replayed, "
+               f"{a:.1f} s against {b:.1f} s): the two models disagree by more than the gain")
+    elif gain < 1e-3:  # a flat curve: the model's own accuracy
         why = f"the model predicts that no stagger shortens the makespan ({sim:.1f} s simultaneous)"
     elif gain <= min_gain:
         why = (f"the model predicts no stagger gains more than {100 * min_gain:g}% "

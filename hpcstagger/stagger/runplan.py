@@ -54,7 +54,9 @@ class RunPlan:
     plan used and its predicted makespan over staggers), ``jitter`` (the start-time spread it was
     made for), ``steer`` (the closed loop's record: release groups, host, bounds), ``cache`` (the
     shared cache at the start), ``partition``, ``history``, ``learn``, ``loader_groups`` (jobs
-    planned as one because they share a loader), ``simultaneous_reason`` (why every job starts at
+    planned as one because they share a loader), ``simulated`` (the sample-level simulator's
+    makespans of the model's stagger and of a simultaneous start, where it replayed them:
+    :attr:`hpcstagger.model.Plan.simulated`), ``simultaneous_reason`` (why every job starts at
     once), ``run_id`` (names what the run's processes share, such as the dataset's listing) and
     ``planned_ahead`` (True: the launcher's planning process made it while the ranks started).
     """
@@ -72,6 +74,7 @@ class RunPlan:
     history: dict[str, Any] | None = None
     learn: dict[str, Any] | None = None
     loader_groups: dict[str, Any] | None = None
+    simulated: dict[str, float] | None = None
     simultaneous_reason: str | None = None
     run_id: str | None = None
     planned_ahead: bool | None = None

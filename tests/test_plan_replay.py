@@ -1,0 +1,79 @@
+"""A planned stagger replayed by the sample-level simulator before it is recommended
+(``hpcstagger.model._confirm``, the ``plan_replay`` knob)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpcstagger import config
+from hpcstagger.model import Scenario, optimal_plan, predict, simulate
+from hpcstagger.model import _confirm
+from hpcstagger.stagger.delays import simultaneous_reason
+
+from support.model_scenarios import scenario
+
+
+def _sweep() -> Scenario:
+    """Four trials of one sweep as ``hpcstagger calibrate --spec`` measured them on a 2-core VM: one
+    ImageFolder of 3,343 JPEGs through the page cache (20 MB/s, reads coalescing), one sampler
+    seed, 2 DataLoader workers each, the decode about twice the step."""
+    def trial(name: str, step: float, prep: float, handoff: float, startup: float) -> dict:
+        return dict(name=name, sample_time=step, prep_time=prep, handoff=handoff, startup=startup, epochs=2,
+                    workers=2, batch=64, prefetch=2, order="RandomSampler(seed=0)")
+
+    return Scenario.from_dict({
+        "dataset": {"samples": 3343, "sample_bytes": 29912.7},
+        "storage": {"bandwidth": [19.8e6, 20.1e6, 19.9e6, 20.3e6, 20.7e6, 20.2e6, 19.9e6, 20.0e6]},
+        "cache": {"capacity": 99998062.0, "policy": "minio", "hit_bandwidth": 4.81e9, "coalesce": True,
+                  "readahead": 1.0314},
+        "loader": {"prefetch": 2}, "node": {"cores": 2},
+        "job": [trial("lr0.02", 0.000210, 0.000579, 0.000138, 0.057),
+                trial("lr0.05", 0.000220, 0.000480, 0.001005, 0.064),
+                trial("lr0.1", 0.000211, 0.000487, 0.000130, 0.045),
+                trial("lr0.2", 0.000176, 0.000505, 0.000119, 0.053)]})
+
+
+def test_a_stagger_the_simulator_does_not_confirm_is_dropped():
+    # the fluid model alone staggers these trials (it sees the leader's decode starved by trials that
+    # are in fact waiting for its reads); the simulator, like the runs, finds no gain in it
+    sc = _sweep()
+    with config.override(plan_replay=False):
+        alone = optimal_plan(sc)
+    assert any(alone.delays.values()) and alone.gain > 0.05 and not alone.simulated
+    plan = optimal_plan(sc)
+    assert not any(plan.delays.values())
+    sims = {k: simulate(sc, d, seed=0).makespan for k, d in (("plan", list(alone.delays.values())),
+                                                               ("simultaneous", [0.0] * 4))}
+    assert plan.simulated == pytest.approx(sims)
+    assert sims["plan"] > sims["simultaneous"] * 0.99  # what the check rests on
+    assert plan.makespan == pytest.approx(predict(sc, [0.0] * 4).makespan, rel=1e-3)
+    assert plan.to_dict()["simulated"] == pytest.approx(sims)
+    reason = simultaneous_reason(plan.delays, {"simultaneous": plan.simultaneous}, plan.to_dict()["curve"],
+                                 min_gain=0.01, simulated=plan.simulated)
+    assert reason is not None and "sample-level simulator does not confirm" in reason
+
+
+def test_a_stagger_the_simulator_confirms_stands_with_its_replay():
+    # two jobs reading everything from a source that loses under concurrency: both models stagger
+    sc = scenario(n=600, jobs=((0.0005, 2), (0.0005, 2)), bandwidth=(1.31072e8, 0.8e8), capacity=1.0)
+    plan = optimal_plan(sc)
+    assert any(plan.delays.values())
+    assert set(plan.simulated) == {"plan", "simultaneous"}
+    assert plan.simulated["plan"] < plan.simulated["simultaneous"] * 0.99
+
+
+def test_a_replay_too_costly_is_skipped_and_the_plan_stands(monkeypatch):
+    sc = scenario(n=600, jobs=((0.0005, 2), (0.0005, 2)), bandwidth=(1.31072e8, 0.8e8), capacity=1.0)
+    monkeypatch.setattr(_confirm, "READS", 2 * _confirm.reads(sc) - 1)
+    plan = optimal_plan(sc)
+    assert any(plan.delays.values()) and plan.simulated == {}
+
+
+@pytest.mark.parametrize("sim_gain, fluid_gain, refuted", [
+    (0.002, 0.09, True),    # the fluid model's 9% is not there
+    (0.05, 0.09, False),    # smaller, but a gain
+    (0.005, 0.012, False),  # both marginal: within min_gain of each other
+    (0.0, 0.0, False),      # a stagger kept for a start-time spread gains nothing at exact starts in either
+])
+def test_disagreement_is_a_missing_gain_by_more_than_min_gain(sim_gain, fluid_gain, refuted):
+    assert _confirm.disagree({"plan": 10.0 * (1 - sim_gain), "simultaneous": 10.0}, 1 - fluid_gain, 0.01) is refuted
