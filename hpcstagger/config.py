@@ -160,7 +160,7 @@ _KNOB_LIST: list[Knob] = [
     Knob("plan_min_gain", float, 0.01,
          "least predicted gain (fraction of the makespan) for which optimal_plan recommends a stagger"),
     Knob("plan_replay", bool, True,
-         "optimal_plan replays a stagger with the sample-level simulator (when that takes about 1 s of CPU "
+         "optimal_plan replays a stagger with the sample-level simulator (when that takes about 0.5 s of CPU "
          "or less) and starts the jobs together unless the simulator confirms its gain (0: the fluid model's "
          "plan stands alone)"),
     Knob("plan_jitter", float, 0.25,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import threading
 import time
 
@@ -155,6 +156,32 @@ def test_a_process_killed_inside_a_read_does_not_hold_the_gate():
             p.kill()
             p.join(30)
         assert not gate.busy()
+
+
+def test_a_killed_process_not_yet_reaped_does_not_hold_the_gate():
+    # a DataLoader worker killed inside a read is a zombie until its loader notices: it holds nothing
+    ctx = mp.get_context("spawn")
+    with SharedActivityGate() as gate:
+        entered, release = ctx.Event(), ctx.Event()
+        p = ctx.Process(target=_hold, args=(gate.source_read_hook(), entered, release))
+        p.start()
+        try:
+            assert entered.wait(60)
+            assert gate.busy()
+            os.kill(p.pid, signal.SIGKILL)  # not joined: the child stays a zombie
+            deadline = time.monotonic() + 30
+            while _state(p.pid) != "Z" and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert _state(p.pid) == "Z"
+            assert not gate.busy() and gate.busy_processes() == []
+        finally:
+            p.kill()
+            p.join(30)
+
+
+def _state(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 def test_shared_gate_in_this_process_and_threads():

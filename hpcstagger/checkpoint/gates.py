@@ -33,6 +33,7 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from hpcstagger.cache import _fs
 from hpcstagger.comm import poll_until
 from hpcstagger.errors import CheckpointError
 
@@ -204,13 +205,9 @@ class _Slot:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    """Whether ``pid`` is a live process: a worker killed inside a read and not yet reaped by its
+    DataLoader (a zombie) holds no activity."""
+    return _fs.alive(pid, 0)
 
 
 def _claim(mm: mmap.mmap) -> int:
