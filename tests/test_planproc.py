@@ -134,31 +134,3 @@ def test_a_failed_or_vanished_launcher_plan_is_planned_here_without_waiting(spec
     t = time.monotonic()
     assert not planproc.plan_apart(spec, order, {}, "plan", inputs).planned_ahead
     assert time.monotonic() - t < 30  # planned here, not after the launcher's 120 s timeout
-
-
-def test_the_launcher_does_not_plan_ahead_where_the_page_cache_cannot_hold_the_dataset(spec, tmp_path, caplog,
-                                                                                       monkeypatch):
-    """The jobs' measured memory leaves the page cache less than the dataset: the planning process
-    waits until the ranks have met (beside them it slowed a memory-bound run by a fifth)."""
-    from hpcstagger.colocated import planahead
-
-    path = str(tmp_path / "scenario.toml")
-    assert planahead.memory_tight(path, 10**9) is None  # no [node] jobs_memory: not measured, no limit
-    (tmp_path / "scenario.toml").write_text(SCENARIO.replace("cores = 2", "cores = 2\njobs_memory = 1.3e9"))
-    why = planahead.memory_tight(path, int(1.5e9))  # 200 MB beside the jobs, a 400 MB dataset
-    assert why is not None and "(200 MB of the 1500 MB" in why and "below the dataset (400 MB)" in why
-    assert planahead.memory_tight(path, int(1.8e9)) is None  # 500 MB: the page cache holds it
-    assert planahead.memory_tight(path, None) is None
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    spec2 = Spec.from_toml(tmp_path / "spec.toml")
-    monkeypatch.setattr(planahead, "mem_available", lambda: int(1.5e9))  # the node's memory, as the launcher reads it
-    with caplog.at_level(logging.INFO, logger="hpcstagger.colocated.planahead"):
-        assert planahead.start(spec2, "plan", {}, run_dir, ["big", "small"]) == ({}, None)
-    assert "not planning ahead: the page cache's room beside the jobs (200 MB" in caplog.text
-    monkeypatch.setattr(planahead, "mem_available", lambda: int(1.8e9))
-    env, proc = planahead.start(spec2, "plan", {}, run_dir, ["big", "small"])
-    try:
-        assert proc is not None and runenv.PLAN_AHEAD in env
-    finally:
-        planahead.stop(proc)

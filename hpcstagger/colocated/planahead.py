@@ -9,14 +9,6 @@ launch``, with the request world rank 0 will make when no job reports a calibrat
 plan will be. World rank 0 takes that plan only when its own request is the same; otherwise it
 plans as it would have. Not for a partitioned cache (its node count comes from the ranks), a
 spec without a scenario, or the ``plan_ahead`` knob off.
-
-Nor where the page cache cannot hold the dataset beside the jobs' measured memory
-(:func:`memory_tight`): there the planning process, started beside the ranks, cost the whole run
-far more than it saved. Four sweep trials over 600 MB of JPEGs in a 1,472 MiB memory cgroup (the
-page cache's room beside them about 135 MB; the planning process peaks at 84 MB) had training
-loops of 102 to 125 s when the launcher planned ahead and 74 to 79 s when world rank 0 planned after
-the ranks met, its 5 s of planning included; the same trials over 100 MB, which the page cache
-holds, wait 0.3 s for a plan made ahead against about 2.5 s.
 """
 
 from __future__ import annotations
@@ -32,16 +24,14 @@ from typing import Any
 
 from hpcstagger import config
 from hpcstagger.colocated.startcache import observe_cache
-from hpcstagger.model.source_probe import mem_available
 from hpcstagger.spec import runenv
-from hpcstagger.spec.cachesize import scenario_facts
 from hpcstagger.spec.jobspec import Spec
 from hpcstagger.stagger import learning as learn
 from hpcstagger.stagger.history import plan_history
 from hpcstagger.stagger.planproc import plan_request
 from hpcstagger.stagger.runplan import PlanInputs
 
-__all__ = ["plan_inputs", "start", "stop", "memory_tight", "AHEAD_FILE"]
+__all__ = ["plan_inputs", "start", "stop", "AHEAD_FILE"]
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +58,6 @@ def start(spec: Spec, mode: str, environ: Mapping[str, str], run_dir: Path,
     if (mode not in runenv.PLAN_MODES_IN_WORLD or not spec.plan.scenario or spec.cache_partitioned()
             or not config.get("plan_ahead", environ)):
         return {}, None
-    tight = memory_tight(spec.plan.scenario, mem_available())
-    if tight:
-        log.info("not planning ahead: %s", tight)
-        return {}, None
     try:
         inputs = plan_inputs(spec, mode, environ, None)
         request = plan_request(spec, order, {n: {} for n in order}, mode, inputs)
@@ -93,22 +79,6 @@ def start(spec: Spec, mode: str, environ: Mapping[str, str], run_dir: Path,
     threading.Thread(target=_feed, args=(proc, json.dumps(request)), name="hpcstagger-plan-ahead",
                      daemon=True).start()
     return {runenv.PLAN_AHEAD: f"{proc.pid}:{path}"}, proc
-
-
-def memory_tight(scenario: str, memory: int | None) -> str | None:
-    """Why the launcher does not plan ahead for the calibrated ``scenario`` (a path) when the run may
-    fill ``memory`` bytes: the page cache's room beside the jobs' measured memory is below the
-    dataset, so the page cache works at its limit for the whole run; else None (also where the
-    scenario, its ``jobs_memory`` or the memory is unknown)."""
-    jobs_memory, dataset = scenario_facts(scenario)
-    if memory is None or memory <= 0 or jobs_memory <= 0 or not dataset:
-        return None
-    room = memory - jobs_memory
-    if dataset <= room:
-        return None
-    return (f"the page cache's room beside the jobs ({max(room, 0) / 1e6:.0f} MB of the {memory / 1e6:.0f} MB this "
-            f"node leaves, less their measured {jobs_memory / 1e6:.0f} MB) is below the dataset "
-            f"({dataset / 1e6:.0f} MB); world rank 0 plans once the ranks have met")
 
 
 def _feed(proc: subprocess.Popen[str], request: str) -> None:
