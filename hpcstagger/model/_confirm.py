@@ -26,6 +26,7 @@ search's own budget (0.45 s): beyond that the stagger stands as the fluid model 
 from __future__ import annotations
 
 from hpcstagger.model.scenario import Scenario
+from hpcstagger.model.simulate import simulate
 
 __all__ = ["READS", "reads", "replay", "disagree"]
 
@@ -44,8 +45,6 @@ def replay(sc: Scenario, delays: list[float]) -> dict[str, float] | None:
     they would read more than :data:`READS` samples together."""
     if 2 * reads(sc) > READS:
         return None
-    from hpcstagger.model.simulate import simulate
-
     return {"plan": float(simulate(sc, delays, seed=0).makespan),
             "simultaneous": float(simulate(sc, [0.0] * len(sc.jobs), seed=0).makespan)}
 
