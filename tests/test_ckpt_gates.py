@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -143,40 +144,38 @@ def _hold(hook, entered, release):
     release.wait(30)
 
 
-def test_a_process_killed_inside_a_read_does_not_hold_the_gate():
+@contextlib.contextmanager
+def _reading(gate):
+    """A spawned process inside a source read of ``gate``'s hook; killed and reaped on leaving."""
     ctx = mp.get_context("spawn")
+    entered, release = ctx.Event(), ctx.Event()
+    p = ctx.Process(target=_hold, args=(gate.source_read_hook(), entered, release))
+    p.start()
+    try:
+        assert entered.wait(60)
+        yield p
+    finally:
+        p.kill()
+        p.join(30)
+
+
+def test_a_process_killed_inside_a_read_does_not_hold_the_gate():
     with SharedActivityGate() as gate:
-        entered, release = ctx.Event(), ctx.Event()
-        p = ctx.Process(target=_hold, args=(gate.source_read_hook(), entered, release))
-        p.start()
-        try:
-            assert entered.wait(60)
+        with _reading(gate) as p:
             assert gate.busy_processes() == [p.pid]
-        finally:
-            p.kill()
-            p.join(30)
         assert not gate.busy()
 
 
 def test_a_killed_process_not_yet_reaped_does_not_hold_the_gate():
     # a DataLoader worker killed inside a read is a zombie until its loader notices: it holds nothing
-    ctx = mp.get_context("spawn")
-    with SharedActivityGate() as gate:
-        entered, release = ctx.Event(), ctx.Event()
-        p = ctx.Process(target=_hold, args=(gate.source_read_hook(), entered, release))
-        p.start()
-        try:
-            assert entered.wait(60)
-            assert gate.busy()
-            os.kill(p.pid, signal.SIGKILL)  # not joined: the child stays a zombie
-            deadline = time.monotonic() + 30
-            while _state(p.pid) != "Z" and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert _state(p.pid) == "Z"
-            assert not gate.busy() and gate.busy_processes() == []
-        finally:
-            p.kill()
-            p.join(30)
+    with SharedActivityGate() as gate, _reading(gate) as p:
+        assert gate.busy()
+        os.kill(p.pid, signal.SIGKILL)  # not joined: the child stays a zombie
+        deadline = time.monotonic() + 30
+        while _state(p.pid) != "Z" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _state(p.pid) == "Z"
+        assert not gate.busy() and gate.busy_processes() == []
 
 
 def _state(pid):
