@@ -107,9 +107,7 @@ def test_a_stagger_that_pays_only_over_the_spread_says_so(tmp_path):
     from hpcstagger.model import Scenario, optimal_plan
 
     path = tmp_path / "s.toml"
-    path.write_text("[dataset]\nsamples = 200\nsample_bytes = 1000\n[storage]\nbandwidth = [1.0e6, 1.5e6]\n"
-                    "[cache]\ncapacity = 2.0e5\n[[job]]\nname = \"a\"\nsample_time = 0.0004\nepochs = 3\n"
-                    "[[job]]\nname = \"b\"\nsample_time = 0.0002\nepochs = 2\n")
+    path.write_text(TWO_JOBS)
     sc = Scenario.from_toml(path)
     assert not any(optimal_plan(sc, jitter=0.0).delays.values())
     plan = optimal_plan(sc, jitter=0.1)

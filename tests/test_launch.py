@@ -10,7 +10,9 @@ import pytest
 from hpcstagger.errors import ConfigError
 from hpcstagger.colocated.launch import mpmd_command, parse_delays
 from hpcstagger.spec.jobspec import Spec
+
 from support.cli import cli_env, run_cli
+from support.model_scenarios import small_toml
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -50,22 +52,7 @@ def _spec(tmp_path, mode="simultaneous", extra=""):
 
 def _scenario(initial: float = 0.0) -> str:
     """A calibrated scenario for the spec's jobs a and b (the cache ``initial``-full at the start)."""
-    return textwrap.dedent(f"""
-        [dataset]
-        samples = 200
-        sample_bytes = 1000
-        [storage]
-        bandwidth = [1.0e6, 1.5e6]
-        [cache]
-        capacity = 2.0e5
-        initial = {initial}
-        [[job]]
-        name = "a"
-        sample_time = 0.0005
-        [[job]]
-        name = "b"
-        sample_time = 0.001
-    """)
+    return small_toml({"a": 0.0005, "b": 0.001}, initial=initial)
 
 
 def test_simultaneous_fixed_and_sequential_runs(tmp_path):

@@ -13,18 +13,9 @@ from hpcstagger.spec.jobspec import PLAN_MODES, Spec
 from hpcstagger.errors import ConfigError
 from hpcstagger.model import Scenario, predict
 
-SCENARIO = textwrap.dedent("""
-    [dataset]
-    samples = 200
-    sample_bytes = 1000
-    [storage]
-    bandwidth = [1.0e6, 1.5e6]
-    [cache]
-    capacity = 2.0e5
-    [[job]]
-    name = "a"
-    sample_time = 0.0005
-""")
+from support.model_scenarios import small_toml
+
+SCENARIO = small_toml({"a": 0.0005})  # b's sample time comes from the spec
 
 
 def _spec(tmp_path, *, scenario=True, delays="{ b = 2.0 }", b_sample_time=""):

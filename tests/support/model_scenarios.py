@@ -21,3 +21,14 @@ def scenario(n=2000, jobs=((0.002, 1),), bandwidth=(B,), capacity=0.0, policy="m
         "dataset": {"samples": n, "sample_bytes": S}, "storage": {"bandwidth": list(bandwidth)},
         "cache": cache, "loader": {"prefetch": prefetch},
         "job": [{"name": f"j{i}", "sample_time": t, "epochs": e} for i, (t, e) in enumerate(jobs)]})
+
+
+def small_toml(jobs: dict[str, float], *, initial: float | None = None) -> str:
+    """A calibrated scenario file's text for a spec's jobs: 200 samples of 1,000 bytes from a source
+    of 1.0 MB/s alone and 1.5 MB/s with 2 readers, a cache of the whole dataset (``initial``-full at
+    the start, when given), and ``jobs`` as name -> seconds per sample."""
+    lines = ["[dataset]", "samples = 200", "sample_bytes = 1000", "[storage]", "bandwidth = [1.0e6, 1.5e6]",
+             "[cache]", "capacity = 2.0e5"] + ([f"initial = {initial}"] if initial is not None else [])
+    for name, t in jobs.items():
+        lines += ["[[job]]", f'name = "{name}"', f"sample_time = {t}"]
+    return "\n".join(lines) + "\n"
