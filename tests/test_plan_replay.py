@@ -42,7 +42,10 @@ def test_a_stagger_the_simulator_does_not_confirm_is_dropped():
     assert any(alone.delays.values()) and alone.gain > 0.05 and not alone.simulated
     plan = optimal_plan(sc)
     assert not any(plan.delays.values())
-    sims = {k: simulate(sc, d, seed=0).makespan for k, d in (("plan", list(alone.delays.values())),
+    # the stagger replayed is the one this search found (the search keeps to a CPU budget, so two
+    # searches of one scenario can end on different staggers of about the same predicted gain)
+    assert plan.staggered and plan.staggered_makespan < plan.makespan * 0.95
+    sims = {k: simulate(sc, d, seed=0).makespan for k, d in (("plan", list(plan.staggered.values())),
                                                                ("simultaneous", [0.0] * 4))}
     assert plan.simulated == pytest.approx(sims)
     assert sims["plan"] > sims["simultaneous"] * 0.99  # what the check rests on

@@ -54,7 +54,7 @@ class CpuShare:
         F = [groups[i].F for i in live]
         Z = [max(0.0, groups[i].think) / groups[i].work for i in live]
         gang = [groups[i].gang for i in live]
-        speed, _ = self.sharing.solve(F, Z, gang)
+        speed, _ = self.sharing.solve(F, Z, gang, moments=False)
         for i, v in zip(live, speed, strict=True):
             out[i] = min(1.0, max(v, 1e-9))
         return out

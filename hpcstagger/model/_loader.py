@@ -31,6 +31,7 @@ receiving the batches and ``R * B * t`` computing.
 from __future__ import annotations
 
 import math
+import operator
 from typing import NamedTuple
 from collections.abc import Callable, Sequence
 
@@ -123,11 +124,21 @@ def bubble(L: Shape, m: float, a: float, miss_t: float) -> float:
 
 
 def _poly_mul(p: Sequence[float], q: Sequence[float]) -> list[float]:
+    """The product of two polynomials' coefficient lists. The model's polynomials are mostly of
+    degree 1 or 2 (one or two fetchers per group), so a short factor gets a loop of its own."""
+    if len(q) > len(p):
+        p, q = q, p
+    if len(q) == 1:
+        q0 = q[0]
+        return [a * q0 for a in p]
+    if len(q) == 2:
+        q0, q1 = q
+        return [p[0] * q0, *[a * q0 + b * q1 for a, b in zip(p[1:], p)], p[-1] * q1]
     out = [0.0] * (len(p) + len(q) - 1)
-    for i, pi in enumerate(p):
-        if pi:
-            for k, qk in enumerate(q):
-                out[i + k] += pi * qk
+    for k, qk in enumerate(q):
+        if qk:
+            for i, pk in enumerate(p, k):
+                out[i] += pk * qk
     return out
 
 
@@ -154,6 +165,10 @@ class Sharing:
             return [0.0] * F + [1.0]
         if F == 1:
             return [1.0, 1.0 / z] if z >= 1.0 else [z, 1.0]
+        if F == 2:  # z^2, 2z, 1 over the largest of them
+            if z >= 2.0:
+                return [1.0, 2.0 / z, 1.0 / (z * z)]
+            return [z / 2.0, 1.0, 0.5 / z] if z >= 0.5 else [z * z, 2.0 * z, 1.0]
         lz = math.log(z)
         logs = [math.lgamma(F + 1) - math.lgamma(n + 1) - math.lgamma(F - n + 1) + (F - n) * lz
                 for n in range(F + 1)]
@@ -171,21 +186,23 @@ class Sharing:
         top = max(lz, log_read)
         return [math.exp(lz - top)] + [0.0] * (F - 1) + [math.exp(log_read - top)]
 
-    def solve(self, F: Sequence[int], Z: Sequence[float],
-              gang: Sequence[bool] | None = None) -> tuple[list[float], list[float]]:
-        """Per group: the mean bytes/s a fetcher's read gets, and the second moment of a read's time.
+    def solve(self, F: Sequence[int], Z: Sequence[float], gang: Sequence[bool] | None = None,
+              moments: bool = True) -> tuple[list[float], list[float]]:
+        """Per group: the mean bytes/s a fetcher's read gets, and the second moment of a read's time
+        (all 0 when ``moments`` is False: the CPU's sharing needs only the speeds).
 
         ``gang[i]`` says group i's fetchers read together rather than independently."""
         R = len(F)
-        polys = [self._gang(F[i], Z[i] / self.unit) if gang and gang[i] and F[i] > 1
-                 else self._poly(F[i], Z[i] / self.unit) for i in range(R)]
+        unit = self.unit
+        polys = [self._gang(F[i], Z[i] / unit) if gang and gang[i] and F[i] > 1
+                 else self._poly(F[i], Z[i] / unit) for i in range(R)]
         prefix = [[1.0]]
         for g in polys:
             prefix.append(_poly_mul(prefix[-1], g))
         suffix = [[1.0]] * (R + 1)
         for i in range(R - 1, -1, -1):
-            suffix[i] = _poly_mul(polys[i], suffix[i + 1])
-        top = sum(len(g) - 1 for g in polys)
+            suffix[i] = _poly_mul(suffix[i + 1], polys[i])
+        top = len(prefix[-1]) - 1
         log_tp = self.log_tp
         peak = max(log_tp[:top + 1])
         tp = [math.exp(v - peak) for v in log_tp[:top + 1]]  # stationary weight of N reads in flight
@@ -195,20 +212,18 @@ class Sharing:
         bw, m2 = [], []
         size2 = self.size * self.size
         for i in range(R):
-            rest = _poly_mul(prefix[i], suffix[i + 1])
+            # the weight of states by the number of group i's fetchers reading: its polynomial's
+            # derivative times the others', from its lowest non-zero term (so the sums shift)
             mine = [n * c for n, c in enumerate(polys[i])]
-            coef = _poly_mul(rest, mine)
-            num = den = inv = 0.0
-            for N, c in enumerate(coef):
-                if c:
-                    num += c * fast[N]
-                    den += c * tp[N]
-                    inv += c * slow[N]
+            lo = next((n for n, c in enumerate(mine) if c), len(mine))
+            coef = _poly_mul(_poly_mul(prefix[i], suffix[i + 1]), mine[lo:]) if lo < len(mine) else []
+            num = sum(map(operator.mul, coef, fast[lo:]))
+            den = sum(map(operator.mul, coef, tp[lo:]))
             if num <= 0.0 or den <= 0.0:
                 k = sum(F)
                 bw.append(per_reader[k])
-                m2.append((self.size / per_reader[k]) ** 2)
+                m2.append((self.size / per_reader[k]) ** 2 if moments else 0.0)
                 continue
             bw.append(num / den)
-            m2.append(size2 * inv / num)
+            m2.append(size2 * sum(map(operator.mul, coef, slow[lo:])) / num if moments else 0.0)
         return bw, m2
