@@ -133,7 +133,7 @@ def _poly_mul(p: Sequence[float], q: Sequence[float]) -> list[float]:
         return [a * q0 for a in p]
     if len(q) == 2:
         q0, q1 = q
-        return [p[0] * q0, *[a * q0 + b * q1 for a, b in zip(p[1:], p)], p[-1] * q1]
+        return [p[0] * q0, *[a * q0 + b * q1 for a, b in zip(p[1:], p[:-1], strict=True)], p[-1] * q1]
     out = [0.0] * (len(p) + len(q) - 1)
     for k, qk in enumerate(q):
         if qk:
