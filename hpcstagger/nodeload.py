@@ -24,13 +24,17 @@ it (the sums of ``Pss_Anon`` and ``Pss_File``).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 __all__ = ["NodeLoad", "MemoryLimit", "memory_limit", "memory_total", "memory_free", "memory_reserve", "MemoryGuard",
            "usable_cores", "sample", "busy_warning", "tree_memory", "PeakMemory", "RESERVE_SHARE", "RESERVE_MIN"]
+
+log = logging.getLogger(__name__)
 
 RESERVE_SHARE = 0.05     # of the memory, kept free beside a /dev/shm cache (launcher, coordinator, MPI, libraries)
 RESERVE_MIN = 96 << 20   # bytes, the least of that reserve
@@ -217,15 +221,22 @@ def _parent_of(pid: str) -> int | None:
 def _pss(pid: str) -> tuple[int, int]:
     """A process's share of its anonymous pages (``Pss_Anon``, else its ``Pss`` less file and shmem
     pages) and of its mapped file pages (``Pss_File``), bytes; 0s when it is gone."""
+    return _smaps(pid)[:2]
+
+
+def _smaps(pid: str) -> tuple[int, int, int]:
+    """:func:`_pss` and the anonymous pages no other process maps (``Private_Dirty``, at most
+    ``Anonymous``), bytes; 0s when it is gone."""
     try:
         with open(f"/proc/{pid}/smaps_rollup", encoding="ascii", errors="replace") as f:
             pairs = (line.partition(":") for line in f)
             fields = {k: int(v.split()[0]) for k, _, v in pairs if v.strip()[:1].isdigit()}
     except (OSError, ValueError):
-        return 0, 0
+        return 0, 0, 0
     file = fields.get("Pss_File", 0)
     anon = fields.get("Pss_Anon", max(0, fields.get("Pss", 0) - file - fields.get("Pss_Shmem", 0)))
-    return anon * 1024, file * 1024
+    own = min(fields.get("Private_Dirty", 0), fields.get("Anonymous", fields.get("Private_Dirty", 0)))
+    return anon * 1024, file * 1024, own * 1024
 
 
 def _program(pid: str) -> tuple[str, bytes]:
@@ -242,24 +253,37 @@ def _is_worker(me: tuple[str, bytes], parent: tuple[str, bytes]) -> bool:
     return bool(me[0]) and me[0] == parent[0] and (me[1] == parent[1] or b"multiprocessing" in me[1])
 
 
+def _tree(root: int, children: Mapping[int, list[str]]) -> list[tuple[str, bool]]:
+    """The pids of ``root`` and all its descendants, each with whether it is a worker (a
+    multiprocessing child of a process of the same program: a DataLoader worker)."""
+    out: list[tuple[str, bool]] = []
+    todo: list[tuple[str, tuple[str, bytes]]] = [(str(root), ("", b""))]
+    while todo:
+        pid, parent = todo.pop()
+        me = _program(pid)
+        out.append((pid, _is_worker(me, parent)))
+        todo.extend((c, me) for c in children.get(int(pid), ()))
+    return out
+
+
+def _children() -> dict[int, list[str]]:
+    children: dict[int, list[str]] = {}
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            children.setdefault(_parent_of(pid) or 0, []).append(pid)
+    return children
+
+
 def tree_memory(root: int) -> tuple[int, int, int]:
     """What process ``root`` and all its descendants hold (MPI launchers put their ranks in sessions
     of their own), bytes, each shared page counted once: the anonymous memory of all of them, of
     the workers among them (multiprocessing children of a process of the same program: DataLoader
     workers), and their mapped file pages (their libraries)."""
-    children: dict[int, list[str]] = {}
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            children.setdefault(_parent_of(pid) or 0, []).append(pid)
     anon = workers = file = 0
-    todo: list[tuple[str, tuple[str, bytes]]] = [(str(root), ("", b""))]
-    while todo:
-        pid, parent = todo.pop()
+    for pid, worker in _tree(root, _children()):
         a, f = _pss(pid)
-        me = _program(pid)
         anon, file = anon + a, file + f
-        workers += a if _is_worker(me, parent) else 0
-        todo.extend((c, me) for c in children.get(int(pid), ()))
+        workers += a if worker else 0
     return anon, workers, file
 
 
@@ -267,21 +291,55 @@ class PeakMemory:
     """The peaks of :func:`tree_memory` of one process tree, sampled every ``every`` seconds by a
     daemon thread between :meth:`start` and :meth:`stop`: ``peak`` (anonymous), ``workers_peak``
     (the DataLoader workers' anonymous memory) and ``file_peak`` (mapped files), bytes, 0 until a
-    sample."""
+    sample.
 
-    def __init__(self, every: float = 0.25):
+    ``adopted`` names the processes the tree started that left it: given the tree's pids, the
+    roots of other trees that belong to it (a shared loader's producer, which a consumer starts
+    detached, in a session of its own under init). Their anonymous memory counts in ``peak`` and
+    apart in ``adopted_peak``, not among the workers; ``adopted_own_peak`` is the part of it no
+    process outside those trees maps (what they hold beyond the pages they share with the tree
+    that started them, by fork)."""
+
+    def __init__(self, every: float = 0.25, adopted: Callable[[set[int]], Iterable[int]] | None = None):
         self.every, self.peak, self.workers_peak, self.file_peak, self.samples = every, 0, 0, 0, 0
+        self.adopted_peak = self.adopted_own_peak = 0
+        self._adopted = adopted
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def sample(self, pid: int) -> None:
+        """Take one sample of ``pid``'s tree (and of what it adopted) now."""
+        children = _children()
+        tree = _tree(pid, children)
+        anon = workers = file = extra = own = 0
+        for p, worker in tree:
+            a, f = _pss(p)
+            anon, file = anon + a, file + f
+            workers += a if worker else 0
+        if self._adopted is not None:
+            mine = {int(p) for p, _ in tree}
+            try:
+                roots = [r for r in self._adopted(mine) if r not in mine]
+            except (OSError, ValueError) as exc:  # advisory: the tree's own memory still counts
+                log.debug("cannot list the processes a tree started detached: %s", exc)
+                roots = []
+            for root in roots:
+                for p, _ in _tree(root, children):
+                    if int(p) not in mine:
+                        mine.add(int(p))
+                        a, f, o = _smaps(p)
+                        extra, file, own = extra + a, file + f, own + o
+        self.peak, self.workers_peak = max(self.peak, anon + extra), max(self.workers_peak, workers)
+        self.adopted_peak = max(self.adopted_peak, extra)
+        self.adopted_own_peak = max(self.adopted_own_peak, min(own, extra))
+        self.file_peak = max(self.file_peak, file)
+        self.samples += 1
 
     def start(self, pid: int) -> None:
         """Follow process ``pid`` and its descendants."""
         def run() -> None:
             while True:
-                anon, workers, file = tree_memory(pid)
-                self.peak, self.workers_peak = max(self.peak, anon), max(self.workers_peak, workers)
-                self.file_peak = max(self.file_peak, file)
-                self.samples += 1
+                self.sample(pid)
                 if self._stop.wait(self.every):
                     return
 

@@ -70,6 +70,17 @@ def test_jobs_memory_adds_the_jobs_up_and_counts_a_shared_loaders_workers_once()
     assert jobs_memory({**jobs, "d": {"sample_time": 1.0}})[0] == 0.0
 
 
+def test_jobs_memory_counts_a_shared_loaders_producer_once():
+    # calibration runs each job alone, so each started (and was measured with) a producer of its own;
+    # co-located, the jobs of one shared loader take their batches from one producer
+    jobs = {"a": {"memory": 500 * MB, "memory_workers": 0, "memory_producer": 220 * MB, "memory_file": 100 * MB},
+            "b": {"memory": 480 * MB, "memory_workers": 0, "memory_producer": 200 * MB, "memory_file": 90 * MB},
+            "c": {"memory": 260 * MB, "memory_workers": 0, "memory_file": 80 * MB}}
+    assert jobs_memory(jobs)[0] == (500 + 480 + 260 + 100) * MB  # separate loaders: every producer
+    total, note = jobs_memory(jobs, {"sweep": ["a", "b"]})
+    assert total == (1340 - 200) * MB and "less 200 MB of DataLoader workers and producers" in note
+
+
 def test_a_page_cache_too_small_beside_the_jobs_is_planned_as_what_it_keeps(tmp_path):
     """The page-cache rule saw the dataset fit in the free memory before the jobs started; measured,
     the jobs leave the page cache 250 MB of a 600 MB dataset and no /dev/shm cache fits: the plan's

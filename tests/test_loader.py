@@ -17,10 +17,10 @@ import pytest
 import torch
 from torch.utils.data import IterableDataset
 
-from hpcstagger import config
+from hpcstagger import config, nodeload
 from hpcstagger.errors import ConfigError, LoaderError
 from hpcstagger.loader import SharedLoader, StreamOrder, list_pipelines
-from hpcstagger.loader.pipelines import remove_stale
+from hpcstagger.loader.pipelines import producers_of, remove_stale
 from support.loader_job import Numbered, expected
 from support.loader_util import (LINGER, FakeSession, built, check_epochs, gone, loader_files, start_job,
                                  wait_loader_empty, wait_until)
@@ -413,3 +413,23 @@ def test_a_plain_data_loader_with_a_device_moves_every_batch(shm_root):
     assert sorted(seen) == list(range(12))
     with pytest.raises(ConfigError, match="not a CUDA device"):  # the shared loader says what is wrong
         data_loader(FakeSession(), Numbered(12), 4, share=True, device="cpu", root=shm_root)
+
+
+# ------------------------------------------------------------------------------- memory
+def test_a_consumers_detached_producer_is_found_and_its_memory_followed(linger):
+    """Calibration follows a job's process tree for its memory; the producer its consumer starts is
+    detached from that tree, so calibration asks producers_of for it and follows it too."""
+    loader = SharedLoader(Numbered(64), 4, name="p", root=linger, num_workers=1)
+    it = iter(loader)
+    next(it)
+    pid = loader.producer_pid
+    assert producers_of({os.getpid()}, linger) == [pid]
+    assert producers_of({os.getpid() + 10**7}, linger) == []          # not a consumer of it
+    alone, seen = nodeload.PeakMemory(), nodeload.PeakMemory(adopted=lambda pids: producers_of(pids, linger))
+    alone.sample(os.getpid())
+    seen.sample(os.getpid())
+    assert alone.adopted_peak == 0 and seen.adopted_peak > 1 << 20     # the producer and its worker
+    assert 0 < seen.adopted_own_peak <= seen.adopted_peak                # some of it shared with this process
+    assert seen.peak >= alone.peak + seen.adopted_peak // 2
+    del it
+    _ended(loader, linger, pid)

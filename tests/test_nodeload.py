@@ -3,8 +3,10 @@ figures and thresholds on literal loads."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -159,3 +161,44 @@ def test_peak_memory_follows_a_process_tree_and_tells_its_workers():
     assert 100 << 20 < meter.workers_peak < 130 << 20, meter.workers_peak / 2**20  # the forked worker only
     assert meter.file_peak > 1 << 20                          # the interpreters' mapped files
     assert nodeload.tree_memory(os.getpid())[0] > 0
+
+
+def test_peak_memory_counts_what_a_tree_started_detached_when_told(tmp_path):
+    """A parent that starts a child detached, as a shared loader's consumer starts its producer
+    (forked twice, in a session of its own, under init), and writes its pid: the tree alone misses
+    the child's 150 MB; with ``adopted`` naming it, the peak counts it once, apart, not as a worker,
+    and the 150 MB it touched after the fork as its own."""
+    pidfile = tmp_path / "child.pid"
+    touch = "b = bytearray(150 << 20); b[::4096] = b'x' * len(b[::4096])"
+    parent_code = (
+        "import os, sys, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        f"        {touch}\n"
+        "        tmp = sys.argv[1] + '.tmp'\n"
+        "        open(tmp, 'w').write(str(os.getpid())); os.rename(tmp, sys.argv[1])\n"
+        "        time.sleep(3)\n"
+        "    os._exit(0)\n"
+        "time.sleep(2.5)\n")
+
+    def child(pids: set[int]) -> list[int]:
+        return [int(pidfile.read_text())] if pidfile.exists() else []
+
+    runs = {}
+    for adopted in (None, child):
+        pidfile.unlink(missing_ok=True)
+        parent = subprocess.Popen([sys.executable, "-c", parent_code, str(pidfile)])
+        meter = nodeload.PeakMemory(every=0.1, adopted=adopted)
+        meter.start(parent.pid)
+        assert parent.wait(timeout=60) == 0
+        runs[adopted is None] = (meter.stop(), meter.adopted_peak, meter.workers_peak, meter.adopted_own_peak)
+        if pidfile.exists():  # leave nothing running
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pidfile.read_text()), signal.SIGKILL)
+    (alone, none_adopted, _, _), (peak, adopted_peak, workers, own) = runs[True], runs[False]
+    assert none_adopted == 0 and alone < 100 << 20, alone / 2**20           # the interpreter alone
+    assert 145 << 20 < adopted_peak < 200 << 20, adopted_peak / 2**20      # the detached child
+    # its 150 MB are its own; the interpreter's pages it shares with the parent by fork are not
+    assert 145 << 20 < own <= adopted_peak, (own / 2**20, adopted_peak / 2**20)
+    assert peak >= adopted_peak + (alone // 2) and workers < 50 << 20, (peak / 2**20, workers / 2**20)

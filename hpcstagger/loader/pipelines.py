@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 from hpcstagger import config
 from hpcstagger.cache import _fs
 from hpcstagger.loader import _ring as R
 
-__all__ = ["list_pipelines", "remove_stale"]
+__all__ = ["list_pipelines", "producers_of", "remove_stale"]
 
 
 def _entries(root: str | None) -> tuple[int, str, list[str]]:
@@ -62,6 +62,17 @@ def list_pipelines(root: str | None = None) -> list[dict[str, Any]]:
     finally:
         if fd >= 0:
             os.close(fd)
+
+
+def producers_of(pids: Collection[int], root: str | None = None) -> list[int]:
+    """The producer pids of the pipelines under ``root`` that one of ``pids`` consumes from. A
+    consumer starts its producer detached (in a session of its own, under init), so following a
+    job's process tree misses it: calibration follows these too, for the job's memory."""
+    out = []
+    for info in list_pipelines(root):
+        if info["producer_pid"] > 0 and any(c["pid"] in pids for c in info["consumers"]):
+            out.append(int(info["producer_pid"]))
+    return out
 
 
 def remove_stale(root: str | None = None) -> list[str]:

@@ -69,6 +69,7 @@ from hpcstagger.measure.saved_parts import SavedParts, partial_dir
 from hpcstagger.colocated.jobmeter import GRACE_S, calibration_spec
 from hpcstagger.stagger.jobfields import job_fields, read_reports
 from hpcstagger.colocated.launch import mpmd_command, run_group
+from hpcstagger.loader.pipelines import producers_of
 from hpcstagger.spec.jobspec import JobSpec, Spec
 from hpcstagger.cache import ShmCache
 
@@ -242,7 +243,8 @@ class _Run:
             return time.monotonic() > loopless and not (directory / "job.json").exists()
 
         before = self._reads(share + GRACE_S + _KILL_S)
-        memory = nodeload.PeakMemory()
+        root = str(config.get("shm_root", {**self._env(job, directory, 0.0), **job.env}))
+        memory = nodeload.PeakMemory(adopted=lambda pids: producers_of(pids, root))  # a shared loader's producer
         with open(directory / "output.log", "wb") as out:
             rc = run_group(self._argv(job), self._env(job, directory, time.time() + share - _EXIT_S),
                            os.path.dirname(self.spec.path) or ".", share + GRACE_S + _KILL_S, output=out,
@@ -265,7 +267,7 @@ class _Run:
             raise ModelError(f"job {job.name!r} measured {fields['ranks']} rank(s), the spec says {job.ranks}")
         fields.update(route="command", reports=str(directory), seconds=time.monotonic() - started,
                       memory=memory.peak, memory_workers=min(memory.workers_peak, memory.peak),
-                      memory_file=memory.file_peak)
+                      memory_file=memory.file_peak, memory_producer=min(memory.adopted_own_peak, memory.peak))
         if before is not None and after is not None:  # its source reads, counted in flight
             fields["source_reads"] = {"bytes": after[0] - before[0], "seconds": after[1] - before[1],
                                       "flight": [max(0.0, b - a) for a, b in zip(before[2], after[2], strict=True)]}

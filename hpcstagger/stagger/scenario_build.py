@@ -41,8 +41,11 @@ def describe_job(f: Mapping[str, Any]) -> str:
             f"order {f.get('order') or 'its own'}, "
             f"prep {f['prep_time'] * 1e3:.3f} ms/sample, miss overhead {f['miss_overhead'] * 1e3:.3f} ms "
             f"({f['hits']} hits, {f['misses']} misses; stopped: {f['stopped']})"
-            + (f"; memory {f['memory'] / 1e6:.0f} MB anonymous, {f.get('memory_file', 0) / 1e6:.0f} MB mapped files"
-               if f.get("memory") else "")
+            + (f"; memory {f['memory'] / 1e6:.0f} MB anonymous"
+               + (f" ({f['memory_producer'] / 1e6:.0f} MB its shared loader's producer's own)"
+                  if f.get("memory_producer")
+                  else "")
+               + f", {f.get('memory_file', 0) / 1e6:.0f} MB mapped files" if f.get("memory") else "")
             + ("" if f["samples_seen"] else
                "; no CachedDataset sample costs seen: prep is its DataLoader workers' CPU per sample, reads and "
                "decode included, and the miss overhead is not measured" if f.get("prep_from_workers") else
@@ -268,7 +271,9 @@ def jobs_memory(jobs: Mapping[str, Mapping[str, Any]], shared: Mapping[str, Sequ
     its peak (its processes followed while it ran alone in calibration), added up, and the mapped
     file pages of the job that maps the most (their libraries, which the jobs share). Jobs that share
     a loader (``shared``: loader -> its jobs) hold their DataLoader workers' memory once, as one
-    loader's workers: the largest of theirs. 0 and why when a job's memory was not measured."""
+    loader's workers: the largest of theirs; and its producer's own memory (``memory_producer``,
+    what the producer calibration started beside each job held beyond the pages it shares with its
+    job by fork) once: the largest. 0 and why when a job's memory was not measured."""
     unmeasured = [name for name, m in jobs.items() if not m.get("memory")]
     if unmeasured or not jobs:
         return 0.0, f"not measured (job(s) {', '.join(unmeasured)} not run from their command)"
@@ -276,13 +281,14 @@ def jobs_memory(jobs: Mapping[str, Mapping[str, Any]], shared: Mapping[str, Sequ
     files = max(float(m.get("memory_file", 0)) for m in jobs.values())
     spared = 0.0
     for names in (shared or {}).values():
-        workers = [float(jobs[n].get("memory_workers", 0)) for n in names if n in jobs]
-        spared += sum(workers) - max(workers, default=0.0)
+        for part in ("memory_workers", "memory_producer"):
+            each = [float(jobs[n].get(part, 0)) for n in names if n in jobs]
+            spared += sum(each) - max(each, default=0.0)
     total = anon - spared + files
     return total, (f"{total / 1e6:.0f} MB: each job's processes followed alone, their anonymous memory at its peak "
                    f"added up ({anon / 1e6:.0f} MB"
-                   + (f", less {spared / 1e6:.0f} MB of DataLoader workers that a shared loader runs once"
-                      if spared else "")
+                   + (f", less {spared / 1e6:.0f} MB of DataLoader workers and producers that a shared loader runs "
+                      "once" if spared else "")
                    + f"), and the most mapped files any job held ({files / 1e6:.0f} MB: libraries the jobs share)")
 
 
