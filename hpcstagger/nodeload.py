@@ -221,22 +221,15 @@ def _parent_of(pid: str) -> int | None:
 def _pss(pid: str) -> tuple[int, int]:
     """A process's share of its anonymous pages (``Pss_Anon``, else its ``Pss`` less file and shmem
     pages) and of its mapped file pages (``Pss_File``), bytes; 0s when it is gone."""
-    return _smaps(pid)[:2]
-
-
-def _smaps(pid: str) -> tuple[int, int, int]:
-    """:func:`_pss` and the anonymous pages no other process maps (``Private_Dirty``, at most
-    ``Anonymous``), bytes; 0s when it is gone."""
     try:
         with open(f"/proc/{pid}/smaps_rollup", encoding="ascii", errors="replace") as f:
             pairs = (line.partition(":") for line in f)
             fields = {k: int(v.split()[0]) for k, _, v in pairs if v.strip()[:1].isdigit()}
     except (OSError, ValueError):
-        return 0, 0, 0
+        return 0, 0
     file = fields.get("Pss_File", 0)
     anon = fields.get("Pss_Anon", max(0, fields.get("Pss", 0) - file - fields.get("Pss_Shmem", 0)))
-    own = min(fields.get("Private_Dirty", 0), fields.get("Anonymous", fields.get("Private_Dirty", 0)))
-    return anon * 1024, file * 1024, own * 1024
+    return anon * 1024, file * 1024
 
 
 def _program(pid: str) -> tuple[str, bytes]:
@@ -296,13 +289,11 @@ class PeakMemory:
     ``adopted`` names the processes the tree started that left it: given the tree's pids, the
     roots of other trees that belong to it (a shared loader's producer, which a consumer starts
     detached, in a session of its own under init). Their anonymous memory counts in ``peak`` and
-    apart in ``adopted_peak``, not among the workers; ``adopted_own_peak`` is the part of it no
-    process outside those trees maps (what they hold beyond the pages they share with the tree
-    that started them, by fork)."""
+    apart in ``adopted_peak``, not among the workers."""
 
     def __init__(self, every: float = 0.25, adopted: Callable[[set[int]], Iterable[int]] | None = None):
         self.every, self.peak, self.workers_peak, self.file_peak, self.samples = every, 0, 0, 0, 0
-        self.adopted_peak = self.adopted_own_peak = 0
+        self.adopted_peak = 0
         self._adopted = adopted
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -311,7 +302,7 @@ class PeakMemory:
         """Take one sample of ``pid``'s tree (and of what it adopted) now."""
         children = _children()
         tree = _tree(pid, children)
-        anon = workers = file = extra = own = 0
+        anon = workers = file = extra = 0
         for p, worker in tree:
             a, f = _pss(p)
             anon, file = anon + a, file + f
@@ -327,11 +318,10 @@ class PeakMemory:
                 for p, _ in _tree(root, children):
                     if int(p) not in mine:
                         mine.add(int(p))
-                        a, f, o = _smaps(p)
-                        extra, file, own = extra + a, file + f, own + o
+                        a, f = _pss(p)
+                        extra, file = extra + a, file + f
         self.peak, self.workers_peak = max(self.peak, anon + extra), max(self.workers_peak, workers)
         self.adopted_peak = max(self.adopted_peak, extra)
-        self.adopted_own_peak = max(self.adopted_own_peak, min(own, extra))
         self.file_peak = max(self.file_peak, file)
         self.samples += 1
 

@@ -429,7 +429,6 @@ def test_a_consumers_detached_producer_is_found_and_its_memory_followed(linger):
     alone.sample(os.getpid())
     seen.sample(os.getpid())
     assert alone.adopted_peak == 0 and seen.adopted_peak > 1 << 20     # the producer and its worker
-    assert 0 < seen.adopted_own_peak <= seen.adopted_peak                # some of it shared with this process
     assert seen.peak >= alone.peak + seen.adopted_peak // 2
     del it
     _ended(loader, linger, pid)

@@ -267,7 +267,7 @@ class _Run:
             raise ModelError(f"job {job.name!r} measured {fields['ranks']} rank(s), the spec says {job.ranks}")
         fields.update(route="command", reports=str(directory), seconds=time.monotonic() - started,
                       memory=memory.peak, memory_workers=min(memory.workers_peak, memory.peak),
-                      memory_file=memory.file_peak, memory_producer=min(memory.adopted_own_peak, memory.peak))
+                      memory_file=memory.file_peak, memory_producer=min(memory.adopted_peak, memory.peak))
         if before is not None and after is not None:  # its source reads, counted in flight
             fields["source_reads"] = {"bytes": after[0] - before[0], "seconds": after[1] - before[1],
                                       "flight": [max(0.0, b - a) for a, b in zip(before[2], after[2], strict=True)]}

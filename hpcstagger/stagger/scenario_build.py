@@ -42,7 +42,7 @@ def describe_job(f: Mapping[str, Any]) -> str:
             f"prep {f['prep_time'] * 1e3:.3f} ms/sample, miss overhead {f['miss_overhead'] * 1e3:.3f} ms "
             f"({f['hits']} hits, {f['misses']} misses; stopped: {f['stopped']})"
             + (f"; memory {f['memory'] / 1e6:.0f} MB anonymous"
-               + (f" ({f['memory_producer'] / 1e6:.0f} MB its shared loader's producer's own)"
+               + (f" ({f['memory_producer'] / 1e6:.0f} MB its shared loader's producer)"
                   if f.get("memory_producer")
                   else "")
                + f", {f.get('memory_file', 0) / 1e6:.0f} MB mapped files" if f.get("memory") else "")
@@ -271,9 +271,10 @@ def jobs_memory(jobs: Mapping[str, Mapping[str, Any]], shared: Mapping[str, Sequ
     its peak (its processes followed while it ran alone in calibration), added up, and the mapped
     file pages of the job that maps the most (their libraries, which the jobs share). Jobs that share
     a loader (``shared``: loader -> its jobs) hold their DataLoader workers' memory once, as one
-    loader's workers: the largest of theirs; and its producer's own memory (``memory_producer``,
-    what the producer calibration started beside each job held beyond the pages it shares with its
-    job by fork) once: the largest. 0 and why when a job's memory was not measured."""
+    loader's workers: the largest of theirs; and its producer once (``memory_producer``, what the
+    producer each job's calibration run consumed from held: the largest; the others' consumers then
+    hold the pages their producers shared with them by fork). 0 and why when a job's memory was not
+    measured."""
     unmeasured = [name for name, m in jobs.items() if not m.get("memory")]
     if unmeasured or not jobs:
         return 0.0, f"not measured (job(s) {', '.join(unmeasured)} not run from their command)"
