@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from hpcstagger.errors import HpcstaggerError
+
 __all__ = ["NodeLoad", "MemoryLimit", "memory_limit", "memory_total", "memory_free", "memory_reserve", "MemoryGuard",
            "usable_cores", "sample", "busy_warning", "tree_memory", "PeakMemory", "RESERVE_SHARE", "RESERVE_MIN"]
 
@@ -311,7 +313,7 @@ class PeakMemory:
             mine = {int(p) for p, _ in tree}
             try:
                 roots = [r for r in self._adopted(mine) if r not in mine]
-            except (OSError, ValueError) as exc:  # advisory: the tree's own memory still counts
+            except (OSError, ValueError, HpcstaggerError) as exc:  # advisory: the tree's own memory still counts
                 log.debug("cannot list the processes a tree started detached: %s", exc)
                 roots = []
             for root in roots:

@@ -419,7 +419,7 @@ def test_a_plain_data_loader_with_a_device_moves_every_batch(shm_root):
 def test_a_consumers_detached_producer_is_found_and_its_memory_followed(linger):
     """Calibration follows a job's process tree for its memory; the producer its consumer starts is
     detached from that tree, so calibration asks producers_of for it and follows it too."""
-    loader = SharedLoader(Numbered(64), 4, name="p", root=linger, num_workers=1)
+    loader = SharedLoader(Numbered(64), 4, name="p", root=linger)
     it = iter(loader)
     next(it)
     pid = loader.producer_pid
@@ -428,7 +428,7 @@ def test_a_consumers_detached_producer_is_found_and_its_memory_followed(linger):
     alone, seen = nodeload.PeakMemory(), nodeload.PeakMemory(adopted=lambda pids: producers_of(pids, linger))
     alone.sample(os.getpid())
     seen.sample(os.getpid())
-    assert alone.adopted_peak == 0 and seen.adopted_peak > 1 << 20     # the producer and its worker
+    assert alone.adopted_peak == 0 and seen.adopted_peak > 1 << 20     # the producer
     assert seen.peak >= alone.peak + seen.adopted_peak // 2
     del it
     _ended(loader, linger, pid)

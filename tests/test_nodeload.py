@@ -14,6 +14,7 @@ import time
 import pytest
 
 from hpcstagger import nodeload
+from hpcstagger.errors import LoaderError
 from support.cgroups import memory_group, v1_memory
 from hpcstagger.nodeload import NodeLoad, busy_warning, sample, usable_cores
 
@@ -199,3 +200,15 @@ def test_peak_memory_counts_what_a_tree_started_detached_when_told(tmp_path):
     assert none_adopted == 0 and alone < 100 << 20, alone / 2**20           # the interpreter alone
     assert 145 << 20 < adopted_peak < 200 << 20, adopted_peak / 2**20      # the detached child
     assert peak >= adopted_peak + (alone // 2) and workers < 50 << 20, (peak / 2**20, workers / 2**20)
+
+
+def test_peak_memory_keeps_sampling_when_the_adopted_processes_cannot_be_listed():
+    """The list of detached processes is advisory: a loader directory that cannot be read costs
+    their memory, not the tree's own, and does not end the sampling."""
+    def broken(pids: set[int]) -> list[int]:
+        raise LoaderError("a control file of another version")
+
+    meter = nodeload.PeakMemory(adopted=broken)
+    meter.sample(os.getpid())
+    meter.sample(os.getpid())
+    assert meter.samples == 2 and meter.peak > 0 and meter.adopted_peak == 0
