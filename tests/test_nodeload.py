@@ -174,7 +174,10 @@ def test_peak_memory_counts_what_a_tree_started_detached_when_told(tmp_path):
         "import os, sys, time\n"
         "if os.fork() == 0:\n"
         "    os.setsid()\n"
+        "    mid = os.getpid()\n"
         "    if os.fork() == 0:\n"
+        "        while os.getppid() == mid:\n"  # touch only once out of the tree: the middle process exited
+        "            time.sleep(0.01)\n"
         f"        {touch}\n"
         "        tmp = sys.argv[1] + '.tmp'\n"
         "        open(tmp, 'w').write(str(os.getpid())); os.rename(tmp, sys.argv[1])\n"

@@ -231,10 +231,8 @@ class _Run:
                 meas["jobs"][job.name] = fields
 
     def _run_job(self, job: JobSpec, share: float) -> dict[str, Any] | None:
-        """One job's command in calibration mode, alone; its fields from its reports (None, said on
-        stderr, when it never called session.loader: stopped once its share and grace are over)."""
-        directory = self.reports / job.name
-        directory.mkdir(parents=True, exist_ok=True)
+        """One job's command in calibration mode, alone; its fields (None when it never called session.loader)."""
+        (directory := self.reports / job.name).mkdir(parents=True, exist_ok=True)
         self.bar.set_postfix_str(f"job {job.name}: its command on {job.ranks} rank(s)")
         started = time.monotonic()
         loopless = started + share + GRACE_S  # no loop measured by then: the job never calls session.loader
@@ -243,8 +241,8 @@ class _Run:
             return time.monotonic() > loopless and not (directory / "job.json").exists()
 
         before = self._reads(share + GRACE_S + _KILL_S)
-        root = str(config.get("shm_root", {**self._env(job, directory, 0.0), **job.env}))
-        memory = nodeload.PeakMemory(adopted=lambda pids: producers_of(pids, root))  # a shared loader's producer
+        root = str(config.get("shm_root", {**self._env(job, directory, 0.0), **job.env}))  # its shared loader's
+        memory = nodeload.PeakMemory(adopted=lambda pids: producers_of(pids, root))  # producer, detached
         with open(directory / "output.log", "wb") as out:
             rc = run_group(self._argv(job), self._env(job, directory, time.time() + share - _EXIT_S),
                            os.path.dirname(self.spec.path) or ".", share + GRACE_S + _KILL_S, output=out,
