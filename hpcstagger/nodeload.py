@@ -274,8 +274,13 @@ def tree_memory(root: int) -> tuple[int, int, int]:
     of their own), bytes, each shared page counted once: the anonymous memory of all of them, of
     the workers among them (multiprocessing children of a process of the same program: DataLoader
     workers), and their mapped file pages (their libraries)."""
+    return _held(_tree(root, _children()))
+
+
+def _held(tree: Iterable[tuple[str, bool]]) -> tuple[int, int, int]:
+    """What the processes of ``tree`` (:func:`_tree`) hold: anonymous, of the workers, mapped files."""
     anon = workers = file = 0
-    for pid, worker in _tree(root, _children()):
+    for pid, worker in tree:
         a, f = _pss(pid)
         anon, file = anon + a, file + f
         workers += a if worker else 0
@@ -304,11 +309,8 @@ class PeakMemory:
         """Take one sample of ``pid``'s tree (and of what it adopted) now."""
         children = _children()
         tree = _tree(pid, children)
-        anon = workers = file = extra = 0
-        for p, worker in tree:
-            a, f = _pss(p)
-            anon, file = anon + a, file + f
-            workers += a if worker else 0
+        anon, workers, file = _held(tree)
+        extra = 0
         if self._adopted is not None:
             mine = {int(p) for p, _ in tree}
             try:
@@ -316,12 +318,14 @@ class PeakMemory:
             except (OSError, ValueError, HpcstaggerError) as exc:  # advisory: the tree's own memory still counts
                 log.debug("cannot list the processes a tree started detached: %s", exc)
                 roots = []
+            others = []  # their processes, each once, none of the tree's
             for root in roots:
-                for p, _ in _tree(root, children):
+                for p, worker in _tree(root, children):
                     if int(p) not in mine:
                         mine.add(int(p))
-                        a, f = _pss(p)
-                        extra, file = extra + a, file + f
+                        others.append((p, worker))
+            extra, _, more_files = _held(others)  # their workers are the producer's, not the job's
+            file += more_files
         self.peak, self.workers_peak = max(self.peak, anon + extra), max(self.workers_peak, workers)
         self.adopted_peak = max(self.adopted_peak, extra)
         self.file_peak = max(self.file_peak, file)

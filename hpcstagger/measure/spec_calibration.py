@@ -241,12 +241,12 @@ class _Run:
             return time.monotonic() > loopless and not (directory / "job.json").exists()
 
         before = self._reads(share + GRACE_S + _KILL_S)
-        root = str(config.get("shm_root", {**self._env(job, directory, 0.0), **job.env}))  # its shared loader's
-        memory = nodeload.PeakMemory(adopted=lambda pids: producers_of(pids, root))  # producer, detached
+        env = self._env(job, directory, time.time() + share - _EXIT_S)
+        root = str(config.get("shm_root", {**env, **job.env}))  # its shared loader's detached producer: followed too
+        memory = nodeload.PeakMemory(adopted=lambda pids: producers_of(pids, root))
         with open(directory / "output.log", "wb") as out:
-            rc = run_group(self._argv(job), self._env(job, directory, time.time() + share - _EXIT_S),
-                           os.path.dirname(self.spec.path) or ".", share + GRACE_S + _KILL_S, output=out,
-                           stop_when=no_loop, memory=memory)
+            rc = run_group(self._argv(job), env, os.path.dirname(self.spec.path) or ".", share + GRACE_S + _KILL_S,
+                           output=out, stop_when=no_loop, memory=memory)
         after = self._reads(0.0)
         reports = read_reports(str(directory))
         if reports["job"] is None and rc in (0, 124):
