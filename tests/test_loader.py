@@ -250,6 +250,60 @@ def test_closing_after_the_root_was_removed_does_not_bring_it_back(linger):
     assert not os.path.exists(linger)
 
 
+# ------------------------------------------------------------------- what the producer inherits
+def test_the_producer_holds_no_inherited_pipe_but_keeps_its_numbers_taken(linger):
+    """The producer must not hold its consumer's pipes open, yet it must not free their numbers:
+    objects copied from the consumer (a multiprocessing connection, a subprocess pipe) still close
+    them when collected, and a freed number would by then belong to the producer's own DataLoader
+    queues (a worker waiting forever for indices sent to nowhere)."""
+    r, w = os.pipe()
+    try:
+        loader = SharedLoader(Numbered(32), 4, name="p", root=linger, num_workers=1)
+        it = iter(loader)
+        seen = [int(i) for i in next(it)[1]]
+        pid = loader.producer_pid
+        assert os.readlink(f"/proc/{pid}/fd/{r}") == os.readlink(f"/proc/{pid}/fd/{w}") == "/dev/null"
+        os.close(w)
+        w = -1
+        assert os.read(r, 1) == b""  # no writer left anywhere: the producer let go of its copy
+        seen += [int(i) for _, ids in it for i in ids]
+        assert sorted(seen) == list(range(32))
+        del it
+        _ended(loader, linger, pid)
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+
+
+class _HangsAfter(torch.utils.data.Dataset):
+    """Samples 0 to 7, then a DataLoader worker that never answers (a dataset stuck on a dead mount)."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i):
+        if i >= 8:
+            time.sleep(3600)
+        return torch.tensor([i])
+
+
+def test_a_producer_stuck_in_its_dataset_still_ends_once_nobody_is_attached(linger):
+    loader = SharedLoader(_HangsAfter(), 4, name="p", root=linger, num_workers=1, shuffle=False, timeout=2.0)
+    it = iter(loader)
+    assert [int(x) for b in (next(it), next(it)) for x in b] == list(range(8))
+    pid = loader.producer_pid
+    workers = [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    with pytest.raises(LoaderError, match="no batch from its producer"):
+        next(it)
+    del it
+    loader.close()
+    # linger, then the grace for a DataLoader that never returns, then the workers' parent watchdog
+    wait_until(lambda: gone(pid), LINGER + 8, f"the stuck producer pid {pid} to end")
+    wait_until(lambda: all(gone(p) for p in workers), 10, "its DataLoader workers to end")
+    wait_loader_empty(linger)
+
+
 # --------------------------------------------------------------------------------------- hold
 @pytest.mark.parametrize("hold", [1, 2])
 def test_hold_keeps_the_previous_batch_valid(linger, hold):
@@ -419,7 +473,9 @@ def test_a_plain_data_loader_with_a_device_moves_every_batch(shm_root):
 def test_a_consumers_detached_producer_is_found_and_its_memory_followed(linger):
     """Calibration follows a job's process tree for its memory; the producer its consumer starts is
     detached from that tree, so calibration asks producers_of for it and follows it too."""
-    loader = SharedLoader(Numbered(64), 4, name="p", root=linger)
+    # with a DataLoader worker: in the full suite this hung once the producer freed the numbers of
+    # the pipes it inherited (see test_the_producer_holds_no_inherited_pipe_but_keeps_its_numbers_taken)
+    loader = SharedLoader(Numbered(64), 4, name="p", root=linger, num_workers=1)
     it = iter(loader)
     next(it)
     pid = loader.producer_pid

@@ -105,3 +105,62 @@ def test_without_sharing_each_job_gets_a_plain_dataloader(tmp_path):
     assert r0["kind"] == "DataLoader" and r0["len"] == 6
     assert sorted(r0["epochs"][0] + r1["epochs"][0]) == list(range(96))  # DistributedSampler shares
     assert not (tmp_path / "shm" / ".loader").exists()
+
+
+KILLED = textwrap.dedent("""
+    import os, signal, time
+    import torch
+    from torch.utils.data import Dataset
+    from hpcstagger import init
+
+    class Squares(Dataset):
+        def __len__(self):
+            return 96
+        def __getitem__(self, i):
+            return torch.full((4,), float(i * i)), i
+
+    s = init()
+    s.wait()
+    loader = s.data_loader(Squares(), 8)
+    for x, i in loader:
+        if not os.path.exists(f"producer-{s.rank}"):
+            with open(f"producer-{s.rank}.tmp", "w") as f:
+                f.write(str(loader.producer_pid))
+            os.rename(f"producer-{s.rank}.tmp", f"producer-{s.rank}")
+        if s.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer ends a rank
+        time.sleep(0.2)
+""")
+
+
+def _segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("mpich_shm_")}
+
+
+def test_a_killed_rank_leaves_no_mpi_segment_behind_a_lingering_producer(tmp_path):
+    """The producer is forked from a rank, so it inherits the rank's MPI shared-memory segment. It
+    outlives the ranks by loader_linger; the failed launch must still remove the segment's file."""
+    (tmp_path / "job.py").write_text(KILLED)
+    (tmp_path / "spec.toml").write_text(textwrap.dedent("""
+        [run]
+        name = "killed"
+        timeout = 120
+        [loader]
+        share = true
+        [[job]]
+        name = "dp"
+        command = "python job.py"
+        ranks = 2
+    """))
+    before = _segments()
+    env = cli_env(HPCSTAGGER_SHM_ROOT=str(tmp_path / "shm"), HPCSTAGGER_LOADER_LINGER="6")
+    out = run_cli("launch", "spec.toml", cwd=tmp_path, timeout=150, env=env)
+    assert out.returncode != 0
+    pid = int((tmp_path / "producer-1").read_text())
+    assert pid > 0 and os.path.exists(f"/proc/{pid}"), "the producer should still linger"
+    left = _segments() - before
+    assert left == set(), out.stderr
+    deadline = time.monotonic() + 20
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not os.path.exists(f"/proc/{pid}")

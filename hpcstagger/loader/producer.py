@@ -15,15 +15,16 @@ consumer that started it). The producer:
 - stops once no consumer has been attached for ``loader_linger`` seconds, and removes its files.
 
 A failure in the dataset or collate function is written into the control file; every consumer raises
-it, naming the producer. The producer's standard streams go to /dev/null and it closes the other
-pipes it inherited (it must not hold a job's output pipes, or a launcher's sentinel pipes, open), so
-its errors reach users only through their consumers.
+it, naming the producer. The producer's standard streams go to /dev/null and it lets go of the other
+pipes and MPI segments it inherited (it must not hold a job's output pipes, a launcher's sentinel
+pipes or an MPI rank's shared memory), so its errors reach users only through their consumers.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import stat
 import threading
 import time
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Pipeline", "spawn_producer"]
 
+_STUCK_GRACE = 5.0  # how long an unused producer waits for its DataLoader before it exits anyway
 _NAP = 0.02  # the longest a producer waiting for a free slot sleeps without being woken
 
 
@@ -117,6 +119,7 @@ class _Producer:
         self.pipe, self.ctl = pipe, ctl
         self.removed = False
         self.stop = threading.Event()
+        self.left_loop = threading.Event()  # the main thread is out of the DataLoader
         self.linger = float(config.get("loader_linger"))
         self.data_mm: Any = None
         self.data_view: Any = None
@@ -124,7 +127,7 @@ class _Producer:
 
     def main(self) -> int:
         _quiet_streams()
-        _close_inherited_pipes()
+        _release_inherited()
         import torch
 
         torch.set_num_threads(1)
@@ -144,6 +147,7 @@ class _Producer:
             w[R.H_STATE] = R.P_FAILED
             self.stop.set()
         finally:
+            self.left_loop.set()
             self.stop.set()
             if beat.is_alive():
                 beat.join(timeout=2.0)
@@ -287,6 +291,11 @@ class _Producer:
                     self.removed = True
                     self.stop.set()
                     self.ctl.wake_producer()
+                    if not self.left_loop.wait(_STUCK_GRACE):
+                        # The main thread waits on a DataLoader worker that never answers (a dataset
+                        # that hangs). Nobody is attached and the files are gone: end it all here.
+                        _kill_children()
+                        os._exit(1)
 
     def _sweep(self, now: float) -> int:
         """Detach dead consumers and expired pending ranks (lock held); return how many remain."""
@@ -350,17 +359,75 @@ def _start_stager(dir_path: str, key: str, ino: int, uuid: str) -> Any:
                             env=env, close_fds=True)
 
 
-def _close_inherited_pipes() -> None:
-    """Close the pipes inherited from the consumer that forked this process. Whoever waits for their
-    other end to close must not wait for the producer: multiprocessing's and torch's ``spawn`` join a
-    child by such a pipe (its sentinel), and a job's launcher may read extra pipes to their end."""
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
+def _release_inherited() -> None:
+    """Let go of what the producer inherited from the consumer that forked it and must not hold.
+
+    - Pipes: whoever waits for their other end to close must not wait for the producer
+      (multiprocessing's and torch's ``spawn`` join a child by such a pipe, its sentinel, and a job's
+      launcher may read extra pipes to their end).
+    - The MPI library's shared-memory segments, open and mapped, when the consumer is an MPI rank: the
+      producer never calls MPI, and a segment it holds looks in use to the launch's cleanup after a
+      killed rank, so the segment's file would stay in /dev/shm for good.
+
+    Each such descriptor is replaced by /dev/null, not closed: Python objects copied from the consumer
+    (a ``multiprocessing`` connection, a ``subprocess`` pipe) still name its number and close it when
+    they are collected. A closed number would be reused by the producer's own DataLoader queues, and
+    that later close would cut a queue: its worker then waits forever for indices sent to nowhere.
+    """
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for name in os.listdir("/proc/self/fd"):
+            fd = int(name)
+            try:
+                if fd > 2 and fd != null and (stat.S_ISFIFO(os.fstat(fd).st_mode)
+                                              or os.readlink(f"/proc/self/fd/{fd}").startswith(_MPI_SEGMENTS)):
+                    os.dup2(null, fd)
+            except OSError:  # the descriptor of the listing itself, closed by now
+                pass
+    finally:
+        os.close(null)
+    _unmap_mpi_segments()
+
+
+def _unmap_mpi_segments() -> None:
+    import ctypes
+
+    spans = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) == 6 and parts[5].startswith(_MPI_SEGMENTS):
+                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                    spans.append((lo, hi - lo))
+    except OSError:
+        return
+    if not spans:
+        return
+    munmap = ctypes.CDLL(None, use_errno=True).munmap
+    munmap.argtypes, munmap.restype = [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int
+    for lo, size in spans:
+        if munmap(lo, size) != 0:
+            log.debug("could not unmap an MPI segment at %#x: errno %d", lo, ctypes.get_errno())
+
+
+# MPICH's, UCX's and Open MPI's shared-memory segments
+_MPI_SEGMENTS = ("/dev/shm/mpich_shm_", "/dev/shm/ucx_shm_posix_", "/dev/shm/vader_segment", "/dev/shm/sm_segment")
+
+
+def _kill_children() -> None:
+    """SIGKILL this process's children (its DataLoader workers, the GPU stager)."""
+    for task in os.listdir("/proc/self/task"):
         try:
-            if fd > 2 and stat.S_ISFIFO(os.fstat(fd).st_mode):
-                os.close(fd)
-        except OSError:  # the descriptor of the listing itself, closed by now
-            pass
+            with open(f"/proc/self/task/{task}/children") as f:
+                pids = [int(p) for p in f.read().split()]
+        except OSError:
+            continue
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def _quiet_streams() -> None:
