@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import socket
 import time
 
 import pytest
@@ -251,21 +252,27 @@ def test_closing_after_the_root_was_removed_does_not_bring_it_back(linger):
 
 
 # ------------------------------------------------------------------- what the producer inherits
-def test_the_producer_holds_no_inherited_pipe_but_keeps_its_numbers_taken(linger):
-    """The producer must not hold its consumer's pipes open, yet it must not free their numbers:
-    objects copied from the consumer (a multiprocessing connection, a subprocess pipe) still close
-    them when collected, and a freed number would by then belong to the producer's own DataLoader
-    queues (a worker waiting forever for indices sent to nowhere)."""
+def test_the_producer_holds_no_inherited_pipe_or_socket_but_keeps_their_numbers_taken(linger):
+    """The producer must not hold its consumer's pipes or sockets open (a dead rank's peers must see
+    its connections close), yet it must not free their numbers: objects copied from the consumer (a
+    multiprocessing connection, a subprocess pipe) still close them when collected, and a freed number
+    would by then belong to the producer's own DataLoader queues (a worker waiting forever for indices
+    sent to nowhere)."""
     r, w = os.pipe()
+    near, far = socket.socketpair()
     try:
         loader = SharedLoader(Numbered(32), 4, name="p", root=linger, num_workers=1)
         it = iter(loader)
         seen = [int(i) for i in next(it)[1]]
         pid = loader.producer_pid
-        assert os.readlink(f"/proc/{pid}/fd/{r}") == os.readlink(f"/proc/{pid}/fd/{w}") == "/dev/null"
+        for fd in (r, w, near.fileno(), far.fileno()):
+            assert os.readlink(f"/proc/{pid}/fd/{fd}") == "/dev/null", fd
         os.close(w)
         w = -1
         assert os.read(r, 1) == b""  # no writer left anywhere: the producer let go of its copy
+        near.close()
+        far.settimeout(5)
+        assert far.recv(1) == b""  # the peer sees the connection closed
         seen += [int(i) for _, ids in it for i in ids]
         assert sorted(seen) == list(range(32))
         del it
@@ -274,6 +281,8 @@ def test_the_producer_holds_no_inherited_pipe_but_keeps_its_numbers_taken(linger
         os.close(r)
         if w >= 0:
             os.close(w)
+        near.close()
+        far.close()
 
 
 class _HangsAfter(torch.utils.data.Dataset):
@@ -474,7 +483,7 @@ def test_a_consumers_detached_producer_is_found_and_its_memory_followed(linger):
     """Calibration follows a job's process tree for its memory; the producer its consumer starts is
     detached from that tree, so calibration asks producers_of for it and follows it too."""
     # with a DataLoader worker: in the full suite this hung once the producer freed the numbers of
-    # the pipes it inherited (see test_the_producer_holds_no_inherited_pipe_but_keeps_its_numbers_taken)
+    # the pipes it inherited (test_the_producer_holds_no_inherited_pipe_or_socket_but_keeps_their_numbers_taken)
     loader = SharedLoader(Numbered(64), 4, name="p", root=linger, num_workers=1)
     it = iter(loader)
     next(it)

@@ -16,8 +16,9 @@ consumer that started it). The producer:
 
 A failure in the dataset or collate function is written into the control file; every consumer raises
 it, naming the producer. The producer's standard streams go to /dev/null and it lets go of the other
-pipes and MPI segments it inherited (it must not hold a job's output pipes, a launcher's sentinel
-pipes or an MPI rank's shared memory), so its errors reach users only through their consumers.
+pipes, the sockets and the MPI segments it inherited (it must not hold a job's output pipes, a
+launcher's sentinel pipes, a rank's connections or its MPI shared memory), so its errors reach users
+only through their consumers.
 """
 
 from __future__ import annotations
@@ -365,6 +366,8 @@ def _release_inherited() -> None:
     - Pipes: whoever waits for their other end to close must not wait for the producer
       (multiprocessing's and torch's ``spawn`` join a child by such a pipe, its sentinel, and a job's
       launcher may read extra pipes to their end).
+    - Sockets: a rank's peers (torch.distributed's store and process group, a PMI connection) must
+      see it gone when it dies, not when the producer ends.
     - The MPI library's shared-memory segments, open and mapped, when the consumer is an MPI rank: the
       producer never calls MPI, and a segment it holds looks in use to the launch's cleanup after a
       killed rank, so the segment's file would stay in /dev/shm for good.
@@ -379,7 +382,8 @@ def _release_inherited() -> None:
         for name in os.listdir("/proc/self/fd"):
             fd = int(name)
             try:
-                if fd > 2 and fd != null and (stat.S_ISFIFO(os.fstat(fd).st_mode)
+                mode = os.fstat(fd).st_mode
+                if fd > 2 and fd != null and (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
                                               or os.readlink(f"/proc/self/fd/{fd}").startswith(_MPI_SEGMENTS)):
                     os.dup2(null, fd)
             except OSError:  # the descriptor of the listing itself, closed by now
