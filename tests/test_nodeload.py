@@ -183,7 +183,9 @@ def test_peak_memory_counts_what_a_tree_started_detached_when_told(tmp_path):
         "        open(tmp, 'w').write(str(os.getpid())); os.rename(tmp, sys.argv[1])\n"
         "        time.sleep(3)\n"
         "    os._exit(0)\n"
-        "time.sleep(2.5)\n")
+        "while not os.path.exists(sys.argv[1]):\n"  # the child has touched its memory: count both
+        "    time.sleep(0.01)\n"
+        "time.sleep(1.0)\n")
 
     def child(pids: set[int]) -> list[int]:
         return [int(pidfile.read_text())] if pidfile.exists() else []
@@ -202,7 +204,8 @@ def test_peak_memory_counts_what_a_tree_started_detached_when_told(tmp_path):
     (alone, none_adopted, _), (peak, adopted_peak, workers) = runs[True], runs[False]
     assert none_adopted == 0 and alone < 100 << 20, alone / 2**20           # the interpreter alone
     assert 145 << 20 < adopted_peak < 200 << 20, adopted_peak / 2**20      # the detached child
-    assert peak >= adopted_peak + (alone // 2) and workers < 50 << 20, (peak / 2**20, workers / 2**20)
+    # the parent counts too: what it does not share with the child it forked (PSS splits the rest)
+    assert peak >= adopted_peak + (alone // 8) and workers < 50 << 20, ((peak - adopted_peak) / 2**20, alone / 2**20)
 
 
 def test_peak_memory_keeps_sampling_when_the_adopted_processes_cannot_be_listed():
