@@ -107,20 +107,8 @@ def test_without_sharing_each_job_gets_a_plain_dataloader(tmp_path):
     assert not (tmp_path / "shm" / ".loader").exists()
 
 
-KILLED = textwrap.dedent("""
-    import os, signal, time
-    import torch
-    from torch.utils.data import Dataset
-    from hpcstagger import init
-
-    class Squares(Dataset):
-        def __len__(self):
-            return 96
-        def __getitem__(self, i):
-            return torch.full((4,), float(i * i)), i
-
-    s = init()
-    s.wait()
+KILLED = JOB.split("loader = s.data_loader")[0] + textwrap.dedent("""
+    import signal
     loader = s.data_loader(Squares(), 8)
     for x, i in loader:
         if not os.path.exists(f"producer-{s.rank}"):
@@ -131,6 +119,7 @@ KILLED = textwrap.dedent("""
             os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer ends a rank
         time.sleep(0.2)
 """)
+
 
 
 def _segments() -> set[str]:
