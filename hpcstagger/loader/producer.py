@@ -127,7 +127,6 @@ class _Producer:
         self.stager: Any = None
 
     def main(self) -> int:
-        _quiet_streams()
         _release_inherited()
         import torch
 
@@ -363,7 +362,8 @@ def _start_stager(dir_path: str, key: str, ino: int, uuid: str) -> Any:
 def _release_inherited() -> None:
     """Let go of what the producer inherited from the consumer that forked it and must not hold.
 
-    - Pipes: whoever waits for their other end to close must not wait for the producer
+    - Standard streams: a job's output pipes must close when it ends.
+    - Other pipes: whoever waits for their other end to close must not wait for the producer
       (multiprocessing's and torch's ``spawn`` join a child by such a pipe, its sentinel, and a job's
       launcher may read extra pipes to their end).
     - Sockets: a rank's peers (torch.distributed's store and process group, a PMI connection) must
@@ -379,6 +379,8 @@ def _release_inherited() -> None:
     """
     null = os.open(os.devnull, os.O_RDWR)
     try:
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
         for name in os.listdir("/proc/self/fd"):
             fd = int(name)
             try:
@@ -433,10 +435,3 @@ def _kill_children() -> None:
             except OSError:
                 pass
 
-
-def _quiet_streams() -> None:
-    """Point stdin, stdout and stderr at /dev/null: a job's output pipes must close when it ends."""
-    null = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(null, fd)
-    os.close(null)
