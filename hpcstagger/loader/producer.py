@@ -291,11 +291,12 @@ class _Producer:
                     self.removed = True
                     self.stop.set()
                     self.ctl.wake_producer()
-                    if not self.left_loop.wait(_STUCK_GRACE):
-                        # The main thread waits on a DataLoader worker that never answers (a dataset
-                        # that hangs). Nobody is attached and the files are gone: end it all here.
-                        _kill_children()
-                        os._exit(1)
+        # Out of the directory's lock (other pipelines' consumers take it): once the linger has removed
+        # the files, the main thread should leave the DataLoader at once. If it does not, it waits on a
+        # worker that never answers (a dataset that hangs); nobody is attached: end it all here.
+        if self.removed and not self.left_loop.wait(_STUCK_GRACE):
+            _kill_children()
+            os._exit(1)
 
     def _sweep(self, now: float) -> int:
         """Detach dead consumers and expired pending ranks (lock held); return how many remain."""
