@@ -5,6 +5,7 @@ analysis, the source's fresh samples and dropped pages, and the page-cache rule.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -101,6 +102,7 @@ def test_calibrate_spec_measures_every_job_from_its_own_command(tmp_path, shm_di
     d = json.loads(res.stdout)
     meas = d["measurements"]
     assert meas["elapsed_s"] <= budget * 1.1 and wall <= budget * 1.1 + 5, (meas["elapsed_s"], wall)
+    assert meas["budget_s"] == budget  # what the summary's over-budget line compares with
     sc = Scenario.from_toml(tmp_path / "scenario.toml")
     assert sc.node.cores == len(os.sched_getaffinity(0))  # the cores the jobs share
     ddp, plain = sc.jobs
@@ -625,6 +627,26 @@ def test_the_summary_line_names_the_fit_baseline_when_measured(monkeypatch, caps
         line = capsys.readouterr().out.splitlines()[0]
         assert line.startswith("wrote s.toml: 100 samples of 4096 B; source 4.0, 6.0 MB/s with 1, 2, ... readers")
         assert ("(the jobs' own reads got 0.85 of it); a 1.000 ms/sample" in line) is shown, line
+
+
+def test_the_summary_says_when_the_calibration_overran_its_budget(monkeypatch, capsys):
+    import argparse
+
+    from hpcstagger.cli import cmd_calibrate as cli_calibrate
+    from hpcstagger.model.calibrate import Calibration
+
+    sc = Scenario.from_dict({"dataset": {"samples": 100, "sample_bytes": 4096}, "storage": {"bandwidth": [4.0e6]},
+                             "job": [{"name": "a", "sample_time": 0.001}]})
+    args = argparse.Namespace(history=False, spec="spec.toml", json=False, job=[])
+    for elapsed, budget, said in ((20.6, 16.0, True), (16.9, 16.0, False), (62.0, 60.0, False), (90.0, 60.0, True)):
+        meas = {"elapsed_s": elapsed, "budget_s": budget}
+        monkeypatch.setattr(cli_calibrate, "_with_spec", lambda a, j, m=meas: Calibration(sc, m, "s.toml"))
+        assert cli_calibrate.run(args) == 0
+        out = capsys.readouterr().out
+        assert ("more than its budget" in out) is said, (elapsed, budget, out)
+        if said:
+            assert f"took {elapsed:.0f} s, more than its budget of {budget:.0f} s" in out
+            assert f"--budget {math.ceil(elapsed)} or more" in out
 
 
 @pytest.mark.timeout(120)

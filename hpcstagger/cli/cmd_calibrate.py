@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import sys
 from typing import Any
 
@@ -209,7 +210,21 @@ def _calibration_notes(meas: dict[str, Any]) -> list[str]:
         spread = ", ".join(f"{s * 100:.0f}%" for s in meas["source_spread"])
         out.append(f"the source's repeated measurements lay {spread} apart with 1, 2, ... readers"
                    + (f"; {meas['source_disagree']}" if meas.get("source_disagree") else ""))
+    over = over_budget(meas)
+    if over:
+        out.append(over)
     return out
+
+
+def over_budget(meas: dict[str, Any]) -> str:
+    """A line when the calibration overran its budget noticeably (else ""): every step has a floor
+    that a small budget cannot shrink, a job's start-up above all."""
+    elapsed, budget = float(meas.get("elapsed_s") or 0.0), float(meas.get("budget_s") or 0.0)
+    if budget <= 0 or elapsed <= budget * 1.05 + 1.0:
+        return ""
+    return (f"the calibration took {elapsed:.0f} s, more than its budget of {budget:.0f} s: each job's short run "
+            "(its start-up included) and each source level (0.3 s at least) has a floor that a smaller budget "
+            f"cannot shrink; give --budget {math.ceil(elapsed)} or more to keep to it")
 
 
 def _shared_orders(sc: Any) -> dict[str, list[str]]:

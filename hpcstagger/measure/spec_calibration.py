@@ -491,7 +491,7 @@ def calibrate_spec(spec: Spec, *, steps: Mapping[str, Callable[[list[bytes]], An
                          if cores is None else "given with --cores")
     scenario, comments = build_scenario(meas, spec, epochs, capacity, policy)
     _say_memory(meas, spec, scenario, capacity, progress)
-    meas["elapsed_s"] = time.monotonic() - t_start
+    meas["elapsed_s"], meas["budget_s"] = time.monotonic() - t_start, budget
     _io.atomic_write_json(Path(meas["reports"]) / "measurements.json", _io.json_safe(meas), durable=False)
     notes = [load_line(load)] + ([meas["source_disagree"]] if meas["source_disagree"] else [])
     path = (write_scenario(out, scenario, comments, meas["elapsed_s"], f"hpcstagger calibrate --spec {spec.path}",
