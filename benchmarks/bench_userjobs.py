@@ -6,7 +6,9 @@ For each configuration it writes a job spec whose jobs run ``benchmarks/userjobs
 DataLoader with workers and batches, a DistributedSampler, DDP or Horovod, SGD, no timing code),
 calibrates it the documented way (``hpcstagger calibrate --spec``, no step factories), then runs
 ``hpcstagger sweep`` (the plan, a simultaneous start and fixed staggers in both orders, each from
-a cold cache) and records the plan's gap to the best measured stagger and every prediction error.
+a cold cache) and records the plan's gap to the best measured stagger, every prediction error and,
+with ``--repeat``, the run spread: how far one point's runs lay apart ((max - min) / median, the
+median over the points), the noise that a gap has to beat.
 
 Configurations vary workers (0, 2, 4), batch (16 to 128), DDP and Horovod with 1 and 2 ranks per
 job, 2 and 3 jobs, a cache of 50% and 100% of the dataset, a source whose bandwidth falls with
@@ -329,7 +331,8 @@ def summarise(res: dict[str, Any]) -> dict[str, Any]:
     best = min(candidates) if candidates else None
     return {"runs": len(runs), "plan": plan, "best": best,
             "plan_gap": plan / best - 1 if plan and best else None,
-            "errors": errs, "median_abs_err": summary.get("error_median"), "max_abs_err": summary.get("error_max")}
+            "errors": errs, "median_abs_err": summary.get("error_median"), "max_abs_err": summary.get("error_max"),
+            "spread": summary.get("spread")}
 
 
 def main() -> int:
@@ -383,13 +386,15 @@ def main() -> int:
             with open(args.out, "w") as f:
                 json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "results": results}, f, indent=1)
     all_errs = [e for r in results for e in r["summary"]["errors"]]
-    print("\n| configuration | plan | best stagger | plan gap | median error | max error |\n|---|---|---|---|---|---|")
+    print("\n| configuration | plan | best stagger | plan gap | run spread | median error | max error |\n"
+          "|---|---|---|---|---|---|---|")
     for r in results:
         s = r["summary"]
         if r.get("error"):
-            print(f"| {r['name']} | {r['error']} | | | | |")
+            print(f"| {r['name']} | {r['error']} | | | | | |")
             continue
-        print(f"| {r['name']} | {s['plan']:.2f} s | {s['best']:.2f} s | {100 * s['plan_gap']:+.1f}% | "
+        spread = "-" if s.get("spread") is None else f"{100 * s['spread']:.1f}%"
+        print(f"| {r['name']} | {s['plan']:.2f} s | {s['best']:.2f} s | {100 * s['plan_gap']:+.1f}% | {spread} | "
               f"{100 * s['median_abs_err']:.1f}% | {100 * s['max_abs_err']:.1f}% |")
     if all_errs:
         med = statistics.median(abs(e) for e in all_errs)

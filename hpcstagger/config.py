@@ -175,6 +175,9 @@ _KNOB_LIST: list[Knob] = [
     Knob("steer_min_gain", float, 0.01,
          "least predicted gain (fraction of the makespan) for which the closed loop moves a release off "
          "the plan's delay; nearer the plan, the fitted model's curve is within its own noise (0: always move)"),
+    Knob("steer_duty", float, 0.1,
+         "most of one core the closed-loop watcher's re-fits take on average: a re-fit that cost c CPU seconds "
+         "puts the next c / steer_duty seconds off at least (0: every steer_interval)"),
     Knob("steer_nice", int, 5,
          "nice value of the closed-loop watcher's thread (0: unchanged): its model work yields to training"),
     Knob("progress_interval", float, 0.25,

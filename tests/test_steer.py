@@ -250,7 +250,7 @@ def _steering(truth_factor=1.0, sc=None, truth=None, **kw):
             out = with_cost(out, name, a)
         return out
 
-    other = {k: kw.pop(k) for k in ("baseline", "jitter") if k in kw}
+    other = {k: kw.pop(k) for k in ("baseline", "jitter", "cpu_clock") if k in kw}
     hold = kw.pop("hold", None)
     delays = dict(plan.delays)
     if hold is not None:  # a guarded plan: the model chose ``plan.delays``, the late job is held to ``hold``
@@ -293,6 +293,31 @@ def test_a_right_calibration_releases_near_the_plan():
     assert d.jobs == [late] and "fitted model" in d.reason
     assert d.at == pytest.approx(planned, abs=0.35)
     assert st.beta == pytest.approx(1.0, rel=0.05)
+
+
+def test_a_slow_re_fit_puts_the_next_one_off_by_its_cost_over_the_duty():
+    """Each re-fit charged 0.1 CPU-s (two clock reads, at its start and its end) against a duty of
+    0.05 of a core: the next re-fit waits 2 s instead of one interval (0.25 s). With the source
+    30% slower than calibrated, the release moves as it did with a re-fit at every interval."""
+
+    def counting():
+        reads = [0]
+
+        def clock():
+            reads[0] += 1
+            return 0.1 * reads[0]
+        return clock, reads
+
+    fast_clock, fast_reads = counting()
+    slow_clock, slow_reads = counting()
+    fast, look, planned, late = _steering(0.7, cpu_clock=fast_clock)
+    slow, look_slow, _, _ = _steering(0.7, duty=0.05, cpu_clock=slow_clock)
+    (df,) = _run(fast, look)
+    (ds,) = _run(slow, look_slow)
+    assert df.at > planned and ds.at == pytest.approx(df.at, abs=0.3)
+    assert fast.gap == 0.25 and slow.gap == pytest.approx(2.0)
+    fast_fits, slow_fits = fast_reads[0] // 2, slow_reads[0] // 2
+    assert fast_fits >= 5 and slow_fits <= 3, (fast_fits, slow_fits)  # 0.75 s to 2 s: every 0.25 s, or 2 s apart
 
 
 @pytest.mark.parametrize("factor, direction", [(0.7, "later"), (1.3, "earlier")])

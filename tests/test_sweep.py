@@ -12,6 +12,7 @@ from hpcstagger.measure.sweep import (DEFAULT_COUNT, DEFAULT_MAX_STAGGER, defaul
                                         planned_stagger, repetition_order, stagger_delays, stagger_label, summarize,
                                         sweep_runs)
 from hpcstagger.errors import ConfigError
+from hpcstagger.measure.sweep_report import format_sweep
 from support.cli import run_cli
 from support.spec_util import fill, write_spec
 
@@ -98,6 +99,15 @@ def test_summary_of_runs():
     assert [r["plan_vs_best"] for r in s["per_repetition"]] == [pytest.approx(10 / 9.5 - 1),
                                                                  pytest.approx(10.4 / 9.7 - 1)]
     assert s["per_repetition"][0]["simultaneous"] == 12.0 and s["per_repetition"][1]["overhead_max"] == 0.1
+    # the noise: each point's runs lay (max - min) / median apart; the summary takes the median
+    assert [p["spread"] for p in s["points"]] == [pytest.approx(0.4 / 10.2), pytest.approx(0.2 / 12.1),
+                                                  pytest.approx(0.2 / 9.6)]
+    assert s["spread"] == pytest.approx(0.2 / 9.6) and s["spread_max"] == pytest.approx(0.4 / 10.2)
+    text = format_sweep({"summary": s, "repeat": 2})
+    assert "the runs of one point lay 2.1% apart (median; max 3.9%)" in text
+    once = summarize([r for r in runs if r["repetition"] == 1])
+    assert once["spread"] is None and all(p["spread"] is None for p in once["points"])
+    assert "run-to-run noise" not in format_sweep({"summary": once, "repeat": 1})
 
 
 def test_bad_input_is_one_line_and_exit_1(tmp_path, shm_root):

@@ -7,7 +7,8 @@ record to the plan (:func:`~hpcstagger.stagger.steering.steer_record`) when some
   so the watching costs no training process any Python time, and it watches from a thread at a
   lower CPU priority (``steer_nice``). While it waits it looks at the run
   every 0.25 s (the shared cache's counters, each started job leader's progress and status file),
-  re-fits the model at most every ``steer_interval`` seconds, lets
+  re-fits the model at most every ``steer_interval`` seconds (less often when a re-fit costs more
+  than ``steer_duty`` of that time in CPU: on a busy node the watcher's CPU time is the jobs'), lets
   :class:`~hpcstagger.stagger.steering.Steering` decide,
   and sends each released job's ranks a message (MPI point-to-point on the world communicator, tag
   :data:`TAG`). Its own job comes last.
@@ -132,7 +133,8 @@ def _steering(session: Any) -> Steering:
     hi = steer.get("max_delay")
     limits = SteerLimits(lo=float(steer.get("min_delay") or 0.0), hi=math.inf if hi is None else float(hi),
                          interval=float(steer["interval"]), horizon=float(steer["horizon"]),
-                         observe_only=bool(steer.get("observe_only")), min_gain=float(steer.get("min_gain", 0.0)))
+                         observe_only=bool(steer.get("observe_only")), min_gain=float(steer.get("min_gain", 0.0)),
+                         duty=float(config.get("steer_duty")))
     return Steering(build, bandwidth, order, plan.delays, {n: spec.job(n).epochs for n in order}, limits,
                     baseline=storage.fit_baseline, jitter=float(plan.jitter or 0.0), priors=steer.get("prior"))
 

@@ -186,8 +186,9 @@ def _median(values: Sequence[float]) -> float | None:
 def summarize(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Per run label (in first-seen order) the measured and predicted makespans and their medians;
     the best measured stagger (simultaneous included), the plan's gap to it (``plan_vs_best``:
-    plan / best - 1, on medians), and the prediction errors (|predicted - measured| / measured:
-    median and max), overall and per repetition."""
+    plan / best - 1, on medians), the prediction errors (|predicted - measured| / measured:
+    median and max), overall and per repetition, and the noise: each point's ``spread`` ((max -
+    min) / median of its runs, with 2 or more) and their median, ``spread``."""
     points: dict[str, dict[str, Any]] = {}
     for r in runs:
         p = points.setdefault(r["label"], {"label": r["label"], "mode": r["mode"], "stagger": r.get("stagger"),
@@ -199,7 +200,11 @@ def summarize(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     for p in points.values():
         p["measured_median"] = _median(p["measured"])
         p["predicted_median"] = _median(p["predicted"])
-    out: dict[str, Any] = {"points": list(points.values())}
+        m = p["measured"]
+        p["spread"] = (max(m) - min(m)) / p["measured_median"] if len(m) >= 2 and p["measured_median"] else None
+    spreads = [p["spread"] for p in points.values() if p["spread"] is not None]
+    out: dict[str, Any] = {"points": list(points.values()), "spread": _median(spreads),
+                           "spread_max": max(spreads) if spreads else None}
     out.update(_best_and_errors(list(points.values()), runs))
     reps = sorted({r["repetition"] for r in runs})
     out["per_repetition"] = [{"repetition": k, **_repetition(

@@ -43,6 +43,9 @@ def format_sweep(result: Mapping[str, Any]) -> str:
                      f"{100 * abs(gap):.1f}% {'above' if gap > 0 else 'below'} the best measured stagger")
     if summary.get("plan_vs_best") is None and not result.get("scenario"):
         lines.append("no plan run: the spec has no [plan] scenario (run 'hpcstagger calibrate' and set it)")
+    if summary.get("spread") is not None:
+        lines.append(f"run-to-run noise: the runs of one point lay {100 * summary['spread']:.1f}% apart (median; "
+                     f"max {100 * summary['spread_max']:.1f}%); a gap smaller than that is within it")
     if summary.get("error_median") is not None:
         lines.append(f"prediction error: median {100 * summary['error_median']:.1f}%, "
                      f"max {100 * summary['error_max']:.1f}%")

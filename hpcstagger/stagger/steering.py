@@ -25,7 +25,9 @@ progress (:mod:`~hpcstagger.colocated.progress`) and state. :meth:`Steering.deci
    staggers: the best exact start is often on the edge of a cliff in the curve.
 
 It looks every 0.25 s and re-fits at most every ``steer_interval`` seconds (and when the best
-start it found comes due). Without evidence yet (no loop older than 0.5 s) the prior holds: the
+start it found comes due); a re-fit that took ``c`` CPU seconds puts the next ``c / steer_duty``
+seconds off at least, so that a slow model's fits take at most that share of one core. Without
+evidence yet (no loop older than 0.5 s) the prior holds: the
 group is released at its planned delay. ``[plan] min_delay`` and ``max_delay`` bound every
 release, and a group is released as soon as every job started before it has finished. Every
 release says why (:attr:`Decision.reason`).
@@ -144,7 +146,10 @@ class SteerLimits:
     zero and no later than ``horizon`` after its planned delay (default: twice the plan's span, at
     least 10 s); the watcher re-fits every ``interval`` seconds and looks every ``look``; with
     ``observe_only`` it fits and records but releases at the planned delays; ``min_gain`` is the
-    least predicted gain (fraction of the makespan) that moves a release off the plan."""
+    least predicted gain (fraction of the makespan) that moves a release off the plan; ``duty``,
+    when > 0, is the most of one core the re-fits take on average: after a re-fit that cost ``c``
+    CPU seconds the next comes ``c / duty`` seconds later at the soonest (a slow model re-fits
+    less often; on a node whose cores the jobs keep busy, the watcher's CPU time is theirs)."""
 
     lo: float = 0.0
     hi: float = math.inf
@@ -153,6 +158,7 @@ class SteerLimits:
     look: float = LOOK
     observe_only: bool = False
     min_gain: float = 0.0
+    duty: float = 0.0
 
 
 class Steering:
@@ -173,7 +179,7 @@ class Steering:
     def __init__(self, build: Callable[[float, Mapping[str, float]], Scenario], bandwidth: Sequence[float],
                  order: Sequence[str], delays: Mapping[str, float], epochs: Mapping[str, int],
                  limits: SteerLimits | None = None, *, baseline: float = 1.0, jitter: float = 0.0,
-                 priors: Mapping[str, float] | None = None):
+                 priors: Mapping[str, float] | None = None, cpu_clock: Callable[[], float] = time.thread_time):
         lim = limits or SteerLimits()
         lo, hi, interval, horizon, look = lim.lo, lim.hi, lim.interval, lim.horizon, lim.look
         observe_only, min_gain = lim.observe_only, lim.min_gain
@@ -192,6 +198,9 @@ class Steering:
         self.baseline = float(baseline) if baseline and math.isfinite(baseline) and baseline > 0 else 1.0
         self.jitter = float(jitter) if math.isfinite(jitter) and jitter > 0 else 0.0  # the plan's start spread
         self.look = min(float(look), self.interval)  # seconds between looks (a look is cheap, a re-fit is not)
+        self.duty = max(0.0, float(lim.duty))
+        self._cpu = cpu_clock  # the re-fits' cost, for ``duty``
+        self.gap = self.interval  # seconds from one re-fit to the next: the interval, or more for a slow model
         self.groups = release_groups(self.planned, self.order)
         self.released: dict[str, float] = {}
         self.decisions: list[Decision] = []
@@ -420,10 +429,22 @@ class Steering:
             if now >= planned:
                 return self.release(group, now, "the plan's delay (no evidence from the run yet)")
             return None
-        due = (self._curve_at is None or now - self._curve_at[0] >= self.interval
+        due = (self._curve_at is None or now - self._curve_at[0] >= self.gap
                or (self.target is not None and now >= self.target - self.look / 2))
         if not due:
             return None
+        cpu = self._cpu()
+        try:
+            return self._refit(group, look, planned, loop_starts)
+        finally:
+            spent = self._cpu() - cpu
+            if self.duty > 0:
+                self.gap = max(self.interval, spent / self.duty)
+
+    def _refit(self, group: list[str], look: Look, planned: float,
+               loop_starts: Mapping[str, float]) -> Decision | None:
+        """Fit the source and the running jobs, and release ``group`` when the fitted model says now."""
+        now = look.t
         self._fit_source(max(loop_starts.values()) + WARMUP)
         if look.read_bytes is not None and not self.source_seen and now < planned:
             return None  # the cache counts reads: wait for the source's evidence (or the plan's time)
