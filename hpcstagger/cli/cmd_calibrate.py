@@ -210,13 +210,13 @@ def _calibration_notes(meas: dict[str, Any]) -> list[str]:
         spread = ", ".join(f"{s * 100:.0f}%" for s in meas["source_spread"])
         out.append(f"the source's repeated measurements lay {spread} apart with 1, 2, ... readers"
                    + (f"; {meas['source_disagree']}" if meas.get("source_disagree") else ""))
-    over = over_budget(meas)
+    over = _over_budget(meas)
     if over:
         out.append(over)
     return out
 
 
-def over_budget(meas: dict[str, Any]) -> str:
+def _over_budget(meas: dict[str, Any]) -> str:
     """A line when the calibration overran its budget noticeably (else ""): every step has a floor
     that a small budget cannot shrink, a job's start-up above all."""
     elapsed, budget = float(meas.get("elapsed_s") or 0.0), float(meas.get("budget_s") or 0.0)
