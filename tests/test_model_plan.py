@@ -222,14 +222,10 @@ _THREE_JOBS = {
              "sample_time": 0.00285, "startup": 1.29, "workers": 2}]}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("cost, grid_per_job", [(0.01, 6), (0.026, 2)])
-def test_a_slow_model_still_gets_a_search_over_every_job(monkeypatch, cost, grid_per_job):
-    """The solo runs and the scan used to eat the whole budget here, and the plan fell back to a
-    simultaneous start although the model itself predicts a stagger 5% faster. Each run of the model
-    is charged a fixed CPU cost (10 ms and 26 ms were measured on two machines) so that the search's
-    budget, not the speed of the machine running the test, decides how far it gets."""
-    from hpcstagger.model import Scenario, _engine
+def _charge_model_runs(monkeypatch, cost):
+    """The planner's budget clock advances by ``cost`` CPU seconds per run of the model, and by
+    nothing else: the search goes as far as on a machine where a run costs that much."""
+    from hpcstagger.model import _engine
     from hpcstagger.model import plan as plan_mod
 
     clock = [0.0]
@@ -241,6 +237,18 @@ def test_a_slow_model_still_gets_a_search_over_every_job(monkeypatch, cost, grid
 
     monkeypatch.setattr(_engine.Engine, "run", charged_run)
     monkeypatch.setattr(plan_mod, "_cpu_clock", lambda: clock[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cost, grid_per_job", [(0.01, 6), (0.026, 2)])
+def test_a_slow_model_still_gets_a_search_over_every_job(monkeypatch, cost, grid_per_job):
+    """The solo runs and the scan used to eat the whole budget here, and the plan fell back to a
+    simultaneous start although the model itself predicts a stagger 5% faster. Each run of the model
+    is charged a fixed CPU cost (10 ms and 26 ms were measured on two machines) so that the search's
+    budget, not the speed of the machine running the test, decides how far it gets."""
+    from hpcstagger.model import Scenario
+
+    _charge_model_runs(monkeypatch, cost)
     sc = Scenario.from_dict(_THREE_JOBS)
     plan = optimal_plan(sc, jitter=0.0)
     assert any(plan.delays.values()), plan.delays
@@ -254,18 +262,10 @@ def test_a_model_slow_to_run_gets_a_coarser_first_sweep(monkeypatch):
     coordinate descent takes the fewest grid points (2 per job) instead of 6, and the scaled curve 4
     points instead of 8. An lru page-cache model of 20,000 samples took 0.27 s a run, and its
     4-job plan 8 s, while every job of the run waited for it."""
-    from hpcstagger.model import Scenario, _engine
+    from hpcstagger.model import Scenario
     from hpcstagger.model import plan as plan_mod
 
-    clock = [0.0]
-    real_run = _engine.Engine.run
-
-    def costly_run(self, *args, **kwargs):
-        clock[0] += 0.1
-        return real_run(self, *args, **kwargs)
-
-    monkeypatch.setattr(_engine.Engine, "run", costly_run)
-    monkeypatch.setattr(plan_mod, "_cpu_clock", lambda: clock[0])
+    _charge_model_runs(monkeypatch, 0.1)
     sc = Scenario.from_dict(_THREE_JOBS)
     slow = optimal_plan(sc, jitter=0.0)
     # the two starts at planning accuracy, then per job a grid of 2 points (its current point cached)
