@@ -433,13 +433,12 @@ class Steering:
                or (self.target is not None and now >= self.target - self.look / 2))
         if not due:
             return None
-        cpu = self._cpu()
+        cpu = self._cpu() if self.duty > 0 else 0.0
         try:
             return self._refit(group, look, planned, loop_starts)
         finally:
-            spent = self._cpu() - cpu
             if self.duty > 0:
-                self.gap = max(self.interval, spent / self.duty)
+                self.gap = max(self.interval, (self._cpu() - cpu) / self.duty)
 
     def _refit(self, group: list[str], look: Look, planned: float,
                loop_starts: Mapping[str, float]) -> Decision | None:
