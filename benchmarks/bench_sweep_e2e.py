@@ -8,9 +8,9 @@ and a random resized crop and flip in DataLoader workers, a small CNN, SGD (the 
 learning rate), a checkpoint every ``--ckpt-every`` steps. The node is made real, not emulated:
 
 - the JPEG tree lives on an ext4 image on a loop device whose reads a cgroup v1 ``blkio``
-  throttle holds to ``--mbps``;
-- every process of a run lives in one fresh cgroup v1 ``memory`` group whose limit is the node's
-  RAM (``--mem-mb``); the page cache and /dev/shm are charged to it, as on a node;
+  throttle (``io.max`` where the node has cgroup v2 alone) holds to ``--mbps``;
+- every process of a run lives in one fresh ``memory`` cgroup whose limit is the node's RAM
+  (``--mem-mb``); the page cache and /dev/shm are charged to it, as on a node;
 - the dataset's pages are dropped before every run.
 
 Rows, each a run of the four trials started at once, interleaved over ``--repeat`` rounds:
@@ -32,13 +32,16 @@ Rows, each a run of the four trials started at once, interleaved over ``--repeat
 Two sizes: ``fits`` (the dataset fits in the page cache under the limit, so plain PyTorch already
 shares it) and ``nofit`` (about twice what the page cache can hold under the limit). Every row
 reports the makespan (first process started to last process ended), each trial's finish time,
-total CPU seconds (the cgroup's ``cpuacct.usage``), peak memory (the cgroup's
-``memory.max_usage_in_bytes``: RSS, page cache and /dev/shm; and the sampled peak of the
+total CPU seconds (the cgroup's ``cpuacct.usage`` or ``cpu.stat``), peak memory (the cgroup's
+``memory.max_usage_in_bytes`` or ``memory.peak``: RSS, page cache and /dev/shm; and the sampled peak of the
 processes' PSS plus the run's /dev/shm), and OOM kills.
 
     python benchmarks/bench_sweep_e2e.py [--sizes fits,nofit] [--rows plain,dcp,...] [--repeat 3]
                                          [--mem-mb 1536] [--mbps 20] [--fits-mb 150] [--nofit-mb 900]
-                                         [--epochs 2] [--quick]
+                                         [--epochs 2] [--device cuda:0] [--quick]
+
+With ``--device cuda:N`` the four trials train on that GPU, each its own process (and CUDA context)
+sharing it, the DataLoader's batches pinned and copied to it.
 
 Writes benchmarks/out/bench_sweep_e2e.json and prints a table per size.
 """
@@ -63,7 +66,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent / "tests" / "support"))
-from bench_userjobs import drop_dataset, kill_members, real_fs  # noqa: E402  (benchmarks/bench_userjobs.py)
+from bench_userjobs import cgroup_v2, drop_dataset, kill_members, real_fs  # noqa: E402  (benchmarks/bench_userjobs.py)
 from local_slurm import LocalSlurm  # noqa: E402  (tests/support/local_slurm.py: the test cluster)
 
 TRIAL = HERE / "sweep" / "trial.py"
@@ -97,18 +100,30 @@ def make_images(root: Path, megabytes: float, *, px: int = 128, classes: int = 1
 # ---------------------------------------------------------------------------------------- the node
 class RunGroup:
     """A fresh memory and cpuacct cgroup for one run (its limit the node's RAM), joined with the
-    node's blkio group by every process the run starts (never by this process)."""
+    node's blkio group by every process the run starts (never by this process). On a node with
+    cgroup v2 alone it is one group under the throttled group of ``real_fs`` (``blkio``), whose
+    ``io.max`` applies to it: ``memory.max`` the limit, ``memory.peak``, ``memory.events`` and
+    ``cpu.stat`` the figures."""
 
     def __init__(self, tag: str, mem_bytes: int, blkio: str):
-        self.mem, self.cpu, self.blkio = f"{CG}/memory/{tag}", f"{CG}/cpuacct/{tag}", blkio
-        for path in (self.mem, self.cpu):
+        self.v2 = cgroup_v2()
+        if self.v2:
+            for parent in (CG, blkio):  # the memory controller for the run's group (a v2 parent holds no process)
+                with open(f"{parent}/cgroup.subtree_control", "w") as f:
+                    f.write("+memory")
+            self.mem = self.cpu = f"{blkio}/{tag}"
+            self.paths: tuple[str, ...] = (self.mem,)
+        else:
+            self.mem, self.cpu, self.blkio = f"{CG}/memory/{tag}", f"{CG}/cpuacct/{tag}", blkio
+            self.paths = (self.mem, self.cpu, self.blkio)
+        for path in dict.fromkeys((self.mem, self.cpu)):
             os.makedirs(path)
-        with open(f"{self.mem}/memory.limit_in_bytes", "w") as f:
+        with open(f"{self.mem}/{'memory.max' if self.v2 else 'memory.limit_in_bytes'}", "w") as f:
             f.write(str(mem_bytes))
 
     def join(self) -> None:
-        """A ``preexec_fn``: the child (and so its children) into the three groups."""
-        for path in (self.mem, self.cpu, self.blkio):
+        """A ``preexec_fn``: the child (and so its children) into the run's groups."""
+        for path in self.paths:
             with open(f"{path}/cgroup.procs", "w") as f:
                 f.write(str(os.getpid()))
 
@@ -116,10 +131,24 @@ class RunGroup:
         with open(f"{self.mem}/cgroup.procs") as f:
             return [int(x) for x in f.read().split()]
 
+    def anon_shm(self) -> int:
+        """What the group's processes hold apart from the page cache: anonymous memory and /dev/shm."""
+        with open(f"{self.mem}/memory.stat") as f:
+            stat = dict(line.split() for line in f)
+        if self.v2:
+            return int(stat.get("anon", 0)) + int(stat.get("shmem", 0))
+        return int(stat.get("total_rss", 0)) + int(stat.get("total_shmem", 0))
+
     def stats(self) -> dict[str, Any]:
         def read(path: str) -> str:
             with open(path) as f:
                 return f.read()
+        if self.v2:
+            events = dict(line.split() for line in read(f"{self.mem}/memory.events").splitlines())
+            cpu = dict(line.split() for line in read(f"{self.mem}/cpu.stat").splitlines())
+            return {"cgroup_peak_bytes": int(read(f"{self.mem}/memory.peak")),
+                    "oom_kills": int(events.get("oom_kill", 0)), "failcnt": int(events.get("max", 0)),
+                    "cpu_s": int(cpu["usage_usec"]) / 1e6}
         oom = dict(line.split() for line in read(f"{self.mem}/memory.oom_control").splitlines())
         return {"cgroup_peak_bytes": int(read(f"{self.mem}/memory.max_usage_in_bytes")),
                 "oom_kills": int(oom.get("oom_kill", 0)), "failcnt": int(read(f"{self.mem}/memory.failcnt")),
@@ -127,7 +156,7 @@ class RunGroup:
 
     def close(self) -> None:
         kill_members(self.mem)
-        for path in (self.mem, self.cpu):
+        for path in dict.fromkeys((self.mem, self.cpu)):
             for _ in range(50):
                 try:
                     os.rmdir(path)
@@ -159,10 +188,8 @@ class MemorySampler(threading.Thread):
         while not self.stop.wait(self.every):
             shm = sum(f.stat().st_size for f in self.shm.rglob("*") if f.is_file()) if self.shm.exists() else 0
             self.peak = max(self.peak, sum(self._pss(p) for p in self.group.pids()) + shm)
-            try:  # what the group's processes hold, apart from the page cache: anonymous memory and /dev/shm
-                with open(f"{self.group.mem}/memory.stat") as f:
-                    stat = dict(line.split() for line in f)
-                self.anon_peak = max(self.anon_peak, int(stat.get("total_rss", 0)) + int(stat.get("total_shmem", 0)))
+            try:
+                self.anon_peak = max(self.anon_peak, self.group.anon_shm())
             except OSError:
                 pass
 
@@ -173,7 +200,7 @@ def trial_args(row: str, lr: float, ckpt_dir: Path, report: Path, args: argparse
     mode = "plain" if row in ("plain", "dcp") else "hpcstagger"
     return [sys.executable, str(TRIAL), "--mode", mode, "--lr", str(lr), "--epochs", str(args.epochs),
             "--batch", str(args.batch), "--workers", str(args.workers), "--ckpt", ckpt, "--ckpt-dir", str(ckpt_dir),
-            "--ckpt-every", str(args.ckpt_every), "--report", str(report)]
+            "--ckpt-every", str(args.ckpt_every), "--device", args.device, "--report", str(report)]
 
 
 def write_spec(path: Path, row: str, data: Path, work: Path, shm: Path, cache_bytes: int | None,
@@ -214,7 +241,7 @@ def run_row(row: str, size: str, rep: int, node: dict[str, Any], args: argparse.
     try:
         if row == "slurm":  # a fresh test cluster whose slurmd, and so every job step, lives in the run's groups
             cluster = LocalSlurm().start()
-            for path in (group.mem, group.cpu, group.blkio):
+            for path in group.paths:
                 with open(f"{path}/cgroup.procs", "w") as f:
                     f.write(str(cluster.procs[f"slurmd-{cluster.node}"].pid))
             env.update(cluster.env, PYTHONPATH=str(HERE.parent), HPCSTAGGER_SHM_ROOT=str(shm),
@@ -251,8 +278,11 @@ def run_row(row: str, size: str, rep: int, node: dict[str, Any], args: argparse.
         path = work / "reports" / f"lr{lr}.json"
         if path.exists():
             r = json.loads(path.read_text())
-            trials[f"lr{lr}"] = {"start": r["start"] - t0, "end": r["end"] - t0, "steps": r["steps"],
+            trials[f"lr{lr}"] = {"start": r["start"] - t0, "imported": r["imported"] - t0, "end": r["end"] - t0,
+                                 "steps": r["steps"],
                                  "loss": r["loss"], "cpu_s": r["cpu_s"]}
+            if "t0" in r:  # hpcstagger rows: when init returned, and its steps' seconds
+                trials[f"lr{lr}"].update(t0=r["t0"] - t0, import_s=r.get("import_s"), init_timings=r["init_timings"])
     shutil.rmtree(work, ignore_errors=True)
     ok = all(c == 0 for c in codes) and len(trials) == len(LRS)
     sized = [line.split("auto: ", 1)[1] for line in log.read_text(errors="replace").splitlines()
@@ -332,7 +362,7 @@ def report(results: dict[str, Any]) -> None:
     for size, entry in results["sizes"].items():
         entry["summary"] = summarise(entry["runs"])
         print(f"\n{size}: {entry['files']} files, {entry['dataset_mb']:.0f} MB, limit {args['mem_mb']} MiB, "
-              f"{args['mbps']:g} MB/s, /dev/shm cache {_cache_said(entry)}\n"
+              f"{args['mbps']:g} MB/s, trials on {args.get('device', 'cpu')}, /dev/shm cache {_cache_said(entry)}\n"
               "| row | makespan | vs plain | CPU s | peak (cgroup) | peak (anon + shm) | runs failed | OOM kills |\n"
               "|---|---|---|---|---|---|---|---|")
         for row, s in entry["summary"].items():
@@ -400,6 +430,9 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--ckpt-every", type=int, default=50)
+    p.add_argument("--device", default="cpu",
+                   help="where the trials train: cpu (default) or cuda:N, the four trials sharing that GPU, "
+                        "each its own process")
     p.add_argument("--budget", type=float, default=60.0, help="calibration budget, seconds")
     p.add_argument("--timeout", type=float, default=1800.0, help="a run's limit, seconds")
     p.add_argument("--quick", action="store_true", help="a small check of the harness: 20 and 60 MB, one run each")

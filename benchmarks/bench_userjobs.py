@@ -197,8 +197,8 @@ def drop_dataset(path: Path) -> int:
 @contextmanager
 def real_fs(data: Path, bps: float, work: Path) -> Iterator[tuple[Path, str]]:
     """The dataset (a file or a directory) copied onto an ext4 image on a loop device, its reads
-    throttled to ``bps`` by blkio; yields (the copy, the blkio cgroup). The image has room for 3
-    more copies (checkpoints, logs)."""
+    throttled to ``bps`` for the processes of a cgroup (v1 ``blkio``, or v2 ``io.max``); yields (the
+    copy, that cgroup). The image has room for 3 more copies (checkpoints, logs)."""
     image, mnt = work / "fs.img", work / "mnt"
     mnt.mkdir()
     size = data.stat().st_size if data.is_file() else sum(f.stat().st_size for f in data.rglob("*") if f.is_file())
@@ -207,7 +207,8 @@ def real_fs(data: Path, bps: float, work: Path) -> Iterator[tuple[Path, str]]:
     subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
     dev = subprocess.run(["losetup", "--find", "--show", str(image)], check=True, capture_output=True,
                          text=True).stdout.strip()
-    cg = f"/sys/fs/cgroup/blkio/hpcstagger-bench-{os.getpid()}"
+    v2 = cgroup_v2()
+    cg = f"/sys/fs/cgroup/{'' if v2 else 'blkio/'}hpcstagger-bench-{os.getpid()}"
     try:
         subprocess.run(["mount", dev, str(mnt)], check=True)
         if data.is_dir():
@@ -216,9 +217,12 @@ def real_fs(data: Path, bps: float, work: Path) -> Iterator[tuple[Path, str]]:
             shutil.copy(data, mnt / data.name)
         os.sync()
         rdev = os.stat(dev).st_rdev
+        if v2:  # the io controller for the group, then its limit (cgroup v2 has one hierarchy)
+            with open("/sys/fs/cgroup/cgroup.subtree_control", "w") as f:
+                f.write("+io")
         os.makedirs(cg, exist_ok=True)
-        with open(os.path.join(cg, "blkio.throttle.read_bps_device"), "w") as f:
-            f.write(f"{os.major(rdev)}:{os.minor(rdev)} {int(bps)}")
+        with open(os.path.join(cg, "io.max" if v2 else "blkio.throttle.read_bps_device"), "w") as f:
+            f.write(f"{os.major(rdev)}:{os.minor(rdev)} {'rbps=' if v2 else ''}{int(bps)}")
         # Only the dataset's pages go: a global drop_caches would also evict the Python and torch
         # libraries, and calibration would then measure the first job's start-up cold (its first
         # step faulting libtorch in from disk), which no later run repeats. Each run drops the
@@ -231,6 +235,11 @@ def real_fs(data: Path, bps: float, work: Path) -> Iterator[tuple[Path, str]]:
         subprocess.run(["losetup", "-d", dev], check=False)
         if os.path.isdir(cg):
             os.rmdir(cg)
+
+
+def cgroup_v2() -> bool:
+    """Whether this node mounts the unified cgroup hierarchy (v2) alone, with no v1 controllers."""
+    return os.path.exists("/sys/fs/cgroup/cgroup.controllers") and not os.path.isdir("/sys/fs/cgroup/blkio")
 
 
 def kill_members(cg: str) -> None:

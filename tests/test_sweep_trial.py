@@ -42,7 +42,7 @@ def images(tmp_path_factory):
 
 
 def _args(**kw) -> argparse.Namespace:
-    base = {"epochs": 2, "batch": 8, "workers": 1, "ckpt_every": 3}
+    base = {"epochs": 2, "batch": 8, "workers": 1, "ckpt_every": 3, "device": "cpu"}
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -55,7 +55,8 @@ def test_a_plain_trial_trains_and_checkpoints_as_users_write_it(tmp_path, images
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(report.read_text())
     steps = 2 * math.ceil(n / 8)
-    assert r["steps"] == steps and math.isfinite(r["loss"]) and r["cpu_s"] > 0 and r["end"] > r["loop"] > r["start"]
+    assert r["steps"] == steps and math.isfinite(r["loss"]) and r["cpu_s"] > 0
+    assert r["end"] > r["loop"] > r["imported"] > r["start"]
     last = steps // 3 * 3
     if row == "plain":
         state = torch.load(ckpt / "checkpoint.pt", weights_only=True)
@@ -63,6 +64,7 @@ def test_a_plain_trial_trains_and_checkpoints_as_users_write_it(tmp_path, images
     else:
         assert (ckpt / f"step-{last}" / ".metadata").exists(), sorted(p.name for p in ckpt.iterdir())
     assert r["hpcstagger_imported"] is False  # plain PyTorch: the script never imports hpcstagger
+    assert r["device"] == "cpu" and "t0" not in r  # no hpcstagger.init, so no start of its own to report
 
 
 def test_hpcstagger_trials_share_the_cache_a_loader_and_checkpoint_asynchronously(tmp_path, images, shm_root):
@@ -82,6 +84,8 @@ def test_hpcstagger_trials_share_the_cache_a_loader_and_checkpoint_asynchronousl
     for lr in B.LRS:
         r = json.loads((work / "reports" / f"lr{lr}.json").read_text())
         assert r["steps"] == steps and math.isfinite(r["loss"]) and r["hpcstagger_imported"], (lr, r)
+        # when hpcstagger.init returned, after the script started, and what its steps took
+        assert r["start"] < r["t0"] < r["loop"] and r["import_s"] >= 0 and r["init_timings"]["init"] > 0, r
         ckpt = work / "ckpt" / f"lr{lr}"
         committed = sorted(p for p in ckpt.iterdir() if p.name.startswith("step-"))
         assert committed, f"no checkpoint committed for lr {lr}: {sorted(ckpt.iterdir())}"

@@ -8,6 +8,11 @@ is the swept parameter; a checkpoint of model and optimizer every ``--ckpt-every
     python trial.py --data DIR --lr 0.05 --mode plain --ckpt torch      # what users run today
     python trial.py --data DIR --lr 0.05 --mode plain --ckpt dcp        # ... with DCP async_save
     python trial.py --lr 0.05 --mode hpcstagger --ckpt async            # from a job spec (hpcstagger launch)
+    python trial.py --data DIR --lr 0.05 --device cuda:0                  # the model on a GPU
+
+``--device cuda:N`` trains on that GPU: the plain DataLoader pins its batches and each batch is copied
+to the device, as users write it; in hpcstagger mode ``session.data_loader(..., device=...)`` delivers
+the batches there. Trials that share a GPU are separate processes, each with its own CUDA context.
 
 ``--mode plain`` imports nothing of hpcstagger. ``--mode hpcstagger`` is the same script with the
 documented lines changed: ``hpcstagger.init()``, ImageFolder's ``loader`` reading through the node's
@@ -45,6 +50,7 @@ except RuntimeError:
     import torchvision_cpu  # noqa: F401
 
     from torchvision import datasets, transforms
+T_IMPORTED = time.time()  # the imports both modes share end here: later times compare plain and hpcstagger
 
 
 def build_model(classes: int) -> nn.Module:
@@ -121,14 +127,19 @@ def main() -> None:
     p.add_argument("--ckpt-dir", default="checkpoints", help="where checkpoints go (plain mode; the spec's otherwise)")
     p.add_argument("--ckpt-every", type=int, default=50, help="steps between checkpoints")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="where the model trains: cpu (default) or cuda:N")
     p.add_argument("--report", help="write this trial's times, CPU seconds and peak RSS here (JSON)")
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    on_gpu = device.type == "cuda"
 
-    session = None
+    session, t_import = None, time.time()
     if args.mode == "hpcstagger":
         import hpcstagger
+
+        t_import = time.time() - t_import  # what importing hpcstagger took
 
         session = hpcstagger.init()  # which trial this is, the planned start, the cache and loader of the spec
         assert session.spec is not None, "--mode hpcstagger runs from a job spec (hpcstagger launch)"
@@ -137,14 +148,14 @@ def main() -> None:
         folder = datasets.ImageFolder(root, transform=augment(),
                                       **({"loader": cache.file_loader()} if cache is not None else {}))
         loader = session.data_loader(folder, args.batch, shuffle=True, num_workers=args.workers,
-                                     persistent_workers=args.workers > 0)
+                                     persistent_workers=args.workers > 0, **({"device": args.device} if on_gpu else {}))
         batches = session.loader(loader)
     else:
         folder = datasets.ImageFolder(args.data, transform=augment())
         loader = torch.utils.data.DataLoader(folder, batch_size=args.batch, shuffle=True, num_workers=args.workers,
-                                             persistent_workers=args.workers > 0)
+                                             persistent_workers=args.workers > 0, pin_memory=on_gpu)
         batches = loader
-    model = build_model(len(folder.classes))
+    model = build_model(len(folder.classes)).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     if args.ckpt == "async":
         saver = Async(session.checkpoint_options() if session is not None else {"directory": args.ckpt_dir})
@@ -155,6 +166,7 @@ def main() -> None:
     t_loop, step, loss = time.time(), 0, torch.zeros(())
     for _ in range(args.epochs):
         for images, labels in batches:
+            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
             opt.zero_grad(set_to_none=True)
             loss = nn.functional.cross_entropy(model(images), labels)
             loss.backward()
@@ -162,6 +174,8 @@ def main() -> None:
             step += 1
             if args.ckpt != "none" and step % args.ckpt_every == 0:
                 saver.save(step, model, opt)
+    if on_gpu:
+        torch.cuda.synchronize(device)
     if args.ckpt != "none":
         saver.close()
     del loader, batches  # the DataLoader's workers end here, so their CPU time is counted below
@@ -170,10 +184,13 @@ def main() -> None:
         session.finish(loss=loss.item())
     if args.report:
         me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-        report = {"start": T_START, "loop": t_loop, "end": t_end, "steps": step, "loss": loss.item(), "lr": args.lr,
+        report = {"start": T_START, "imported": T_IMPORTED, "loop": t_loop, "end": t_end, "steps": step,
+                  "loss": loss.item(), "lr": args.lr, "device": str(device),
                   "hpcstagger_imported": "hpcstagger" in sys.modules,
                   "cpu_s": me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime,
                   "maxrss_bytes": me.ru_maxrss * 1024, "children_maxrss_bytes": kids.ru_maxrss * 1024}
+        if session is not None:  # when hpcstagger.init returned (its t0) and what each of its steps took
+            report.update(t0=session.t0, import_s=t_import, init_timings=dict(session.timings))
         with open(args.report + ".tmp", "w") as f:
             json.dump(report, f)
         os.replace(args.report + ".tmp", args.report)
