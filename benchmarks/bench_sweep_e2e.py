@@ -66,7 +66,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent / "tests" / "support"))
-from bench_userjobs import cgroup_v2, drop_dataset, kill_members, real_fs  # noqa: E402  (benchmarks/bench_userjobs.py)
+from bench_userjobs import cache_bytecode, cgroup_v2, drop_dataset, kill_members, real_fs  # noqa: E402  (benchmarks/bench_userjobs.py)
 from local_slurm import LocalSlurm  # noqa: E402  (tests/support/local_slurm.py: the test cluster)
 
 TRIAL = HERE / "sweep" / "trial.py"
@@ -461,6 +461,7 @@ def main() -> int:
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args), "sizes": {}}
     root = Path(tempfile.mkdtemp(prefix="bench-sweep-e2e-"))
     try:
+        cache_bytecode(root / "pycache")  # hpcstagger compiled once, as installed, not in every trial
         for size in args.sizes.split(","):
             mb = args.fits_mb if size == "fits" else args.nofit_mb
             src = root / f"{size}-src" / "images"
