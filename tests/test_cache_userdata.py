@@ -461,3 +461,25 @@ def test_getitems_refuses_a_get_many_of_the_wrong_length(shm_root, class_dir):
     ds = CachedDataset(DirectorySource(class_dir), Short(ShmCache("short", 1 << 20)))
     with pytest.raises(TypeError, match="one .* per key"):
         ds.__getitems__([0, 1])
+
+
+def test_the_torchvision_shim_defines_operators_only_where_torchvision_cannot_load_its_own(tmp_path):
+    # Defining torchvision::nms where torchvision's own library loads (a CUDA torch) made its later
+    # registration of the same operator abort the process: the shim loads the library first.
+    import importlib
+    import shutil
+
+    from support.torchvision_cpu import _operators_load
+
+    shared = next((m.__file__ for m in map(importlib.import_module, ("_json", "math", "_ctypes"))
+                   if getattr(m, "__file__", "").endswith(".so")), None)
+    if shared is None:
+        pytest.skip("this Python has no extension module built as a shared object to stand in for a library")
+    (tmp_path / "loads").mkdir()
+    shutil.copy(shared, tmp_path / "loads" / "_C.so")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "_C.so").write_bytes(b"not a shared object")
+    assert _operators_load([str(tmp_path / "loads")]) is True
+    assert _operators_load([str(tmp_path / "broken")]) is False
+    assert _operators_load([str(tmp_path / "nothing")]) is False
+    assert str(tmp_path / "loads" / "_C.so") in torch.ops.loaded_libraries
