@@ -135,11 +135,12 @@ def main() -> None:
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
 
-    session, t_import = None, time.time()
+    session, import_s = None, 0.0
     if args.mode == "hpcstagger":
+        t = time.time()
         import hpcstagger
 
-        t_import = time.time() - t_import  # what importing hpcstagger took
+        import_s = time.time() - t  # what importing hpcstagger took
 
         session = hpcstagger.init()  # which trial this is, the planned start, the cache and loader of the spec
         assert session.spec is not None, "--mode hpcstagger runs from a job spec (hpcstagger launch)"
@@ -190,7 +191,7 @@ def main() -> None:
                   "cpu_s": me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime,
                   "maxrss_bytes": me.ru_maxrss * 1024, "children_maxrss_bytes": kids.ru_maxrss * 1024}
         if session is not None:  # when hpcstagger.init returned (its t0) and what each of its steps took
-            report.update(t0=session.t0, import_s=t_import, init_timings=dict(session.timings))
+            report.update(t0=session.t0, import_s=import_s, init_timings=dict(session.timings))
         with open(args.report + ".tmp", "w") as f:
             json.dump(report, f)
         os.replace(args.report + ".tmp", args.report)
