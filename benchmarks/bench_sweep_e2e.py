@@ -278,7 +278,8 @@ def run_row(row: str, size: str, rep: int, node: dict[str, Any], args: argparse.
         path = work / "reports" / f"lr{lr}.json"
         if path.exists():
             r = json.loads(path.read_text())
-            trials[f"lr{lr}"] = {"start": r["start"] - t0, "imported": r["imported"] - t0, "end": r["end"] - t0,
+            trials[f"lr{lr}"] = {"start": r["start"] - t0, "imported": r["imported"] - t0, "loop": r["loop"] - t0,
+                                 "end": r["end"] - t0,
                                  "steps": r["steps"],
                                  "loss": r["loss"], "cpu_s": r["cpu_s"]}
             if "t0" in r:  # hpcstagger rows: when init returned, and its steps' seconds

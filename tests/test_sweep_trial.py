@@ -86,6 +86,7 @@ def test_hpcstagger_trials_share_the_cache_a_loader_and_checkpoint_asynchronousl
         assert r["steps"] == steps and math.isfinite(r["loss"]) and r["hpcstagger_imported"], (lr, r)
         # when hpcstagger.init returned, after the script started, and what its steps took
         assert r["start"] < r["t0"] < r["loop"] and r["import_s"] >= 0 and r["init_timings"]["init"] > 0, r
+        assert r["init_timings"]["world"] > 0 and r["init_timings"]["spec"] >= 0, r  # MPI's start-up, timed apart
         ckpt = work / "ckpt" / f"lr{lr}"
         committed = sorted(p for p in ckpt.iterdir() if p.name.startswith("step-"))
         assert committed, f"no checkpoint committed for lr {lr}: {sorted(ckpt.iterdir())}"

@@ -336,11 +336,13 @@ def init(spec: Spec | str | os.PathLike[str] | None = None, *, job: str | None =
     Raises ConfigError for a bad spec or identity, CollectiveTimeout naming the jobs that never
     arrived, and CollectiveError on every rank when planning fails.
     """
-    world_comm = as_comm(world) if world is not None else Comm.world()
+    t_world = time.perf_counter()
+    world_comm = as_comm(world) if world is not None else Comm.world()  # MPI starts here (mpi4py's MPI_Init)
+    t_world = time.perf_counter() - t_world
     multi = fail_fast and world_comm.is_mpi and world_comm.size > 1
     try:
         return _init(spec, job=job, calibration=calibration, backend=backend, wait=wait, idle_work=idle_work,
-                     world=world_comm, timeout=timeout, verbose=verbose, fail_fast=fail_fast)
+                     world=world_comm, timeout=timeout, verbose=verbose, fail_fast=fail_fast, t_world=t_world)
     except CollectiveError as exc:
         if multi and isinstance(exc, CollectiveTimeout):
             # Some rank never arrived or never answered: it cannot take part in a clean exit.
@@ -358,14 +360,15 @@ def init(spec: Spec | str | os.PathLike[str] | None = None, *, job: str | None =
 def _init(spec: Spec | str | os.PathLike[str] | None, *, job: str | None,
           calibration: Mapping[str, float] | Callable[[], Mapping[str, float]] | None,
           backend: str | None, wait: bool, idle_work: Sequence[IdleWork], world: Comm,
-          timeout: float | None, verbose: bool, fail_fast: bool) -> Session:
+          timeout: float | None, verbose: bool, fail_fast: bool, t_world: float = 0.0) -> Session:
     t_begin = time.perf_counter()
+    timings: dict[str, float] = {"world": t_world}  # the world communicator: MPI's start-up, when init starts it
     calibrating = calibration_dir()  # hpcstagger calibrate --spec: no plan, no delay, private cache
     spec_obj = _load_spec(spec)
     if calibrating and spec_obj is not None:
         spec_obj = calibration_spec(spec_obj, calibrating)
+    timings["spec"] = time.perf_counter() - t_begin
     limit = float(timeout if timeout is not None else config.get("collective_timeout"))
-    timings: dict[str, float] = {}
     name = _identify(spec_obj, job, world)
     jobs, index, comm = _meet_and_split(world, spec_obj, name, limit, timings)
     decided = (no_plan(list(jobs)) if calibrating else
