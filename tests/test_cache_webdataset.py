@@ -13,7 +13,6 @@ import tarfile
 
 import pytest
 import torch
-import webdataset as wds
 
 from hpcstagger.cache import ShmCache
 from hpcstagger.cache import wholefile
@@ -21,6 +20,8 @@ from hpcstagger.cache.wholefile import cached_webdataset, shard_samples
 from hpcstagger.errors import ConfigError
 from support import cache_util
 from support.cli import REPO, cli_env
+
+wds = pytest.importorskip("webdataset")  # an optional dependency: where it is missing, these tests skip
 
 SHARDS, PER_SHARD = 3, 8
 
