@@ -173,6 +173,37 @@ def test_shuffle_false_gives_dataset_order_in_a_pipeline_of_its_own(linger):
             loader.close()
 
 
+def test_a_shared_producer_runs_the_workers_its_sharing_ranks_asked_for_up_to_the_cpus(linger):
+    from hpcstagger.colocated.dataloader import data_loader, producer_workers, usable_cpus
+    from hpcstagger.spec.jobspec import Spec
+
+    # what the producer gets: the ranks' workers added up, bounded by the CPUs, never below one rank's
+    assert producer_workers(2, 4, 16) == 8 and producer_workers(2, 4, 2) == 2 and producer_workers(4, 4, 2) == 4
+    assert producer_workers(2, 3, 5) == 5 and producer_workers(0, 4, 16) == 0  # main-process loading stays so
+    assert producer_workers(2, 4, 16, fixed=3) == 3 and producer_workers(1, 1, 16) == 1
+    with pytest.raises(ConfigError, match=r"loader\.workers must be an integer >= 0"):
+        Spec.from_dict({"job": [{"name": "a", "command": "x"}], "loader": {"workers": -1}})
+    said = []
+
+    class Job(FakeSession):
+        def say(self, text: str) -> None:
+            said.append(text)
+
+    session = Job()
+    session.job = "a"
+    jobs = [{"name": n, "command": "x", "ranks": r} for n, r in (("a", 1), ("b", 2), ("c", 1))]
+    jobs[2]["loader"] = "own"  # c shares nothing with a and b
+    for fixed, expected_workers in ((0, max(1, min(3, usable_cpus()))), (2, 2)):
+        session.spec = Spec.from_dict({"run": {"name": f"w{fixed}"}, "loader": {"share": True, "workers": fixed},
+                                       "job": jobs})
+        loader = data_loader(session, Numbered(12), 4, shuffle=False, root=linger, num_workers=1)
+        assert [i for x, s in loader for i in s.tolist()] == list(range(12))
+        assert loader.producer_workers == expected_workers, (fixed, said)
+        assert [p["workers"] for p in list_pipelines(linger)] == [expected_workers]
+        assert f"runs {expected_workers} DataLoader worker(s) (3 sharing rank(s) asked for 1 each)" in said[-1], said
+        _ended(loader, linger)
+
+
 def test_a_data_loaders_pin_memory_is_taken_with_a_warning_naming_device(linger, caplog):
     with caplog.at_level("WARNING", logger="hpcstagger.loader.consumer"):
         loader = SharedLoader(Numbered(8), 4, name="p", root=linger, pin_memory=True, persistent_workers=True)

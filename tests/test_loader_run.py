@@ -41,7 +41,8 @@ JOB = textwrap.dedent("""
         epochs.append(seen)
     with open(f"out-{s.job}-{s.rank}.json", "w") as f:
         json.dump({"epochs": epochs, "len": len(loader), "producer": loader.producer_pid,
-                   "kind": type(loader).__name__, "stats": loader.stats()}, f)
+                   "kind": type(loader).__name__, "stats": loader.stats(),
+                   "workers": loader.producer_workers}, f)
     loader.close()
     s.finish()
 """)
@@ -79,6 +80,8 @@ def test_jobs_of_a_spec_share_one_producer(tmp_path):
     r0, r1, late = (json.loads((tmp_path / f"out-{n}.json").read_text()) for n in ("dp-0", "dp-1", "late-0"))
     assert {r0["kind"], r1["kind"], late["kind"]} == {"SharedLoader"}
     assert r0["producer"] == r1["producer"] == late["producer"] > 0, (r0, r1, late)  # one producer for the three ranks
+    # its DataLoader workers: the three ranks' one each, as far as the CPUs go
+    assert r0["workers"] == late["workers"] == max(1, min(3, len(os.sched_getaffinity(0)))), (r0, late)
     assert r0["len"] == r1["len"] == 6 and late["len"] == 12
     for e in range(2):
         both = r0["epochs"][e] + r1["epochs"][e]
@@ -95,6 +98,7 @@ def test_jobs_of_a_spec_share_one_producer(tmp_path):
 
 def test_without_sharing_each_job_gets_a_plain_dataloader(tmp_path):
     (tmp_path / "job.py").write_text(JOB.replace("loader.producer_pid", "0").replace("loader.stats()", "{}")
+                                     .replace("loader.producer_workers", "0")
                                      .replace("loader.close()", ""))
     (tmp_path / "spec.toml").write_text(_spec(tmp_path, False).replace('delays = { late = 2.0 }',
                                                                        'delays = { late = 0.0 }'))

@@ -10,13 +10,14 @@ is the same either way.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Protocol
 
 from hpcstagger.comm import Comm
 from hpcstagger.spec.jobspec import Spec
 from hpcstagger.loader import to_device
 
-__all__ = ["LoaderOwner", "data_loader"]
+__all__ = ["LoaderOwner", "data_loader", "producer_workers"]
 
 
 class LoaderOwner(Protocol):
@@ -66,12 +67,44 @@ def data_loader(session: LoaderOwner, dataset: Any, batch_size: int = 1, *, shar
         if spec.loader.segments:
             opts["segments"] = spec.loader.segments
     opts.update(kwargs)
+    asked = int(opts.get("num_workers", 0))
+    sharing, fixed = 1, 0
+    if spec is not None:
+        sharing = sum(j.ranks for j in spec.jobs if spec.loader_group(j.name) == group) if group else 1
+        fixed = spec.loader.workers
+    opts["num_workers"] = producer_workers(asked, sharing, usable_cpus(), fixed)
     name = f"{run}.{group or session.job}"
     loader = SharedLoader(dataset, batch_size, name=name, shuffle=shuffle, seed=seed, rank=rank, world=world,
                           group=f"{run}.{session.job}", **opts)
+    workers = loader.producer_workers
     session.say(f"shared loader {name!r}: this job takes {'rank shares of ' if world > 1 else ''}"
-                f"its batches from one producer per node")
+                f"its batches from one producer per node, which runs {workers} DataLoader worker(s)"
+                + (f" ({sharing} sharing rank(s) asked for {asked} each)" if sharing > 1 else ""))
     return loader
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, as Slurm's cgroup or ``taskset`` set it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
+def producer_workers(asked: int, sharing: int, cpus: int, fixed: int = 0) -> int:
+    """The DataLoader workers of a shared loader's producer.
+
+    ``fixed`` (the spec's ``[loader] workers``) when it is set. Otherwise the workers the ``sharing``
+    ranks would have run with loaders of their own (``asked`` each), added up, but no more than
+    the node's ``cpus`` and never fewer than ``asked``: one producer prepares for every job, and on
+    a node with idle cores it should prepare as fast as the separate loaders did, while on a full
+    node more workers than cores would only take turns. ``asked = 0`` (loading in the main
+    process) stays 0."""
+    if fixed > 0:
+        return fixed
+    if asked <= 0:
+        return 0
+    return max(asked, min(asked * max(sharing, 1), cpus))
 
 
 def _plain(dataset: Any, batch_size: int, shuffle: bool, seed: int, rank: int, world: int,

@@ -172,6 +172,12 @@ class SharedLoader:
         """The producer's pid (0 before attaching)."""
         return int(self._ctl.w[R.H_PPID]) if self._ctl is not None else 0
 
+    @property
+    def producer_workers(self) -> int:
+        """The DataLoader workers of the producer this consumer takes batches from (the number its
+        first consumer asked for; before attaching, the number this one asks for)."""
+        return int(self._ctl.w[R.H_WORKERS]) if self._ctl is not None else self._pipe.num_workers
+
     def stats(self) -> dict[str, Any]:
         """This consumer's counters: batches taken, batches it prepared itself, seconds waited."""
         return dict(self._stats, first_batch=self._first, epochs=self._epoch,

@@ -37,7 +37,8 @@ def _describe(ctl: R.Ctl, key: str) -> dict[str, Any]:
     return {"key": key, "name": key.rsplit(".", 1)[0], "producer_pid": int(w[R.H_PPID]),
             "state": R.STATE_NAMES.get(state, "?") if running or state == R.P_FAILED else "dead",
             "published": int(w[R.H_HEAD]), "window": int(w[R.H_WINDOW]), "batch_size": int(w[R.H_BATCH]),
-            "samples": int(w[R.H_N]), "slot_bytes": int(w[R.H_SLOT_BYTES]), "consumers": consumers,
+            "samples": int(w[R.H_N]), "slot_bytes": int(w[R.H_SLOT_BYTES]), "workers": int(w[R.H_WORKERS]),
+            "consumers": consumers,
             "error": ctl.error() if state == R.P_FAILED else "", "gpu": bool(int(w[R.H_DEVICE])),
             "stager_pid": int(w[R.H_GPID]), "on_gpu": int(w[R.H_GHEAD])}
 

@@ -158,12 +158,14 @@ class PlanSpec:
 class LoaderSpec:
     """The shared loader (:mod:`hpcstagger.loader`): with ``share`` every job without a ``loader``
     name of its own shares one; ``pace``, ``window`` and ``segments`` (0: the knobs) as in
-    :class:`~hpcstagger.loader.SharedLoader`."""
+    :class:`~hpcstagger.loader.SharedLoader`; ``workers``: the producer's DataLoader workers (0: the
+    workers the sharing ranks ask for, added up, up to the node's CPUs)."""
 
     share: bool = False
     pace: str = "wait"
     window: int = 0
     segments: int = 0
+    workers: int = 0
 
 
 @dataclass(frozen=True)
@@ -242,6 +244,8 @@ _LOADER = S.Table("loader", [
     S.Field("pace", S.choice("wait", "ahead"), "wait"),
     S.Field("window", S.integer(minimum=0), 0, shown="0 (the loader_window knob)"),
     S.Field("segments", S.integer(minimum=0), 0, shown="0 (the loader_segments knob)"),
+    S.Field("workers", S.integer(minimum=0), 0,
+            shown="0 (the workers the sharing ranks ask for, added up, up to the node's CPUs)"),
 ])
 _SLURM = S.Table("slurm", [
     S.Field("partition", S.string(allow_empty=True), "", shown="the cluster default"),
