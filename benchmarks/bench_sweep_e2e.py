@@ -462,7 +462,7 @@ def main() -> int:
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args), "sizes": {}}
     root = Path(tempfile.mkdtemp(prefix="bench-sweep-e2e-"))
     try:
-        cache_bytecode(root / "pycache")  # hpcstagger compiled once, as installed, not in every trial
+        cache_bytecode()  # hpcstagger compiled once, as installed, not in every trial
         for size in args.sizes.split(","):
             mb = args.fits_mb if size == "fits" else args.nofit_mb
             src = root / f"{size}-src" / "images"

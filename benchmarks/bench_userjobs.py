@@ -134,15 +134,18 @@ def write_spec(path: Path, name: str, cfg: dict[str, Any], data: Path, dataset_b
     path.write_text("\n".join(lines))
 
 
-def cache_bytecode(directory: Path) -> None:
-    """Let this benchmark's processes cache Python bytecode under ``directory``, compiling
-    hpcstagger there now, as a user's install does, even where PYTHONDONTWRITEBYTECODE is set:
-    without it every job would compile hpcstagger's modules again as it starts (0.3 to 0.4 CPU-s a
-    process on the 2-core VM), a cost that plain PyTorch, whose packages come compiled, never pays."""
+def cache_bytecode() -> None:
+    """Let this benchmark's processes read and write cached Python bytecode where Python keeps it,
+    beside the sources, even where PYTHONDONTWRITEBYTECODE is set, and compile hpcstagger now, as a
+    user's install does. Without it every job would compile hpcstagger's modules again as it starts
+    (0.3 to 0.4 CPU-s a process on the 2-core VM), a cost plain PyTorch, whose packages come
+    compiled, never pays. A PYTHONPYCACHEPREFIX is dropped as well: under one, Python ignores the
+    bytecode installed beside torch and the standard library, and the first job to start compiles
+    everything it imports (7 s of one calibrated job's start-up on the 2-core VM)."""
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-    os.environ["PYTHONPYCACHEPREFIX"] = str(directory)
+    os.environ.pop("PYTHONPYCACHEPREFIX", None)
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(HERE.parent / "hpcstagger")], check=True,
-                   stdout=subprocess.DEVNULL)
+                   stdout=subprocess.DEVNULL, env=dict(os.environ))
 
 
 def cgroup_joiner(cgroup: str) -> Callable[[], None]:
@@ -181,7 +184,7 @@ def workspace(tag: str, samples: int, keep: bool) -> Iterator[tuple[Path, Path]]
     shm = tempfile.mkdtemp(prefix=f"{tag}-", dir="/dev/shm")
     os.environ["HPCSTAGGER_SHM_ROOT"] = shm
     try:
-        cache_bytecode(root / "pycache")
+        cache_bytecode()
         data = root / "data.h5"
         make_dataset(str(data), samples, (3, 32, 32))
         yield root, data
