@@ -163,8 +163,33 @@ def _run(argv: list[str], log: Path, *, cgroup: str | None = None, timeout: floa
     with open(log, "ab") as out:
         out.write(("\n$ " + " ".join(argv) + "\n").encode())
         out.flush()
-        return subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=str(HERE.parent),
-                              preexec_fn=pre, timeout=timeout).returncode
+        # a session of its own: on a timeout or when this benchmark is stopped, the whole tree goes
+        # (the command's mpiexec and ranks too), not the command alone, which would orphan its jobs
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=str(HERE.parent),
+                                preexec_fn=pre, start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                stop_group(proc)
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM ``proc``'s process group (it leads a session of its own), SIGKILL what is left after 10 s."""
+    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            continue
+        try:  # the leader is gone; its group's other members get the same signal once more
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        return
 
 
 def calibrate(spec: Path, work: Path, log: Path, budget: float, *, cgroup: str | None = None) -> int:
