@@ -336,9 +336,8 @@ def init(spec: Spec | str | os.PathLike[str] | None = None, *, job: str | None =
     Raises ConfigError for a bad spec or identity, CollectiveTimeout naming the jobs that never
     arrived, and CollectiveError on every rank when planning fails.
     """
-    t_world = time.perf_counter()
-    world_comm = as_comm(world) if world is not None else Comm.world()  # MPI starts here (mpi4py's MPI_Init)
-    t_world = time.perf_counter() - t_world
+    t_world = time.perf_counter()  # MPI starts in Comm.world() (mpi4py's MPI_Init): timed until _init begins
+    world_comm = as_comm(world) if world is not None else Comm.world()
     multi = fail_fast and world_comm.is_mpi and world_comm.size > 1
     try:
         return _init(spec, job=job, calibration=calibration, backend=backend, wait=wait, idle_work=idle_work,
@@ -360,9 +359,9 @@ def init(spec: Spec | str | os.PathLike[str] | None = None, *, job: str | None =
 def _init(spec: Spec | str | os.PathLike[str] | None, *, job: str | None,
           calibration: Mapping[str, float] | Callable[[], Mapping[str, float]] | None,
           backend: str | None, wait: bool, idle_work: Sequence[IdleWork], world: Comm,
-          timeout: float | None, verbose: bool, fail_fast: bool, t_world: float = 0.0) -> Session:
+          timeout: float | None, verbose: bool, fail_fast: bool, t_world: float | None = None) -> Session:
     t_begin = time.perf_counter()
-    timings: dict[str, float] = {"world": t_world}  # the world communicator: MPI's start-up, when init starts it
+    timings: dict[str, float] = {"world": t_begin - (t_begin if t_world is None else t_world)}  # MPI's start-up
     calibrating = calibration_dir()  # hpcstagger calibrate --spec: no plan, no delay, private cache
     spec_obj = _load_spec(spec)
     if calibrating and spec_obj is not None:
