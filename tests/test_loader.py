@@ -174,7 +174,8 @@ def test_shuffle_false_gives_dataset_order_in_a_pipeline_of_its_own(linger):
 
 
 def test_a_shared_producer_runs_the_workers_its_sharing_ranks_asked_for_up_to_the_cpus(linger):
-    from hpcstagger.colocated.dataloader import data_loader, producer_workers, usable_cpus
+    from hpcstagger.colocated.dataloader import data_loader, producer_workers
+    from hpcstagger.nodeload import usable_cores
     from hpcstagger.spec.jobspec import Spec
 
     # what the producer gets: the ranks' workers added up, bounded by the CPUs, never below one rank's
@@ -193,7 +194,7 @@ def test_a_shared_producer_runs_the_workers_its_sharing_ranks_asked_for_up_to_th
     session.job = "a"
     jobs = [{"name": n, "command": "x", "ranks": r} for n, r in (("a", 1), ("b", 2), ("c", 1))]
     jobs[2]["loader"] = "own"  # c shares nothing with a and b
-    for fixed, expected_workers in ((0, max(1, min(3, usable_cpus()))), (2, 2)):
+    for fixed, expected_workers in ((0, max(1, min(3, usable_cores()))), (2, 2)):
         session.spec = Spec.from_dict({"run": {"name": f"w{fixed}"}, "loader": {"share": True, "workers": fixed},
                                        "job": jobs})
         loader = data_loader(session, Numbered(12), 4, shuffle=False, root=linger, num_workers=1)

@@ -10,10 +10,10 @@ is the same either way.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Protocol
 
 from hpcstagger.comm import Comm
+from hpcstagger.nodeload import usable_cores
 from hpcstagger.spec.jobspec import Spec
 from hpcstagger.loader import to_device
 
@@ -72,7 +72,7 @@ def data_loader(session: LoaderOwner, dataset: Any, batch_size: int = 1, *, shar
     if spec is not None:
         sharing = sum(j.ranks for j in spec.jobs if spec.loader_group(j.name) == group) if group else 1
         fixed = spec.loader.workers
-    opts["num_workers"] = producer_workers(asked, sharing, usable_cpus(), fixed)
+    opts["num_workers"] = producer_workers(asked, sharing, usable_cores(), fixed)
     name = f"{run}.{group or session.job}"
     loader = SharedLoader(dataset, batch_size, name=name, shuffle=shuffle, seed=seed, rank=rank, world=world,
                           group=f"{run}.{session.job}", **opts)
@@ -81,14 +81,6 @@ def data_loader(session: LoaderOwner, dataset: Any, batch_size: int = 1, *, shar
                 f"its batches from one producer per node, which runs {workers} DataLoader worker(s)"
                 + (f" ({sharing} sharing rank(s) asked for {asked} each)" if sharing > 1 else ""))
     return loader
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity, as Slurm's cgroup or ``taskset`` set it)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux
-        return os.cpu_count() or 1
 
 
 def producer_workers(asked: int, sharing: int, cpus: int, fixed: int = 0) -> int:
