@@ -175,21 +175,21 @@ def _run(argv: list[str], log: Path, *, cgroup: str | None = None, timeout: floa
 
 
 def stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM ``proc``'s process group (it leads a session of its own), SIGKILL what is left after 10 s."""
-    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            continue
-        try:  # the leader is gone; its group's other members get the same signal once more
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
+    """SIGTERM ``proc``'s process group (it leads a session of its own), so that the command can
+    stop its own processes; after it exits, or 10 s, SIGKILL whatever of the group is left."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
         return
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def calibrate(spec: Path, work: Path, log: Path, budget: float, *, cgroup: str | None = None) -> int:
