@@ -359,9 +359,9 @@ def init(spec: Spec | str | os.PathLike[str] | None = None, *, job: str | None =
 def _init(spec: Spec | str | os.PathLike[str] | None, *, job: str | None,
           calibration: Mapping[str, float] | Callable[[], Mapping[str, float]] | None,
           backend: str | None, wait: bool, idle_work: Sequence[IdleWork], world: Comm,
-          timeout: float | None, verbose: bool, fail_fast: bool, t_world: float | None = None) -> Session:
+          timeout: float | None, verbose: bool, fail_fast: bool, t_world: float) -> Session:
     t_begin = time.perf_counter()
-    timings: dict[str, float] = {"world": t_begin - (t_begin if t_world is None else t_world)}  # MPI's start-up
+    timings: dict[str, float] = {"world": t_begin - t_world}  # MPI's start-up (Comm.world() in init)
     calibrating = calibration_dir()  # hpcstagger calibrate --spec: no plan, no delay, private cache
     spec_obj = _load_spec(spec)
     if calibrating and spec_obj is not None:
