@@ -193,7 +193,8 @@ def _pc(x: float | None) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default=",".join(DEFAULT_CONFIGS), help="comma-separated bench_userjobs configurations")
+    p.add_argument("--only", default=",".join(DEFAULT_CONFIGS),
+                   help="comma-separated bench_userjobs configurations, named or of its grid (emulated source)")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated cases of {', '.join(CASES)}")
     p.add_argument("--staggers", default="0,1,2,3,4,6", help="fixed staggers, seconds, run in both orders")
     p.add_argument("--samples", type=int, default=3072, help="dataset samples of 3 KiB (default 3072, ~9.4 MB)")
@@ -208,16 +209,18 @@ def main() -> int:
     for c in cases:
         if c not in CASES:
             p.error(f"unknown case {c!r}; cases: {', '.join(CASES)}")
+    configs = {**U.CONFIGS, **U.grid_configs()}
     for n in names:
-        if n not in U.CONFIGS or U.CONFIGS[n].get("real_fs"):
-            p.error(f"unknown or unsupported configuration {n!r} (the emulated-source ones of bench_userjobs)")
+        if n not in configs or configs[n].get("real_fs"):
+            p.error(f"unknown or unsupported configuration {n!r} (the emulated-source ones of bench_userjobs, "
+                    "named or of its grid: grid-w<workers>-j<jobs>-c<cache %>-emu)")
     results = []
     with U.workspace("bench-steer", args.samples, args.keep) as (root, data):
         for name in names:
             if args.overhead:
-                results.append(overhead_pairs(name, U.CONFIGS[name], data, root / name, args.overhead, args.budget))
+                results.append(overhead_pairs(name, configs[name], data, root / name, args.overhead, args.budget))
             else:
-                results.append(run_config(name, U.CONFIGS[name], data, root / name, cases, args.staggers,
+                results.append(run_config(name, configs[name], data, root / name, cases, args.staggers,
                                           args.budget, args.repeat))
             os.makedirs(os.path.dirname(args.out), exist_ok=True)
             with open(args.out, "w") as f:
