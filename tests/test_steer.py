@@ -250,7 +250,8 @@ def _steering(truth_factor=1.0, sc=None, truth=None, **kw):
             out = with_cost(out, name, a)
         return out
 
-    other = {k: kw.pop(k) for k in ("baseline", "jitter", "cpu_clock") if k in kw}
+    other = {k: kw.pop(k) for k in ("baseline", "jitter", "cpu_clock", "wall_clock") if k in kw}
+    other.setdefault("wall_clock", lambda: 0.0)  # re-fits take no time, unless a test says otherwise
     hold = kw.pop("hold", None)
     delays = dict(plan.delays)
     if hold is not None:  # a guarded plan: the model chose ``plan.delays``, the late job is held to ``hold``
@@ -325,6 +326,42 @@ def test_a_slow_re_fit_puts_the_next_one_off_by_its_cost_over_the_duty():
     assert reads[0] == 2 * slow_fits[0]  # the clock is read around each re-fit, and only there
     # from the first fit (0.75 s) to the release (2 s): every 0.25 s, or 2 s apart
     assert fast_fits[0] >= 5 and slow_fits[0] <= 3, (fast_fits, slow_fits)
+
+
+def _run_slow_fits(fit_seconds, measured=True, **kw):
+    """Steer on a clock that a re-fit advances by ``fit_seconds`` (a fit at a lowered priority on a
+    busy node); looks come when :meth:`Steering.until_next_look` says. The watcher measures the
+    fits' wall time on that clock, or (``measured=False``) sees them take none. Returns the
+    steering, the planned delay, the release and the clock when the release was sent."""
+    clock = [0.0]
+    st, look, planned, late = _steering(1.0, wall_clock=(lambda: clock[0]) if measured else (lambda: 0.0), **kw)
+    refit = st._refit
+
+    def slow(*args):
+        clock[0] += fit_seconds
+        return refit(*args)
+    st._refit = slow
+    for n in st.groups[0]:
+        st.released[n] = 0.0
+    while st.waiting and clock[0] < 20.0:
+        clock[0] += max(0.01, st.until_next_look(clock[0]))
+        ds = st.decide(look(clock[0]), 1000.0)
+        if ds:
+            return st, planned, ds[0], clock[0]
+    raise AssertionError("no release")
+
+
+def test_a_re_fit_that_would_end_past_the_due_release_is_not_started():
+    """Re-fits that take 0.3 s of wall time: a fit started less than that before the release that is
+    due would make it late. The watcher keeps to the due time with the fit that stands."""
+    st, planned, d, sent = _run_slow_fits(0.3, observe_only=True)
+    assert st.fit_wall == pytest.approx(0.3)  # it fitted, and measured the fits' time
+    assert d.at == pytest.approx(planned, abs=0.02) and sent == pytest.approx(d.at)
+    _, _, late_d, late_sent = _run_slow_fits(0.3, measured=False, observe_only=True)  # blind to the fits' time
+    assert late_sent > planned + 0.1, (late_sent, planned)  # ... the release comes a fit late
+    st, planned, d, sent = _run_slow_fits(0.3)  # steering, with the calibration right
+    assert d.at == pytest.approx(planned, abs=0.35) and sent == pytest.approx(d.at)
+    assert "fitted model" in d.reason or "plan's delay" in d.reason
 
 
 @pytest.mark.parametrize("factor, direction", [(0.7, "later"), (1.3, "earlier")])

@@ -230,9 +230,9 @@ def _host(session: Any, idle: list[Callable[[float], bool]]) -> dict[str, Any]:
     watch.start()
     mine: dict[str, Any] | None = None
     done = False
+    decisions: list[Decision] = []
     try:
         while mine is None:
-            decisions = []
             while not watch.out.empty():
                 decisions.append(watch.out.get())
             if not decisions and not watch.is_alive() and watch.out.empty():
@@ -250,8 +250,14 @@ def _host(session: Any, idle: list[Callable[[float], bool]]) -> dict[str, Any]:
                     mine = msg
             if decisions and log_path:
                 _write_log(log_path, session, steering, watch.failed)
-            if mine is None:
+            decisions = []
+            if mine is None and idle:
                 _idle(idle, POLL)
+            elif mine is None:  # nothing to do meanwhile: send a decision as soon as it comes
+                try:
+                    decisions.append(watch.out.get(timeout=POLL))
+                except queue.Empty:
+                    pass
         done = True
     finally:
         watch.stop.set()

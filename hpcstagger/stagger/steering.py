@@ -26,7 +26,11 @@ progress (:mod:`~hpcstagger.colocated.progress`) and state. :meth:`Steering.deci
 
 It looks every 0.25 s and re-fits at most every ``steer_interval`` seconds (and when the best
 start it found comes due); a re-fit that took ``c`` CPU seconds puts the next ``c / steer_duty``
-seconds off at least, so that a slow model's fits take at most that share of one core. Without
+seconds off at least, so that a slow model's fits take at most that share of one core. A re-fit
+does not make a release late: when the last re-fit took more than half a look of wall time and the
+next would end past the release that is due (the fitted best start, else the planned delay), the
+fit that stands decides (on a busy node a re-fit at a lowered priority takes several times its CPU
+time; the first re-fit's time is not known beforehand). Without
 evidence yet (no loop older than 0.5 s) the prior holds: the
 group is released at its planned delay. ``[plan] min_delay`` and ``max_delay`` bound every
 release, and a group is released as soon as every job started before it has finished. Every
@@ -38,13 +42,14 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
 from hpcstagger.model import Scenario
 from hpcstagger.model.runfit import best_release, counted_factor, fit_scale, progress_series, source_factor
 from hpcstagger.spec.records import fraction_done, throughput
+from hpcstagger.stagger.releases import Decision, Look, release_groups, steer_record
 
 __all__ = ["Look", "Decision", "Steering", "SteerLimits", "release_groups", "steer_record"]
 
@@ -60,84 +65,6 @@ WARMUP = 0.5     # seconds of a job's loop before its progress and reads count a
 PROBES = 3       # factors a job's fit tries first, to see that its progress falls as its costs grow
 ALPHA = (0.5, 2.0)  # the range of a job's fitted factor (a calibration off by more is not steered but redone)
 
-
-
-def release_groups(delays: Mapping[str, float], order: Sequence[str]) -> list[list[str]]:
-    """Jobs grouped by planned delay, earliest first (spec order within a group)."""
-    by: dict[float, list[str]] = {}
-    for name in order:
-        by.setdefault(round(float(delays[name]), 9), []).append(name)
-    return [by[d] for d in sorted(by)]
-
-
-def steer_record(delays: Mapping[str, float], order: Sequence[str], *, lo: float, hi: float | None, horizon: float,
-                 interval: float, observe_only: bool = False, min_gain: float = 0.0,
-                 prior: Mapping[str, float] | None = None, guard: str | None = None) -> dict[str, Any] | None:
-    """The plan's ``steer`` entry, or None when no job waits (pure).
-
-    It holds the release ``groups``, the ``host`` (world rank of the leader of the last group's
-    first job; None until every rank knows the ranks: :func:`set_host`), the bounds, and ``latest``:
-    each waiting job's latest possible release (seconds after time zero), which the watcher keeps
-    to: ``min(max_delay, planned + horizon)``, and at least ``min_delay``. With ``observe_only``
-    the watcher fits and records but releases at the planned delays (``[plan] steer = false``).
-    ``min_gain`` is the least predicted gain (fraction of the makespan) that moves a release off
-    the plan's delay (the ``steer_min_gain`` knob). ``prior`` and ``guard``, for a guarded plan: the
-    delays the model chose (the ``delays`` hold jobs past them until the run gives evidence) and why."""
-    groups = release_groups(delays, order)
-    if len(groups) < 2:
-        return None
-    latest = {}
-    for g in groups[1:]:
-        planned = float(delays[g[0]])
-        last = planned + horizon if hi is None else min(hi, planned + horizon)
-        latest.update({n: max(last, lo) for n in g})
-    return {"groups": groups, "host": None, "min_delay": lo, "max_delay": hi, "horizon": horizon,
-            "interval": interval, "latest": latest, "observe_only": bool(observe_only),
-            "min_gain": float(min_gain),
-            **({"prior": {n: float(prior[n]) for n in order}, "guard": guard} if prior is not None else {})}
-
-
-@dataclass
-class Look:
-    """One look at the run, ``t`` seconds after its time zero.
-
-    ``read_bytes``/``read_seconds``: the cache's source-read counters (None without a cache);
-    ``flight``: the cache's seconds with 1, 2, ... source reads in flight (None without one);
-    ``progress``: each started job's latest progress record (:mod:`~hpcstagger.colocated.progress`); ``state``: each
-    started job leader's status (``started``, ``done``, ...)."""
-
-    t: float
-    read_bytes: float | None = None
-    read_seconds: float | None = None
-    flight: list[float] | None = None
-    progress: dict[str, dict[str, Any]] = field(default_factory=dict)
-    state: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class Decision:
-    """A release: the jobs, when (seconds since time zero), why, and what the model said then."""
-
-    jobs: list[str]
-    at: float
-    planned: float
-    reason: str
-    predicted: float | None = None
-    fit: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        """As plain JSON-able types."""
-        return {"jobs": list(self.jobs), "at": self.at, "planned": self.planned, "reason": self.reason,
-                "predicted": self.predicted, "fit": dict(self.fit)}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Decision:
-        """The release of :meth:`to_dict`'s output (a status file's ``release``, a release message);
-        a part it lacks takes its default (a release recorded without a fit, or by an older version)."""
-        predicted = data.get("predicted")
-        return cls(jobs=[str(j) for j in data.get("jobs") or []], at=float(data.get("at") or 0.0),
-                   planned=float(data.get("planned") or 0.0), reason=str(data.get("reason") or ""),
-                   predicted=None if predicted is None else float(predicted), fit=dict(data.get("fit") or {}))
 
 
 @dataclass(frozen=True)
@@ -179,7 +106,8 @@ class Steering:
     def __init__(self, build: Callable[[float, Mapping[str, float]], Scenario], bandwidth: Sequence[float],
                  order: Sequence[str], delays: Mapping[str, float], epochs: Mapping[str, int],
                  limits: SteerLimits | None = None, *, baseline: float = 1.0, jitter: float = 0.0,
-                 priors: Mapping[str, float] | None = None, cpu_clock: Callable[[], float] = time.thread_time):
+                 priors: Mapping[str, float] | None = None, cpu_clock: Callable[[], float] = time.thread_time,
+                 wall_clock: Callable[[], float] = time.perf_counter):
         lim = limits or SteerLimits()
         lo, hi, interval, horizon, look = lim.lo, lim.hi, lim.interval, lim.horizon, lim.look
         observe_only, min_gain = lim.observe_only, lim.min_gain
@@ -201,6 +129,8 @@ class Steering:
         self.duty = max(0.0, float(lim.duty))
         self._cpu = cpu_clock  # the re-fits' cost, for ``duty``
         self.gap = self.interval  # seconds from one re-fit to the next: the interval, or more for a slow model
+        self._wall = wall_clock
+        self.fit_wall = 0.0  # the last re-fit's wall time: a re-fit that would end past a due release waits
         self.groups = release_groups(self.planned, self.order)
         self.released: dict[str, float] = {}
         self.decisions: list[Decision] = []
@@ -433,12 +363,26 @@ class Steering:
                or (self.target is not None and now >= self.target - self.look / 2))
         if not due:
             return None
+        at = self._due_at(planned)
+        if self.fit_wall > self.look / 2 and now + self.fit_wall > at:  # a re-fit would end past the due release
+            if now < at - self.look / 2:
+                return None  # the next look comes at the due time (until_next_look): the fit that stands decides
+            if self.target is not None:
+                return self.release(group, now, self._why_target(), self._best)
+            return self.release(group, now, f"the plan's delay (a re-fit, {self.fit_wall:.2f} s, would end past it)")
         cpu = self._cpu() if self.duty > 0 else 0.0
+        wall = self._wall()
         try:
             return self._refit(group, look, planned, loop_starts)
         finally:
+            self.fit_wall = max(0.0, self._wall() - wall)
             if self.duty > 0:
                 self.gap = max(self.interval, (self._cpu() - cpu) / self.duty)
+
+    def _due_at(self, planned: float) -> float:
+        """When the first waiting group is released unless a re-fit moves it: the fitted best start,
+        else the planned delay (no sooner than ``lo``); no later than ``hi``."""
+        return min(self.hi, self.target if self.target is not None else max(planned, self.lo))
 
     def _refit(self, group: list[str], look: Look, planned: float,
                loop_starts: Mapping[str, float]) -> Decision | None:

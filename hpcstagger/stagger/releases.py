@@ -1,0 +1,89 @@
+"""The closed loop's records: release groups, the plan's ``steer`` entry, the watcher's looks at a
+run and its release decisions (plain data, shared by the planner, the watcher and the waiting ranks;
+re-exported by :mod:`hpcstagger.stagger.steering`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+from collections.abc import Mapping, Sequence
+
+__all__ = ["Decision", "Look", "release_groups", "steer_record"]
+
+
+def release_groups(delays: Mapping[str, float], order: Sequence[str]) -> list[list[str]]:
+    """Jobs grouped by planned delay, earliest first (spec order within a group)."""
+    by: dict[float, list[str]] = {}
+    for name in order:
+        by.setdefault(round(float(delays[name]), 9), []).append(name)
+    return [by[d] for d in sorted(by)]
+
+
+def steer_record(delays: Mapping[str, float], order: Sequence[str], *, lo: float, hi: float | None, horizon: float,
+                 interval: float, observe_only: bool = False, min_gain: float = 0.0,
+                 prior: Mapping[str, float] | None = None, guard: str | None = None) -> dict[str, Any] | None:
+    """The plan's ``steer`` entry, or None when no job waits (pure).
+
+    It holds the release ``groups``, the ``host`` (world rank of the leader of the last group's
+    first job; None until every rank knows the ranks: :func:`set_host`), the bounds, and ``latest``:
+    each waiting job's latest possible release (seconds after time zero), which the watcher keeps
+    to: ``min(max_delay, planned + horizon)``, and at least ``min_delay``. With ``observe_only``
+    the watcher fits and records but releases at the planned delays (``[plan] steer = false``).
+    ``min_gain`` is the least predicted gain (fraction of the makespan) that moves a release off
+    the plan's delay (the ``steer_min_gain`` knob). ``prior`` and ``guard``, for a guarded plan: the
+    delays the model chose (the ``delays`` hold jobs past them until the run gives evidence) and why."""
+    groups = release_groups(delays, order)
+    if len(groups) < 2:
+        return None
+    latest = {}
+    for g in groups[1:]:
+        planned = float(delays[g[0]])
+        last = planned + horizon if hi is None else min(hi, planned + horizon)
+        latest.update({n: max(last, lo) for n in g})
+    return {"groups": groups, "host": None, "min_delay": lo, "max_delay": hi, "horizon": horizon,
+            "interval": interval, "latest": latest, "observe_only": bool(observe_only),
+            "min_gain": float(min_gain),
+            **({"prior": {n: float(prior[n]) for n in order}, "guard": guard} if prior is not None else {})}
+
+
+@dataclass
+class Look:
+    """One look at the run, ``t`` seconds after its time zero.
+
+    ``read_bytes``/``read_seconds``: the cache's source-read counters (None without a cache);
+    ``flight``: the cache's seconds with 1, 2, ... source reads in flight (None without one);
+    ``progress``: each started job's latest progress record (:mod:`~hpcstagger.colocated.progress`); ``state``: each
+    started job leader's status (``started``, ``done``, ...)."""
+
+    t: float
+    read_bytes: float | None = None
+    read_seconds: float | None = None
+    flight: list[float] | None = None
+    progress: dict[str, dict[str, Any]] = field(default_factory=dict)
+    state: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Decision:
+    """A release: the jobs, when (seconds since time zero), why, and what the model said then."""
+
+    jobs: list[str]
+    at: float
+    planned: float
+    reason: str
+    predicted: float | None = None
+    fit: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """As plain JSON-able types."""
+        return {"jobs": list(self.jobs), "at": self.at, "planned": self.planned, "reason": self.reason,
+                "predicted": self.predicted, "fit": dict(self.fit)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Decision:
+        """The release of :meth:`to_dict`'s output (a status file's ``release``, a release message);
+        a part it lacks takes its default (a release recorded without a fit, or by an older version)."""
+        predicted = data.get("predicted")
+        return cls(jobs=[str(j) for j in data.get("jobs") or []], at=float(data.get("at") or 0.0),
+                   planned=float(data.get("planned") or 0.0), reason=str(data.get("reason") or ""),
+                   predicted=None if predicted is None else float(predicted), fit=dict(data.get("fit") or {}))
