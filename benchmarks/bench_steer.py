@@ -17,9 +17,11 @@ bandwidth times 0.7 / 1.3), ``jobs-30``/``jobs+30`` (every job's CPU costs, ``sa
 
 ``--overhead N`` instead measures what watching costs: with the calibration as measured, N pairs
 of launches, one in mode ``open`` (no watcher) and one in mode ``plan`` with ``[plan] steer =
-false`` (the watcher looks and fits as usual but keeps the planned delays), alternating. Each pair
+false`` (the watcher looks and fits as usual but keeps the planned delays), alternating, every one
+planned from the calibration alone (``--no-history``: the runs' history would move the plan between them). Each pair
 compares the running job's batches per second while the other waits (from its leader's progress
-history, from 0.5 s after its loop began to the release) and the makespans.
+history, from 0.5 s after its loop began to the release or its last progress record, if sooner;
+none where its loop began less than 0.5 s before that) and the makespans.
 
 Writes benchmarks/out/bench_steer.json and prints one row per configuration and case: the steered
 and the open-loop plan's gaps to the best measured fixed stagger (simultaneous included), the
@@ -146,7 +148,7 @@ def overhead_pairs(name: str, cfg: dict[str, Any], data: Path, work: Path, pairs
     for k in range(pairs):
         for label, path, mode in (("open", spec, "open"), ("watched", watch, "plan")):
             stamp = f"overhead-{k}-{label}"
-            U._run(hs + ["launch", str(path), "--mode", mode, "--cold-cache", "--json"], log)
+            U._run(hs + ["launch", str(path), "--mode", mode, "--cold-cache", "--no-history", "--json"], log)
             runs = sorted((work / "work" / "runs").glob(f"*-{mode}"), key=lambda p: p.stat().st_mtime)
             result = json.loads((runs[-1] / "result.json").read_text())
             runs[-1].rename(runs[-1].with_name(stamp))
@@ -156,7 +158,9 @@ def overhead_pairs(name: str, cfg: dict[str, Any], data: Path, work: Path, pairs
             status = json.loads((run_dir / f"{late}.0.json").read_text())
             wait_end = status["t0"] + status["timings"]["started_at"]  # wall time the late job started
             rec = read_progress(str(run_dir), first)
-            rate = throughput(rec, 0.5, wait_end - rec["loop_start"]) if rec and rec.get("loop_start") else None
+            rate = None
+            if rec and rec.get("loop_start") and rec.get("history"):  # to the release, or the job's last record
+                rate = throughput(rec, 0.5, min(wait_end - rec["loop_start"], rec["history"][-1][0]))
             rows.append({"pair": k, "label": label, "makespan": result["makespan"], "rate": rate,
                          "planned": delays[late], "steer_cpu": _steer_of({"run_dir": str(run_dir)}).get("cpu_seconds")})
             print(f"[bench_steer] overhead {name} {k} {label}: makespan {result['makespan']}, rate {rate}",
