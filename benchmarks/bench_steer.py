@@ -21,7 +21,8 @@ false`` (the watcher looks and fits as usual but keeps the planned delays), alte
 planned from the calibration alone (``--no-history``: the runs' history would move the plan between them). Each pair
 compares the running job's batches per second while the other waits (from its leader's progress
 history, from 0.5 s after its loop began to the release or its last progress record, if sooner;
-none where its loop began less than 0.5 s before that) and the makespans.
+none where its loop began less than 0.5 s before that), the makespans and the launches' CPU time
+(every process of the launch's tree, from the benchmark's reaped children).
 
 Writes benchmarks/out/bench_steer.json and prints one row per configuration and case: the steered
 and the open-loop plan's gaps to the best measured fixed stagger (simultaneous included), the
@@ -34,6 +35,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import sys
 import time
 from pathlib import Path
@@ -148,7 +150,10 @@ def overhead_pairs(name: str, cfg: dict[str, Any], data: Path, work: Path, pairs
     for k in range(pairs):
         for label, path, mode in (("open", spec, "open"), ("watched", watch, "plan")):
             stamp = f"overhead-{k}-{label}"
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
             U._run(hs + ["launch", str(path), "--mode", mode, "--cold-cache", "--no-history", "--json"], log)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the launch's whole tree, every process reaped
+            cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
             runs = sorted((work / "work" / "runs").glob(f"*-{mode}"), key=lambda p: p.stat().st_mtime)
             result = json.loads((runs[-1] / "result.json").read_text())
             runs[-1].rename(runs[-1].with_name(stamp))
@@ -162,8 +167,10 @@ def overhead_pairs(name: str, cfg: dict[str, Any], data: Path, work: Path, pairs
             if rec and rec.get("loop_start") and rec.get("history"):  # to the release, or the job's last record
                 rate = throughput(rec, 0.5, min(wait_end - rec["loop_start"], rec["history"][-1][0]))
             rows.append({"pair": k, "label": label, "makespan": result["makespan"], "rate": rate,
-                         "planned": delays[late], "steer_cpu": _steer_of({"run_dir": str(run_dir)}).get("cpu_seconds")})
-            print(f"[bench_steer] overhead {name} {k} {label}: makespan {result['makespan']}, rate {rate}",
+                         "planned": delays[late], "steer_cpu": _steer_of({"run_dir": str(run_dir)}).get("cpu_seconds"),
+                         "cpu": cpu})
+            print(f"[bench_steer] overhead {name} {k} {label}: makespan {result['makespan']}, rate {rate}, "
+                  f"CPU {cpu:.1f} s",
                   file=sys.stderr, flush=True)
     return {"name": name, "rows": rows}
 
@@ -172,7 +179,8 @@ def _print_overhead(results: list[dict[str, Any]]) -> None:
     import statistics
 
     print("\n| configuration | pairs | running job's batches/s while the other waits: watched / open (median) "
-          "| makespan: watched / open (median) | watcher CPU per wait |\n|---|---|---|---|---|")
+          "| makespan: watched / open (median) | watcher CPU per wait | the launch's CPU, watched - open (median) "
+          "|\n|---|---|---|---|---|---|")
     for r in results:
         if r.get("error"):
             print(f"| {r['name']} | {r['error']} | | | |")
@@ -185,10 +193,13 @@ def _print_overhead(results: list[dict[str, Any]]) -> None:
         span = [p["watched"]["makespan"] / p["open"]["makespan"] for p in pairs.values()
                 if p.get("watched", {}).get("makespan") and p.get("open", {}).get("makespan")]
         cpu = [row["steer_cpu"] for row in r["rows"] if row.get("steer_cpu") is not None]
+        total = [p["watched"]["cpu"] - p["open"]["cpu"] for p in pairs.values()
+                 if p.get("watched", {}).get("cpu") is not None and p.get("open", {}).get("cpu") is not None]
         print(f"| {r['name']} | {len(pairs)} | {statistics.median(rate) if rate else float('nan'):.3f} "
               f"(range {min(rate, default=float('nan')):.3f}-{max(rate, default=float('nan')):.3f}) | "
               f"{statistics.median(span) if span else float('nan'):.3f} | "
-              f"{statistics.median(cpu) if cpu else float('nan'):.2f} s |")
+              f"{statistics.median(cpu) if cpu else float('nan'):.2f} s | "
+              f"{statistics.median(total) if total else float('nan'):+.2f} s |")
 
 
 def _pc(x: float | None) -> str:
