@@ -28,13 +28,12 @@ It looks every 0.25 s and re-fits at most every ``steer_interval`` seconds (and 
 start it found comes due); a re-fit that took ``c`` CPU seconds puts the next ``c / steer_duty``
 seconds off at least, so that a slow model's fits take at most that share of one core, except that
 a fit made before the planned delay that holds the group past it is checked by a re-fit when the
-planned delay comes. A re-fit
-does not make a release late: when the last re-fit took more than half a look of wall time and the
-next would end past the release that is due (the fitted best start, else the planned delay), the
-fit that stands decides (on a busy node a re-fit at a lowered priority takes several times its CPU
-time; the first re-fit's time is not known beforehand). Without
-evidence yet (no loop older than 0.5 s) the prior holds: the
-group is released at its planned delay. ``[plan] min_delay`` and ``max_delay`` bound every
+planned delay comes. A re-fit does not make a release late: when the last re-fit took more than
+half a look of wall time and the next would end past the release that is due (the fitted best
+start, else the planned delay), the fit that stands decides (on a busy node a re-fit at a lowered
+priority takes several times its CPU time; the first re-fit's time is not known beforehand).
+Without evidence yet (no loop older than 0.5 s) the prior holds: the group is released at its
+planned delay. ``[plan] min_delay`` and ``max_delay`` bound every
 release, and a group is released as soon as every job started before it has finished. Every
 release says why (:attr:`Decision.reason`).
 """
@@ -66,7 +65,6 @@ LOOK = 0.25      # seconds between the watcher's looks at the run
 WARMUP = 0.5     # seconds of a job's loop before its progress and reads count as evidence
 PROBES = 3       # factors a job's fit tries first, to see that its progress falls as its costs grow
 ALPHA = (0.5, 2.0)  # the range of a job's fitted factor (a calibration off by more is not steered but redone)
-
 
 
 @dataclass(frozen=True)
