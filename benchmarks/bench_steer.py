@@ -183,7 +183,7 @@ def _print_overhead(results: list[dict[str, Any]]) -> None:
           "|\n|---|---|---|---|---|---|")
     for r in results:
         if r.get("error"):
-            print(f"| {r['name']} | {r['error']} | | | |")
+            print(f"| {r['name']} | {r['error']} | | | | |")
             continue
         pairs = {}
         for row in r["rows"]:
