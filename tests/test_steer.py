@@ -250,7 +250,7 @@ def _steering(truth_factor=1.0, sc=None, truth=None, **kw):
             out = with_cost(out, name, a)
         return out
 
-    other = {k: kw.pop(k) for k in ("baseline", "jitter", "cpu_clock", "wall_clock") if k in kw}
+    other = {k: kw.pop(k) for k in ("baseline", "jitter", "cpu_clock", "wall_clock", "device") if k in kw}
     other.setdefault("wall_clock", lambda: 0.0)  # re-fits take no time, unless a test says otherwise
     hold = kw.pop("hold", None)
     delays = dict(plan.delays)
@@ -555,6 +555,41 @@ def test_the_counted_source_fit_is_taken_relative_to_the_calibrations_baseline()
     # a baseline that is not a positive number is ignored
     for bad in (0.0, -1.0, float("nan")):
         assert _steering(1.0, baseline=bad)[0].baseline == 1.0
+
+
+def test_where_the_page_cache_is_the_cache_the_source_is_fitted_to_the_devices_bytes():
+    # readahead of 4 samples' worth with the pages dropped: each sample read costs the device four
+    # samples' bytes, so the cache counts 1/4 of the curve in samples while the device delivers all
+    # of it; once the page cache holds most of the file, the cache counts several times the curve
+    st, _, _, _ = _steering(1.0, lo=100.0, baseline=0.85, device=True)
+    st.released.update({n: 0.0 for n in st.order})
+    bw = st.bandwidth[0]
+    cold = [Look(t=0.25 * k, read_bytes=0.25 * bw * 0.25 * k, read_seconds=0.25 * k, flight=[0.25 * k] + [0.0] * 31,
+                 device_bytes=1e9 + 0.9 * bw * 0.25 * k) for k in range(1, 13)]
+    st.looks = cold
+    assert st._fit_source(0.0)
+    assert st.beta == pytest.approx(0.9, rel=1e-6)  # the device's bytes, with no calibration baseline
+    assert st.source_seen["estimator"] == "device bytes, reads counted" and st.source_seen["baseline"] == 1.0
+    assert st.source_seen["device_bytes_per_s"] == pytest.approx(0.9 * bw)
+    # the same looks fitted to the cache's count: a quarter of the curve (clamped), what a cold
+    # first fit once held a job on
+    plain, _, _, _ = _steering(1.0, lo=100.0)
+    plain.released, plain.looks = dict(st.released), list(cold)
+    assert plain._fit_source(0.0) and plain.beta == pytest.approx(0.25, rel=1e-6)
+    # later the page cache serves most reads: the cache counts 3x the curve, the device still 0.9
+    warm = [replace(lk, read_bytes=3.0 * bw * lk.t) for lk in cold]
+    st.looks = warm
+    assert st._fit_source(0.0) and st.beta == pytest.approx(0.9, rel=1e-6)
+    plain.looks = list(warm)
+    assert plain._fit_source(0.0) and plain.beta > 2.5
+    # all of it served by the page cache: the device read nothing, so nothing is fitted
+    st.beta = 1.3
+    st.looks = [replace(lk, device_bytes=1e9) for lk in warm]
+    assert not st._fit_source(0.0) and st.beta == 1.3
+    # looks without the device's count (a file system without a block device): the cache's count
+    st.looks = [replace(lk, device_bytes=None) for lk in cold]
+    assert st._fit_source(0.0) and st.source_seen["estimator"] == "reads in flight counted"
+    assert st.beta == pytest.approx(0.25 / 0.85, rel=1e-6)
 
 
 def test_counted_factor():

@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from hpcstagger import _io, config
 from hpcstagger.cache.store import ShmCache
+from hpcstagger.colocated.devreads import device_counter
 from hpcstagger.errors import CacheError
 from hpcstagger.model import Scenario
 from hpcstagger.spec.records import read_progress, read_status, startups
@@ -57,12 +58,21 @@ def set_host(steer: dict[str, Any], jobs: Mapping[str, Sequence[int]]) -> None:
 
 
 class Watcher:
-    """What the host sees of the run: the cache's read counters, progress and status files."""
+    """What the host sees of the run: the cache's read counters, progress and status files; with
+    ``device``, also the bytes read from the block device the spec's dataset lives on (where the
+    page cache is the scenario's cache: :mod:`~hpcstagger.colocated.devreads`)."""
 
-    def __init__(self, spec: Any, run_dir: str):
+    def __init__(self, spec: Any, run_dir: str, *, device: bool = False):
         self.spec = spec
         self.run_dir = run_dir
         self.cache: Any = None
+        self.device: Callable[[], float | None] | None = None
+        path = getattr(getattr(spec, "dataset", None), "path", "") if device else ""
+        if path:
+            self.device = device_counter(path)
+            if self.device is None:
+                log.info("%s is on no block device whose reads the kernel counts: the source is fitted to the "
+                         "shared cache's reads", path)
 
     def _attach(self) -> Any:
         if self.cache is None and self.spec is not None and self.spec.cache.capacity > 0:
@@ -88,6 +98,8 @@ class Watcher:
             nbytes, seconds = cache.read_counters()
             look.read_bytes, look.read_seconds = float(nbytes), seconds
             look.flight = cache.flight_seconds()
+        if self.device is not None:
+            look.device_bytes = self.device()
         for name in started:
             rec = read_progress(self.run_dir, name)
             if rec:
@@ -127,8 +139,10 @@ def _steering(session: Any) -> Steering:
                             startups=h_startups)
 
     # the source factor is fitted against the prior's curve: the file's, times the history's factor,
-    # relative to what the same fit gave on the jobs' calibration runs
-    storage = Scenario.from_toml(spec.plan.scenario).storage
+    # relative to what the same fit gave on the jobs' calibration runs; where the scenario's cache is
+    # the page cache (readers coalesce), to the bytes read from the dataset's device instead
+    prior = Scenario.from_toml(spec.plan.scenario)
+    storage = prior.storage
     bandwidth = [b * h_source for b in storage.bandwidth]
     hi = steer.get("max_delay")
     limits = SteerLimits(lo=float(steer.get("min_delay") or 0.0), hi=math.inf if hi is None else float(hi),
@@ -136,7 +150,8 @@ def _steering(session: Any) -> Steering:
                          observe_only=bool(steer.get("observe_only")), min_gain=float(steer.get("min_gain", 0.0)),
                          duty=float(config.get("steer_duty")))
     return Steering(build, bandwidth, order, plan.delays, {n: spec.job(n).epochs for n in order}, limits,
-                    baseline=storage.fit_baseline, jitter=float(plan.jitter or 0.0), priors=steer.get("prior"))
+                    baseline=storage.fit_baseline, jitter=float(plan.jitter or 0.0), priors=steer.get("prior"),
+                    device=prior.cache.coalesce)
 
 
 def _send(session: Any, jobs: Sequence[str], message: dict[str, Any]) -> None:
@@ -224,7 +239,7 @@ def _host(session: Any, idle: list[Callable[[float], bool]]) -> dict[str, Any]:
     steering.prefetched = next((w.fraction for w in idle if hasattr(w, "fraction")), None)
     for n in steering.groups[0]:
         steering.released[n] = 0.0
-    watcher = Watcher(session.spec, session.run_dir)
+    watcher = Watcher(session.spec, session.run_dir, device=steering.device)
     log_path = os.path.join(session.run_dir, "steer.json") if session.run_dir else ""
     watch = _Watch(session, steering, watcher)
     watch.start()

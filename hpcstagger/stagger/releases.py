@@ -52,6 +52,8 @@ class Look:
 
     ``read_bytes``/``read_seconds``: the cache's source-read counters (None without a cache);
     ``flight``: the cache's seconds with 1, 2, ... source reads in flight (None without one);
+    ``device_bytes``: the bytes the kernel has read from the dataset's block device (None where it is
+    not counted, :mod:`~hpcstagger.colocated.devreads`);
     ``progress``: each started job's latest progress record (:mod:`~hpcstagger.colocated.progress`); ``state``: each
     started job leader's status (``started``, ``done``, ...)."""
 
@@ -59,6 +61,7 @@ class Look:
     read_bytes: float | None = None
     read_seconds: float | None = None
     flight: list[float] | None = None
+    device_bytes: float | None = None
     progress: dict[str, dict[str, Any]] = field(default_factory=dict)
     state: dict[str, str] = field(default_factory=dict)
 

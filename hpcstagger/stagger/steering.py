@@ -12,7 +12,11 @@ progress (:mod:`~hpcstagger.colocated.progress`) and state. :meth:`Steering.deci
    the source's bandwidth, taken relative to the same fit on the jobs' calibration runs
    (``[storage] fit_baseline``: the jobs' sparse reads need not get what the calibration's
    back-to-back readers got). Without counts, the mean number of reads in flight (read seconds
-   per second) stands in;
+   per second) stands in. Where the page cache is the scenario's cache (``device``), the bytes are
+   those read from the dataset's block device (:mod:`~hpcstagger.colocated.devreads`), with no
+   baseline: a read of cached pages costs the device nothing, and one that misses reads its
+   readahead as well, so the cache's own byte count runs from 1/readahead of the curve to several
+   times it as the page cache fills;
 2. **fits each running job**: the factor on its CPU costs (``sample_time``, ``prep_time``,
    ``handoff``) under which the model, with the source fitted and the job's loop started when it
    really did, predicts the progress the job has made (:func:`~hpcstagger.model.runfit.fit_scale`).
@@ -100,14 +104,15 @@ class Steering:
     start-time spread the plan was made for: release times are compared over it as the plan's were.
     ``priors`` are the delays the model chose where the plan holds jobs past them (a guarded
     simultaneous plan, :func:`steer_record`'s ``prior``): a release keeps nearest to them, and
-    ``delays`` only bound the wait for evidence.
+    ``delays`` only bound the wait for evidence. With ``device`` the source is fitted to the looks'
+    ``device_bytes`` where they have them (see the module docstring).
     """
 
     def __init__(self, build: Callable[[float, Mapping[str, float]], Scenario], bandwidth: Sequence[float],
                  order: Sequence[str], delays: Mapping[str, float], epochs: Mapping[str, int],
                  limits: SteerLimits | None = None, *, baseline: float = 1.0, jitter: float = 0.0,
                  priors: Mapping[str, float] | None = None, cpu_clock: Callable[[], float] = time.thread_time,
-                 wall_clock: Callable[[], float] = time.perf_counter):
+                 wall_clock: Callable[[], float] = time.perf_counter, device: bool = False):
         lim = limits or SteerLimits()
         lo, hi, interval, horizon, look = lim.lo, lim.hi, lim.interval, lim.horizon, lim.look
         observe_only, min_gain = lim.observe_only, lim.min_gain
@@ -124,6 +129,7 @@ class Steering:
         self.min_gain = max(0.0, float(min_gain))  # least predicted gain that moves a release off the plan
         # what the counted source fit gave on the jobs' own calibration runs: "as calibrated"
         self.baseline = float(baseline) if baseline and math.isfinite(baseline) and baseline > 0 else 1.0
+        self.device = bool(device)  # the source is fitted to the bytes read from the dataset's device
         self.jitter = float(jitter) if math.isfinite(jitter) and jitter > 0 else 0.0  # the plan's start spread
         self.look = min(float(look), self.interval)  # seconds between looks (a look is cheap, a re-fit is not)
         self.duty = max(0.0, float(lim.duty))
@@ -206,28 +212,47 @@ class Steering:
         size = self._sample_bytes
         if size > 0 and nbytes / size < MIN_READS:
             return False
-        scale, how = self._counted_factor(first, last, nbytes, secs), "reads in flight counted"
-        if scale is None:
-            scale = source_factor(self.bandwidth, self._fetchers(), nbytes, secs, last.t - first.t)
-            how = "mean in flight"
+        device = self._device_delta(first, last)
+        if device is not None:  # the page cache is the scenario's cache: the device's bytes are the source's
+            if size > 0 and device / size < MIN_READS:
+                return False  # the page cache served the window's reads: the device says nothing of its speed
+            scale, how = self._counted_factor(first, last, device, secs, baseline=1.0), "device bytes, reads counted"
+            if scale is None:
+                scale, how = source_factor(self.bandwidth, self._fetchers(), device, secs, last.t - first.t), \
+                    "device bytes, mean in flight"
+        else:
+            scale, how = self._counted_factor(first, last, nbytes, secs), "reads in flight counted"
+            if scale is None:
+                scale = source_factor(self.bandwidth, self._fetchers(), nbytes, secs, last.t - first.t)
+                how = "mean in flight"
         if scale is None:
             return False
         self.source_seen = {"readers": secs / (last.t - first.t), "bytes_per_s": nbytes / (last.t - first.t),
                             "per_read": nbytes / secs if secs > 0 else None, "window": last.t - first.t,
-                            "estimator": how, "baseline": self.baseline}
+                            "estimator": how, "baseline": 1.0 if device is not None else self.baseline,
+                            **({"device_bytes_per_s": device / (last.t - first.t)} if device is not None else {})}
         self.beta = min(4.0, max(0.25, scale))
         return True
 
-    def _counted_factor(self, first: Look, last: Look, nbytes: float, secs: float) -> float | None:
+    def _counted_factor(self, first: Look, last: Look, nbytes: float, secs: float,
+                        baseline: float | None = None) -> float | None:
         """The source factor from the cache's exact count of reads in flight: the ``nbytes`` read over
         what the curve delivers in the time spent at each count, relative to the same fit on the
-        jobs' calibration runs (``baseline``), or None when the reads were not counted (a cache or a
-        loader that does not bracket its reads) over most of the window's ``secs`` read-seconds."""
+        jobs' calibration runs (``baseline``, default :attr:`baseline`), or None when the reads were
+        not counted (a cache or a loader that does not bracket its reads) over most of the window's
+        ``secs`` read-seconds."""
         if not first.flight or not last.flight:
             return None
         spent = [max(0.0, b - a) for a, b in zip(first.flight, last.flight, strict=True)]
         scale = counted_factor(self.bandwidth, spent, nbytes, secs)
-        return None if scale is None else scale / self.baseline
+        return None if scale is None else scale / (self.baseline if baseline is None else baseline)
+
+    def _device_delta(self, first: Look, last: Look) -> float | None:
+        """Bytes read from the dataset's device between two looks, where the source is fitted to them
+        (``device``) and both looks counted them; else None."""
+        if not self.device or first.device_bytes is None or last.device_bytes is None:
+            return None
+        return max(0.0, last.device_bytes - first.device_bytes)
 
     def _loop_starts(self, look: Look, t0_wall: float) -> dict[str, float]:
         out = {}

@@ -1,0 +1,50 @@
+"""The bytes read from a dataset's block device, as the closed loop's watcher counts them: real
+files, the kernel's own counters."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from hpcstagger.colocated.devreads import device_counter, device_stat_path
+from hpcstagger.colocated.watcher import Watcher
+
+
+def _spec(path):
+    return SimpleNamespace(dataset=SimpleNamespace(path=str(path)), cache=SimpleNamespace(capacity=0))
+
+
+def test_a_file_on_no_block_device_has_no_count(tmp_path):
+    shm = "/dev/shm"
+    assert device_stat_path(shm) is None and device_counter(shm) is None  # tmpfs: an anonymous device
+    assert device_stat_path(str(tmp_path / "missing")) is None
+    look = Watcher(_spec(shm), "", device=True).look(1.0, [])
+    assert look.device_bytes is None
+    assert Watcher(_spec(tmp_path), "", device=False).device is None  # not asked for
+
+
+def test_reading_a_file_with_its_pages_dropped_is_counted_on_its_device(tmp_path):
+    path = tmp_path / "data.bin"
+    if device_stat_path(str(tmp_path)) is None:
+        pytest.skip(f"{tmp_path} is on no block device (tmpfs, overlay or a network file system)")
+    size = 4 << 20
+    with open(path, "wb") as f:
+        f.write(os.urandom(size))
+        f.flush()
+        os.fsync(f.fileno())
+    watcher = Watcher(_spec(path), "", device=True)
+    assert watcher.device is not None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages: dropped
+        before = watcher.look(0.0, []).device_bytes
+        got = 0
+        while chunk := os.read(fd, 1 << 20):
+            got += len(chunk)
+        after = watcher.look(1.0, []).device_bytes
+    finally:
+        os.close(fd)
+    assert got == size and before is not None and after is not None
+    assert after - before >= 0.9 * size  # others may read the device too: at least our bytes
