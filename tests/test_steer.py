@@ -561,35 +561,43 @@ def test_where_the_page_cache_is_the_cache_the_source_is_fitted_to_the_devices_b
     # readahead of 4 samples' worth with the pages dropped: each sample read costs the device four
     # samples' bytes, so the cache counts 1/4 of the curve in samples while the device delivers all
     # of it; once the page cache holds most of the file, the cache counts several times the curve
-    st, _, _, _ = _steering(1.0, lo=100.0, baseline=0.85, device=True)
+    sc = pair()
+    sc = replace(sc, cache=replace(sc.cache, readahead=4.0, coalesce=True))
+    st, _, _, _ = _steering(1.0, sc=sc, lo=100.0, baseline=0.85, device=True)
     st.released.update({n: 0.0 for n in st.order})
     bw = st.bandwidth[0]
-    cold = [Look(t=0.25 * k, read_bytes=0.25 * bw * 0.25 * k, read_seconds=0.25 * k, flight=[0.25 * k] + [0.0] * 31,
-                 device_bytes=1e9 + 0.9 * bw * 0.25 * k) for k in range(1, 13)]
-    st.looks = cold
+
+    def looks(counted, device, n=13):  # bytes/s in samples counted by the cache, and read by the device
+        return [Look(t=0.25 * k, read_bytes=counted * bw * 0.25 * k, read_seconds=0.25 * k,
+                     flight=[0.25 * k] + [0.0] * 31, device_bytes=1e9 + device * bw * 0.25 * k) for k in range(1, n)]
+
+    st.looks = cold = looks(0.9 / 4, 0.9)
     assert st._fit_source(0.0)
     assert st.beta == pytest.approx(0.9, rel=1e-6)  # the device's bytes, with no calibration baseline
     assert st.source_seen["estimator"] == "device bytes, reads counted" and st.source_seen["baseline"] == 1.0
     assert st.source_seen["device_bytes_per_s"] == pytest.approx(0.9 * bw)
-    # the same looks fitted to the cache's count: a quarter of the curve (clamped), what a cold
-    # first fit once held a job on
-    plain, _, _, _ = _steering(1.0, lo=100.0)
+    # the same looks fitted to the cache's count: a quarter of the curve, what a cold first fit held a job on
+    plain, _, _, _ = _steering(1.0, sc=sc, lo=100.0)
     plain.released, plain.looks = dict(st.released), list(cold)
-    assert plain._fit_source(0.0) and plain.beta == pytest.approx(0.25, rel=1e-6)
-    # later the page cache serves most reads: the cache counts 3x the curve, the device still 0.9
-    warm = [replace(lk, read_bytes=3.0 * bw * lk.t) for lk in cold]
-    st.looks = warm
+    assert plain._fit_source(0.0) and plain.beta == 0.25  # 0.225, at the fit's lower bound
+    # the page cache serving 2 of 5 reads: still the device's speed
+    st.looks = looks(0.9 / 4 / 0.6, 0.9)
     assert st._fit_source(0.0) and st.beta == pytest.approx(0.9, rel=1e-6)
-    plain.looks = list(warm)
-    assert plain._fit_source(0.0) and plain.beta > 2.5
-    # all of it served by the page cache: the device read nothing, so nothing is fitted
-    st.beta = 1.3
-    st.looks = [replace(lk, device_bytes=1e9) for lk in warm]
-    assert not st._fit_source(0.0) and st.beta == 1.3
+    # serving most of them (the cache counts 3x the curve): their time in flight is not the device's,
+    # so nothing is fitted; nor where the device read nothing
+    for counted, device in ((3.0, 0.9), (3.0, 0.0)):
+        st.beta = 1.3
+        st.looks = looks(counted, device)
+        assert not st._fit_source(0.0) and st.beta == 1.3
+        plain.looks = looks(counted, device)
+        assert plain._fit_source(0.0) and plain.beta > 2.5
+    # a window under a second: the device's bursts; the cache's count fits it
+    st.looks = plain.looks = cold[:4]
+    assert not st._fit_source(0.0) and plain._fit_source(0.0)
     # looks without the device's count (a file system without a block device): the cache's count
     st.looks = [replace(lk, device_bytes=None) for lk in cold]
     assert st._fit_source(0.0) and st.source_seen["estimator"] == "reads in flight counted"
-    assert st.beta == pytest.approx(0.25 / 0.85, rel=1e-6)
+    assert st.beta == pytest.approx(0.9 / 4 / 0.85, rel=1e-6)
 
 
 def test_counted_factor():

@@ -16,7 +16,8 @@ progress (:mod:`~hpcstagger.colocated.progress`) and state. :meth:`Steering.deci
    those read from the dataset's block device (:mod:`~hpcstagger.colocated.devreads`), with no
    baseline: a read of cached pages costs the device nothing, and one that misses reads its
    readahead as well, so the cache's own byte count runs from 1/readahead of the curve to several
-   times it as the page cache fills;
+   times it as the page cache fills. Such a fit takes a window of a second at least, and none
+   where the page cache served most of the window's reads (:data:`DEVICE_SHARE`);
 2. **fits each running job**: the factor on its CPU costs (``sample_time``, ``prep_time``,
    ``handoff``) under which the model, with the source fitted and the job's loop started when it
    really did, predicts the progress the job has made (:func:`~hpcstagger.model.runfit.fit_scale`).
@@ -62,6 +63,13 @@ log = logging.getLogger(__name__)
 
 WINDOW = 3.0     # seconds of read counters the source fit uses
 MIN_READS = 16   # reads the window needs before the source fit counts
+# Fitting to the device's bytes: a block device's throttle or queue delivers in bursts (7.2 MB/s
+# over a quarter second from a device throttled to 6), so the window is a second at least; and
+# where the page cache served most of the window's reads (the device read less than this share
+# of a readahead's worth for each), their time in flight is mostly not the device's (on a busy
+# node, a read of cached pages waits for a core): such a window fits nothing
+DEVICE_WINDOW = 1.0
+DEVICE_SHARE = 0.5
 MOVED = 0.05     # relative change of a fitted factor that asks for a new release curve
 MATCH = 0.03     # a job's progress predicted this close needs no new factor
 FIT_WINDOW = 2.0  # seconds of a job's recent progress its factor is fitted to
@@ -153,6 +161,7 @@ class Steering:
         self._optimum = (math.nan, math.nan)  # the best (start, makespan) found; the target may be nearer the plan
         prior = build(1.0, {})
         self._sample_bytes = float(prior.dataset.sample_bytes)
+        self._readahead = max(1.0, float(prior.cache.readahead))  # device bytes a read that misses costs, in samples
         self._fetch = {j.name: j.fetchers() for j in prior.jobs}
         plan_span = max(self.planned.values(), default=0.0)
         self.horizon = float(horizon) if horizon else max(2.0 * plan_span, 10.0)
@@ -214,8 +223,9 @@ class Steering:
             return False
         device = self._device_delta(first, last)
         if device is not None:  # the page cache is the scenario's cache: the device's bytes are the source's
-            if size > 0 and device / size < MIN_READS:
-                return False  # the page cache served the window's reads: the device says nothing of its speed
+            if (last.t - first.t < DEVICE_WINDOW or (size > 0 and device / size < MIN_READS)
+                    or device < DEVICE_SHARE * self._readahead * nbytes):
+                return False
             scale, how = self._counted_factor(first, last, device, secs, baseline=1.0), "device bytes, reads counted"
             if scale is None:
                 scale, how = source_factor(self.bandwidth, self._fetchers(), device, secs, last.t - first.t), \
