@@ -48,3 +48,33 @@ def test_reading_a_file_with_its_pages_dropped_is_counted_on_its_device(tmp_path
         os.close(fd)
     assert got == size and before is not None and after is not None
     assert after - before >= 0.9 * size  # others may read the device too: at least our bytes
+
+
+def test_the_closed_loop_fits_to_the_device_where_the_page_cache_is_the_scenarios_cache(tmp_path, shm_root):
+    """The scenario says which cache the model's source sits behind: a shared cache (the device is
+    not asked) or the page cache (``coalesce``, with its readahead): then the device's bytes."""
+    from dataclasses import replace
+
+    from hpcstagger.colocated.watcher import _steering
+    from hpcstagger.spec.jobspec import Spec
+    from hpcstagger.stagger.delays import plan_run
+    from support.spec_util import write_spec
+
+    spec_path = write_spec(tmp_path, shm_root)
+
+    def steering():
+        spec = Spec.from_toml(spec_path)
+        plan = plan_run(spec, list(spec.job_names), {}, "plan")
+        plan = replace(plan, steer=plan.steer or {"interval": 1.0, "horizon": 10.0, "max_delay": None,
+                                                  "min_delay": 0.0})
+        return _steering(SimpleNamespace(spec=spec, plan=plan, jobs={n: [i] for i, n in enumerate(spec.job_names)},
+                                         run_dir=""))
+
+    st = steering()
+    assert not st.device and st._readahead == 1.0
+    scenario = tmp_path / "s.toml"
+    text = scenario.read_text().replace("capacity = 2.0e5", 'capacity = 2.0e5\npolicy = "minio"\ncoalesce = true\n'
+                                                            "readahead = 4.0")
+    scenario.write_text(text)
+    st = steering()
+    assert st.device and st._readahead == 4.0
