@@ -17,7 +17,9 @@ bandwidth times 0.7 / 1.3), ``jobs-30``/``jobs+30`` (every job's CPU costs, ``sa
 
 ``--overhead N`` instead measures what watching costs: with the calibration as measured, N pairs
 of launches, one in mode ``open`` (no watcher) and one in mode ``plan`` with ``[plan] steer =
-false`` (the watcher looks and fits as usual but keeps the planned delays), alternating, every one
+false`` (the watcher looks and fits as usual but keeps the planned delays), alternating (with
+``--uncounted``, a third watched the same way without counting reads in flight,
+``HPCSTAGGER_STEER_COUNT=0``; each launch of a round goes first in turn), every one
 planned from the calibration alone (``--no-history``: the runs' history would move the plan between them). Each pair
 compares the running job's batches per second while the other waits (from its leader's progress
 history, from 0.5 s after its loop began to the release or its last progress record, if sooner;
@@ -133,8 +135,10 @@ def run_config(name: str, cfg: dict[str, Any], data: Path, work: Path, cases: li
     return out
 
 
-def overhead_pairs(name: str, cfg: dict[str, Any], data: Path, work: Path, pairs: int, budget: float) -> dict[str, Any]:
-    """``pairs`` launches each of mode open and of mode plan with steer = false, alternating."""
+def overhead_pairs(name: str, cfg: dict[str, Any], data: Path, work: Path, pairs: int, budget: float,
+                   uncounted: bool = False) -> dict[str, Any]:
+    """``pairs`` launches each of mode open and of mode plan with steer = false, alternating; with
+    ``uncounted`` a third, watched with ``HPCSTAGGER_STEER_COUNT=0`` (no reads counted in flight)."""
     from hpcstagger.spec.records import read_progress, throughput
 
     work.mkdir(parents=True)
@@ -147,11 +151,16 @@ def overhead_pairs(name: str, cfg: dict[str, Any], data: Path, work: Path, pairs
     watch = work / "spec-watch.toml"
     watch.write_text(spec.read_text().replace('mode = "plan"', 'mode = "plan"\nsteer = false'))
     rows: list[dict[str, Any]] = []
+    arms = [("open", spec, "open"), ("watched", watch, "plan")] + ([("uncounted", watch, "plan")] if uncounted else [])
     for k in range(pairs):
-        for label, path, mode in (("open", spec, "open"), ("watched", watch, "plan")):
+        for label, path, mode in arms[k % len(arms):] + arms[:k % len(arms)]:  # each arm in turn goes first
             stamp = f"overhead-{k}-{label}"
             before = resource.getrusage(resource.RUSAGE_CHILDREN)
-            U._run(hs + ["launch", str(path), "--mode", mode, "--cold-cache", "--no-history", "--json"], log)
+            os.environ["HPCSTAGGER_STEER_COUNT"] = "0" if label == "uncounted" else "1"
+            try:
+                U._run(hs + ["launch", str(path), "--mode", mode, "--cold-cache", "--no-history", "--json"], log)
+            finally:
+                del os.environ["HPCSTAGGER_STEER_COUNT"]
             after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the launch's whole tree, every process reaped
             cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
             runs = sorted((work / "work" / "runs").glob(f"*-{mode}"), key=lambda p: p.stat().st_mtime)
@@ -175,31 +184,36 @@ def overhead_pairs(name: str, cfg: dict[str, Any], data: Path, work: Path, pairs
     return {"name": name, "rows": rows}
 
 
+def _ratios(pairs: dict[int, dict[str, Any]], arm: str, key: str) -> list[float]:
+    """Per round, ``arm``'s ``key`` over the open launch's, where both have it."""
+    return [p[arm][key] / p["open"][key] for p in pairs.values()
+            if p.get(arm, {}).get(key) and p.get("open", {}).get(key)]
+
+
 def _print_overhead(results: list[dict[str, Any]]) -> None:
     import statistics
 
-    print("\n| configuration | pairs | running job's batches/s while the other waits: watched / open (median) "
-          "| makespan: watched / open (median) | watcher CPU per wait | the launch's CPU, watched - open (median) "
-          "|\n|---|---|---|---|---|---|")
+    print("\n| configuration | arm | pairs | running job's batches/s while the other waits: arm / open (median) "
+          "| makespan: arm / open (median) | watcher CPU per wait | the launch's CPU, arm - open (median) "
+          "|\n|---|---|---|---|---|---|---|")
     for r in results:
         if r.get("error"):
-            print(f"| {r['name']} | {r['error']} | | | | |")
+            print(f"| {r['name']} | {r['error']} | | | | | |")
             continue
-        pairs = {}
+        pairs: dict[int, dict[str, Any]] = {}
         for row in r["rows"]:
             pairs.setdefault(row["pair"], {})[row["label"]] = row
-        rate = [p["watched"]["rate"] / p["open"]["rate"] for p in pairs.values()
-                if p.get("watched", {}).get("rate") and p.get("open", {}).get("rate")]
-        span = [p["watched"]["makespan"] / p["open"]["makespan"] for p in pairs.values()
-                if p.get("watched", {}).get("makespan") and p.get("open", {}).get("makespan")]
-        cpu = [row["steer_cpu"] for row in r["rows"] if row.get("steer_cpu") is not None]
-        total = [p["watched"]["cpu"] - p["open"]["cpu"] for p in pairs.values()
-                 if p.get("watched", {}).get("cpu") is not None and p.get("open", {}).get("cpu") is not None]
-        print(f"| {r['name']} | {len(pairs)} | {statistics.median(rate) if rate else float('nan'):.3f} "
-              f"(range {min(rate, default=float('nan')):.3f}-{max(rate, default=float('nan')):.3f}) | "
-              f"{statistics.median(span) if span else float('nan'):.3f} | "
-              f"{statistics.median(cpu) if cpu else float('nan'):.2f} s | "
-              f"{statistics.median(total) if total else float('nan'):+.2f} s |")
+        for arm in sorted({row["label"] for row in r["rows"]} - {"open"}):
+            rate, span = _ratios(pairs, arm, "rate"), _ratios(pairs, arm, "makespan")
+            cpu = [row["steer_cpu"] for row in r["rows"] if row["label"] == arm and row.get("steer_cpu") is not None]
+            total = [p[arm]["cpu"] - p["open"]["cpu"] for p in pairs.values()
+                     if p.get(arm, {}).get("cpu") is not None and p.get("open", {}).get("cpu") is not None]
+            print(f"| {r['name']} | {arm} | {len(span)} | {statistics.median(rate) if rate else float('nan'):.3f} "
+                  f"(range {min(rate, default=float('nan')):.3f}-{max(rate, default=float('nan')):.3f}) | "
+                  f"{statistics.median(span) if span else float('nan'):.3f} "
+                  f"(range {min(span, default=float('nan')):.3f}-{max(span, default=float('nan')):.3f}) | "
+                  f"{statistics.median(cpu) if cpu else float('nan'):.2f} s | "
+                  f"{statistics.median(total) if total else float('nan'):+.2f} s |")
 
 
 def _pc(x: float | None) -> str:
@@ -217,6 +231,9 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=1, help="runs per point (sweep --repeat); points are medians")
     p.add_argument("--overhead", type=int, default=0, metavar="N",
                    help="measure the watching's cost instead: N pairs of open / watched launches")
+    p.add_argument("--uncounted", action="store_true",
+                   help="with --overhead: a third launch each round, watched without counting reads in flight "
+                        "(HPCSTAGGER_STEER_COUNT=0)")
     p.add_argument("--out", default=str(HERE / "out" / "bench_steer.json"))
     p.add_argument("--keep", action="store_true", help="keep the work directory (specs, scenarios, logs)")
     args = p.parse_args()
@@ -233,7 +250,8 @@ def main() -> int:
     with U.workspace("bench-steer", args.samples, args.keep) as (root, data):
         for name in names:
             if args.overhead:
-                results.append(overhead_pairs(name, configs[name], data, root / name, args.overhead, args.budget))
+                results.append(overhead_pairs(name, configs[name], data, root / name, args.overhead, args.budget,
+                                              args.uncounted))
             else:
                 results.append(run_config(name, configs[name], data, root / name, cases, args.staggers,
                                           args.budget, args.repeat))

@@ -78,3 +78,29 @@ def test_the_closed_loop_fits_to_the_device_where_the_page_cache_is_the_scenario
     scenario.write_text(text)
     st = steering()
     assert st.device and st._readahead == 4.0
+
+
+@pytest.mark.parametrize("count", ["1", "0"])
+def test_the_watcher_has_reads_counted_in_flight_unless_steer_count_is_off(shm_root, monkeypatch, count):
+    import time
+
+    from hpcstagger.cache import ShmCache
+
+    monkeypatch.setenv("HPCSTAGGER_STEER_COUNT", count)
+    cache = ShmCache("counted", 1 << 20, root=shm_root)
+    spec = SimpleNamespace(dataset=SimpleNamespace(path=""), cache=SimpleNamespace(capacity=1 << 20, name="counted",
+                                                                                    root=shm_root))
+    watcher = Watcher(spec, "")
+    try:
+        look = watcher.look(0.0, [])  # the watcher's look asks for counting, where the knob lets it
+        assert look.flight is not None and sum(look.flight) == 0.0
+        with cache.reading():  # a job's read from the source
+            time.sleep(0.05)
+        counted = sum(watcher.look(0.1, []).flight or [])
+        if count == "1":
+            assert counted >= 0.04
+        else:
+            assert counted == 0.0
+    finally:
+        watcher.close()
+        cache.destroy()

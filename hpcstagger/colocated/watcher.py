@@ -66,6 +66,7 @@ class Watcher:
         self.spec = spec
         self.run_dir = run_dir
         self.cache: Any = None
+        self.count = bool(config.get("steer_count"))  # have the cache count reads in flight (``steer_count``)
         self.device: Callable[[], float | None] | None = None
         path = getattr(getattr(spec, "dataset", None), "path", "") if device else ""
         if path:
@@ -91,10 +92,11 @@ class Watcher:
         look = Look(t=t)
         cache = self._attach()
         if cache is not None:
-            try:
-                cache.watch(WATCH_S)  # the jobs' reads are counted in flight while somebody looks
-            except CacheError as exc:
-                log.debug("the watcher cannot ask the cache to count reads in flight: %s", exc)
+            if self.count:
+                try:
+                    cache.watch(WATCH_S)  # the jobs' reads are counted in flight while somebody looks
+                except CacheError as exc:
+                    log.debug("the watcher cannot ask the cache to count reads in flight: %s", exc)
             nbytes, seconds = cache.read_counters()
             look.read_bytes, look.read_seconds = float(nbytes), seconds
             look.flight = cache.flight_seconds()
