@@ -574,7 +574,7 @@ def test_where_the_page_cache_is_the_cache_the_source_is_fitted_to_the_devices_b
     st.looks = cold = looks(0.9 / 4, 0.9)
     assert st._fit_source(0.0)
     assert st.beta == pytest.approx(0.9, rel=1e-6)  # the device's bytes, with no calibration baseline
-    assert st.source_seen["estimator"] == "device bytes, reads counted" and st.source_seen["baseline"] == 1.0
+    assert st.source_seen["estimator"] == "device bytes, reads in flight counted" and st.source_seen["baseline"] == 1.0
     assert st.source_seen["device_bytes_per_s"] == pytest.approx(0.9 * bw)
     # the same looks fitted to the cache's count: a quarter of the curve, what a cold first fit held a job on
     plain, _, _, _ = _steering(1.0, sc=sc, lo=100.0)

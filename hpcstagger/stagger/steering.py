@@ -222,19 +222,16 @@ class Steering:
         if size > 0 and nbytes / size < MIN_READS:
             return False
         device = self._device_delta(first, last)
-        if device is not None:  # the page cache is the scenario's cache: the device's bytes are the source's
-            if (last.t - first.t < DEVICE_WINDOW or (size > 0 and device / size < MIN_READS)
-                    or device < DEVICE_SHARE * self._readahead * nbytes):
-                return False
-            scale, how = self._counted_factor(first, last, device, secs, baseline=1.0), "device bytes, reads counted"
-            if scale is None:
-                scale, how = source_factor(self.bandwidth, self._fetchers(), device, secs, last.t - first.t), \
-                    "device bytes, mean in flight"
-        else:
-            scale, how = self._counted_factor(first, last, nbytes, secs), "reads in flight counted"
-            if scale is None:
-                scale = source_factor(self.bandwidth, self._fetchers(), nbytes, secs, last.t - first.t)
-                how = "mean in flight"
+        if device is not None and (last.t - first.t < DEVICE_WINDOW or (size > 0 and device / size < MIN_READS)
+                                   or device < DEVICE_SHARE * self._readahead * nbytes):
+            return False
+        # where the page cache is the scenario's cache, the device's bytes are the source's (no baseline)
+        fitted, baseline, what = (nbytes, None, "") if device is None else (device, 1.0, "device bytes, ")
+        scale, how = self._counted_factor(first, last, fitted, secs, baseline=baseline), "reads in flight counted"
+        if scale is None:
+            scale = source_factor(self.bandwidth, self._fetchers(), fitted, secs, last.t - first.t)
+            how = "mean in flight"
+        how = what + how
         if scale is None:
             return False
         self.source_seen = {"readers": secs / (last.t - first.t), "bytes_per_s": nbytes / (last.t - first.t),
