@@ -24,7 +24,9 @@ planned from the calibration alone (``--no-history``: the runs' history would mo
 compares the running job's batches per second while the other waits (from its leader's progress
 history, from 0.5 s after its loop began to the release or its last progress record, if sooner;
 none where its loop began less than 0.5 s before that), the makespans and the launches' CPU time
-(every process of the launch's tree, from the benchmark's reaped children).
+(every process of the launch's tree, from the benchmark's reaped children). Besides the emulated
+source's configurations, ``--overhead`` takes the real file system's (``grid-w2-j3-c100-fs``: the
+dataset on a kernel-throttled ext4 loop device, as in bench_userjobs; root only).
 
 Writes benchmarks/out/bench_steer.json and prints one row per configuration and case: the steered
 and the open-loop plan's gaps to the best measured fixed stagger (simultaneous included), the
@@ -34,6 +36,7 @@ planned and actual releases, the fitted factors and the watcher's CPU time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -138,15 +141,25 @@ def run_config(name: str, cfg: dict[str, Any], data: Path, work: Path, cases: li
 def overhead_pairs(name: str, cfg: dict[str, Any], data: Path, work: Path, pairs: int, budget: float,
                    uncounted: bool = False) -> dict[str, Any]:
     """``pairs`` launches each of mode open and of mode plan with steer = false, alternating; with
-    ``uncounted`` a third, watched with ``HPCSTAGGER_STEER_COUNT=0`` (no reads counted in flight)."""
+    ``uncounted`` a third, watched with ``HPCSTAGGER_STEER_COUNT=0`` (no reads counted in flight).
+    A real-file-system configuration puts the dataset on its throttled loop device first."""
+    work.mkdir(parents=True)
+    with contextlib.ExitStack() as stack:
+        cg = None
+        if cfg.get("real_fs"):  # the dataset on a throttled ext4 loop device, read through its cgroup
+            data, cg = stack.enter_context(U.real_fs(data, cfg["real_fs"], work))
+        return _overhead_rounds(name, cfg, data, work, pairs, budget, uncounted, cg)
+
+
+def _overhead_rounds(name: str, cfg: dict[str, Any], data: Path, work: Path, pairs: int, budget: float,
+                     uncounted: bool, cg: str | None) -> dict[str, Any]:
     from hpcstagger.spec.records import read_progress, throughput
 
-    work.mkdir(parents=True)
     log = work / "log.txt"
     spec = work / "spec.toml"
     U.write_spec(spec, name, cfg, data, data.stat().st_size)
     hs = [sys.executable, "-m", "hpcstagger"]
-    if U.calibrate(spec, work, log, budget) != 0:
+    if U.calibrate(spec, work, log, budget, cgroup=cg) != 0:
         return {"name": name, "error": f"calibrate failed; see {log}"}
     watch = work / "spec-watch.toml"
     watch.write_text(spec.read_text().replace('mode = "plan"', 'mode = "plan"\nsteer = false'))
@@ -158,7 +171,8 @@ def overhead_pairs(name: str, cfg: dict[str, Any], data: Path, work: Path, pairs
             before = resource.getrusage(resource.RUSAGE_CHILDREN)
             os.environ["HPCSTAGGER_STEER_COUNT"] = "0" if label == "uncounted" else "1"
             try:
-                U._run(hs + ["launch", str(path), "--mode", mode, "--cold-cache", "--no-history", "--json"], log)
+                U._run(hs + ["launch", str(path), "--mode", mode, "--cold-cache", "--no-history", "--json"], log,
+                       cgroup=cg)
             finally:
                 del os.environ["HPCSTAGGER_STEER_COUNT"]
             after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the launch's whole tree, every process reaped
@@ -243,9 +257,12 @@ def main() -> int:
             p.error(f"unknown case {c!r}; cases: {', '.join(CASES)}")
     configs = {**U.CONFIGS, **U.grid_configs()}
     for n in names:
-        if n not in configs or configs[n].get("real_fs"):
+        if n not in configs or (configs[n].get("real_fs") and not args.overhead):
             p.error(f"unknown or unsupported configuration {n!r} (the emulated-source ones of bench_userjobs, "
-                    "named or of its grid: grid-w<workers>-j<jobs>-c<cache %>-emu)")
+                    "named or of its grid: grid-w<workers>-j<jobs>-c<cache %>-emu; with --overhead also the "
+                    "real file system's, grid-w<workers>-j<jobs>-c<cache %>-fs)")
+        if configs[n].get("real_fs") and os.geteuid() != 0:
+            p.error(f"{n}: the real file system (a loop device, a blkio cgroup) needs root")
     results = []
     with U.workspace("bench-steer", args.samples, args.keep) as (root, data):
         for name in names:

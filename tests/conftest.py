@@ -45,7 +45,12 @@ _SESSION_START = time.time()
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Clean MPICH leftovers of aborted runs, then fail (under CI) if a test left /dev/shm files."""
+    """Clean MPICH leftovers of aborted runs, then fail (under CI) if a test left /dev/shm files.
+
+    Under pytest-xdist only the controller looks, once every worker has finished: a worker that
+    finishes first would see the entries of tests still running in the others."""
+    if hasattr(session.config, "workerinput"):
+        return
     remove_stale_mpich_segments(_SESSION_START)
     rank = os.environ.get("PMI_RANK", "0")
     if rank != "0":

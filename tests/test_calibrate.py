@@ -78,6 +78,7 @@ def test_calibrate_measures_source_hits_and_jobs(h5file, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+@pytest.mark.alone
 def test_calibrate_cli_with_dev_shm_hits_and_progress(h5file, tmp_path):
     out = tmp_path / "cli.toml"
     env = cli_env(HPCSTAGGER_TEST_H5=h5file, PYTHONPATH=os.pathsep.join(

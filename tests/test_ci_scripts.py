@@ -1,5 +1,6 @@
-"""The CI scripts: scripts/check-tree (the suite leaves the checkout as it found it) and the
-PYTHON handling of scripts/install-horovod, each run on a throwaway git repository."""
+"""The CI scripts: scripts/check-tree (the suite leaves the checkout as it found it), the PYTHON
+handling of scripts/install-horovod, each run on a throwaway git repository, and the stages of
+scripts/run-tests, run with a stand-in Python that logs its arguments."""
 
 from __future__ import annotations
 
@@ -109,3 +110,53 @@ esac
     calls = log.read_text().splitlines()
     assert len(calls) >= 3, calls
     assert all(c.split()[0] == str(fake) for c in calls), calls  # $0: always the absolute path
+
+
+@pytest.fixture
+def fake_python(tmp_path):
+    """A venv bin directory whose python logs its arguments (one line per call) and exits with
+    $FAKE_PYTEST_RC for pytest and 0 for ruff and mypy; its mpiexec drops '-n N' and runs the rest."""
+    bin_ = tmp_path / "venv" / "bin"
+    bin_.mkdir(parents=True)
+    log = tmp_path / "calls.log"
+    (bin_ / "python").write_text(f"""#!/bin/bash
+echo "$*" >> {log}
+case "$2" in pytest) exit ${{FAKE_PYTEST_RC:-0}} ;; *) exit 0 ;; esac
+""")
+    (bin_ / "mpiexec").write_text('#!/bin/bash\nshift 2\nexec "$@"\n')
+    for f in ("python", "mpiexec"):
+        (bin_ / f).chmod(0o755)
+    return bin_ / "python", log
+
+
+def _run_tests(fake, *args, **env):
+    python, log = fake
+    return subprocess.run(["bash", str(REPO / "scripts" / "run-tests"), *args], capture_output=True, text=True,
+                          timeout=30, env={**os.environ, "PYTHON": str(python), **env})
+
+
+def test_run_tests_runs_the_serial_suite_on_workers_then_the_alone_tests(fake_python):
+    out = _run_tests(fake_python, HPCSTAGGER_TEST_WORKERS="3")
+    assert out.returncode == 0, out.stdout + out.stderr
+    pytests = [c for c in fake_python[1].read_text().splitlines() if c.startswith("-m pytest")]
+    assert len(pytests) == 5, pytests  # serial, alone, and mpiexec -n 1, 2, 4
+    assert "-m not mpi and not alone -n 3 " in pytests[0]
+    assert "-m not mpi and alone " in pytests[1] and " -n " not in pytests[1]
+    assert all("--with-mpi -m mpi" in c for c in pytests[2:])
+
+
+def test_run_tests_fails_a_stage_that_collects_nothing_unless_the_arguments_deselected_it(fake_python):
+    out = _run_tests(fake_python, FAKE_PYTEST_RC="5")
+    assert out.returncode == 1 and out.stdout.count("no tests were collected (pytest exit 5): failing") == 5
+    out = _run_tests(fake_python, "-k", "nothing_matches", FAKE_PYTEST_RC="5")
+    assert out.returncode == 0, out.stdout
+    assert "=== alone: the arguments given (-k nothing_matches) selected no test of this stage" in out.stdout
+    out = _run_tests(fake_python, "-k", "x", FAKE_PYTEST_RC="1")
+    assert out.returncode == 1 and "serial: FAILED (exit 1)" in out.stdout
+
+
+def test_run_tests_refuses_a_worker_count_that_is_not_a_number(fake_python):
+    out = _run_tests(fake_python, HPCSTAGGER_TEST_WORKERS="two")
+    assert out.returncode == 1
+    assert "HPCSTAGGER_TEST_WORKERS=two is not a whole number" in out.stderr
+    assert not fake_python[1].exists()  # nothing ran

@@ -130,6 +130,7 @@ def _segments() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("mpich_shm_")}
 
 
+@pytest.mark.alone
 def test_a_killed_rank_leaves_no_mpi_segment_behind_a_lingering_producer(tmp_path):
     """The producer is forked from a rank, so it inherits the rank's MPI shared-memory segment. It
     outlives the ranks by loader_linger; the failed launch must still remove the segment's file."""

@@ -173,6 +173,7 @@ def shm(tmp_path):
         shutil.rmtree(box, ignore_errors=True)
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("case", ["missing dataset", "missing backend", "wrong table"])
 @pytest.mark.parametrize("command", [("launch",), ("sweep", "--staggers", "0,1"), ("calibrate",)])
 def test_a_bad_spec_fails_in_one_line_before_any_rank(tmp_path, shm, case, command):
@@ -296,6 +297,7 @@ def examples(tmp_path, shm):
     return tmp_path, root, {**env, "PYTHONPATH": _shadow_horovod(tmp_path)}
 
 
+@pytest.mark.alone
 def test_the_horovod_example_without_horovod_says_what_to_run(examples):
     cwd, root, env = examples
     before = set(os.listdir("/dev/shm"))
