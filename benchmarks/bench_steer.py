@@ -13,13 +13,14 @@ bandwidth times 0.7 / 1.3), ``jobs-30``/``jobs+30`` (every job's CPU costs, ``sa
 ``prep_time`` and ``handoff``, times 0.7 / 1.3).
 
     python benchmarks/bench_steer.py [--only NAME,...] [--cases right,source-30,...]
-        [--staggers 0,1,2,3,4,6] [--repeat N] [--overhead N] [--keep]
+        [--staggers 0,1,2,3,4,6] [--repeat N] [--overhead N [--uncounted] [--steered]] [--keep]
 
 ``--overhead N`` instead measures what watching costs: with the calibration as measured, N pairs
 of launches, one in mode ``open`` (no watcher) and one in mode ``plan`` with ``[plan] steer =
 false`` (the watcher looks and fits as usual but keeps the planned delays), alternating (with
-``--uncounted``, a third watched the same way without counting reads in flight,
-``HPCSTAGGER_STEER_COUNT=0``; each launch of a round goes first in turn), every one
+``--uncounted``, another watched the same way without counting reads in flight,
+``HPCSTAGGER_STEER_COUNT=0``; with ``--steered``, another in mode ``plan`` steered as usual, released
+by the fitted model; each launch of a round goes first in turn), every one
 planned from the calibration alone (``--no-history``: the runs' history would move the plan between them). Each pair
 compares the running job's batches per second while the other waits (from its leader's progress
 history, from 0.5 s after its loop began to the release or its last progress record, if sooner;
@@ -139,20 +140,21 @@ def run_config(name: str, cfg: dict[str, Any], data: Path, work: Path, cases: li
 
 
 def overhead_pairs(name: str, cfg: dict[str, Any], data: Path, work: Path, pairs: int, budget: float,
-                   uncounted: bool = False) -> dict[str, Any]:
+                   extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """``pairs`` launches each of mode open and of mode plan with steer = false, alternating; with
-    ``uncounted`` a third, watched with ``HPCSTAGGER_STEER_COUNT=0`` (no reads counted in flight).
+    ``extra`` arms: ``uncounted``, watched with ``HPCSTAGGER_STEER_COUNT=0`` (no reads counted in
+    flight), and ``steered``, mode plan steered as usual.
     A real-file-system configuration puts the dataset on its throttled loop device first."""
     work.mkdir(parents=True)
     with contextlib.ExitStack() as stack:
         cg = None
         if cfg.get("real_fs"):  # the dataset on a throttled ext4 loop device, read through its cgroup
             data, cg = stack.enter_context(U.real_fs(data, cfg["real_fs"], work))
-        return _overhead_rounds(name, cfg, data, work, pairs, budget, uncounted, cg)
+        return _overhead_rounds(name, cfg, data, work, pairs, budget, extra, cg)
 
 
 def _overhead_rounds(name: str, cfg: dict[str, Any], data: Path, work: Path, pairs: int, budget: float,
-                     uncounted: bool, cg: str | None) -> dict[str, Any]:
+                     extra: tuple[str, ...], cg: str | None) -> dict[str, Any]:
     from hpcstagger.spec.records import read_progress, throughput
 
     log = work / "log.txt"
@@ -164,7 +166,8 @@ def _overhead_rounds(name: str, cfg: dict[str, Any], data: Path, work: Path, pai
     watch = work / "spec-watch.toml"
     watch.write_text(spec.read_text().replace('mode = "plan"', 'mode = "plan"\nsteer = false'))
     rows: list[dict[str, Any]] = []
-    arms = [("open", spec, "open"), ("watched", watch, "plan")] + ([("uncounted", watch, "plan")] if uncounted else [])
+    arms = [("open", spec, "open"), ("watched", watch, "plan")]
+    arms += [a for a in (("uncounted", watch, "plan"), ("steered", spec, "plan")) if a[0] in extra]
     for k in range(pairs):
         for label, path, mode in arms[k % len(arms):] + arms[:k % len(arms)]:  # each arm in turn goes first
             stamp = f"overhead-{k}-{label}"
@@ -248,6 +251,9 @@ def main() -> int:
     p.add_argument("--uncounted", action="store_true",
                    help="with --overhead: a third launch each round, watched without counting reads in flight "
                         "(HPCSTAGGER_STEER_COUNT=0)")
+    p.add_argument("--steered", action="store_true",
+                   help="with --overhead: a launch each round in mode plan steered as usual (released by the fitted "
+                        "model), beside the open-loop and watched ones")
     p.add_argument("--out", default=str(HERE / "out" / "bench_steer.json"))
     p.add_argument("--keep", action="store_true", help="keep the work directory (specs, scenarios, logs)")
     args = p.parse_args()
@@ -268,7 +274,7 @@ def main() -> int:
         for name in names:
             if args.overhead:
                 results.append(overhead_pairs(name, configs[name], data, root / name, args.overhead, args.budget,
-                                              args.uncounted))
+                                              tuple(a for a in ("uncounted", "steered") if getattr(args, a))))
             else:
                 results.append(run_config(name, configs[name], data, root / name, cases, args.staggers,
                                           args.budget, args.repeat))
