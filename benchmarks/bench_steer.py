@@ -249,7 +249,7 @@ def main() -> int:
     p.add_argument("--overhead", type=int, default=0, metavar="N",
                    help="measure the watching's cost instead: N pairs of open / watched launches")
     p.add_argument("--uncounted", action="store_true",
-                   help="with --overhead: a third launch each round, watched without counting reads in flight "
+                   help="with --overhead: another launch each round, watched without counting reads in flight "
                         "(HPCSTAGGER_STEER_COUNT=0)")
     p.add_argument("--steered", action="store_true",
                    help="with --overhead: a launch each round in mode plan steered as usual (released by the fitted "

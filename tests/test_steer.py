@@ -387,6 +387,31 @@ def test_a_re_fit_that_would_end_past_the_due_release_is_not_started():
     assert "fitted model" in d.reason or "plan's delay" in d.reason
 
 
+def test_without_the_sources_evidence_the_planned_delay_is_kept_on_time():
+    """The cache counts reads, but none show by the planned delay (on a real file system, a page
+    cache serving every read gives the device fit nothing). A fit of the jobs alone takes 0.5 s of
+    wall time here (at a lowered priority on a busy node); the look before the delay costs little.
+    No fit can say more than the plan then, so the group goes at its delay, not a fit later."""
+    clock = [0.0]
+    st, look, planned, late = _steering(1.0, wall_clock=lambda: clock[0])
+    fit_jobs = st._fit_jobs
+
+    def slow(*args):
+        clock[0] += 0.5
+        return fit_jobs(*args)
+    st._fit_jobs = slow
+    for n in st.groups[0]:
+        st.released[n] = 0.0
+    while st.waiting and clock[0] < 20.0:
+        clock[0] += max(0.01, st.until_next_look(clock[0]))
+        ds = st.decide(replace(look(clock[0]), read_bytes=0.0, read_seconds=0.0), 1000.0)
+    assert clock[0] == pytest.approx(planned, abs=0.02), "the release was sent a fit late"
+    (d,) = st.decisions
+    assert d.at == pytest.approx(planned, abs=0.02) and ds == [d]
+    assert d.reason == "the plan's delay (no evidence from the source yet)"
+    assert not st.fits and not st.source_seen and st.beta == 1.0
+
+
 @pytest.mark.parametrize("factor, direction", [(0.7, "later"), (1.3, "earlier")])
 def test_a_source_off_by_30_percent_moves_the_release(factor, direction):
     st, look, planned, late = _steering(factor)

@@ -36,7 +36,9 @@ a fit made before the planned delay that holds the group past it is checked by a
 planned delay comes. A re-fit does not make a release late: when the last re-fit took more than
 half a look of wall time and the next would end past the release that is due (the fitted best
 start, else the planned delay), the fit that stands decides (on a busy node a re-fit at a lowered
-priority takes several times its CPU time; the first re-fit's time is not known beforehand).
+priority takes several times its CPU time; the first re-fit's time is not known beforehand). Where
+the run counts the source's reads but they have given no evidence by the planned delay, the group
+is released then, unfitted.
 Without evidence yet (no loop older than 0.5 s) the prior holds: the group is released at its
 planned delay. ``[plan] min_delay`` and ``max_delay`` bound every
 release, and a group is released as soon as every job started before it has finished. Every
@@ -430,8 +432,12 @@ class Steering:
         """Fit the source and the running jobs, and release ``group`` when the fitted model says now."""
         now = look.t
         self._fit_source(max(loop_starts.values()) + WARMUP)
-        if look.read_bytes is not None and not self.source_seen and now < planned:
-            return None  # the cache counts reads: wait for the source's evidence (or the plan's time)
+        if look.read_bytes is not None and not self.source_seen:
+            # the cache counts reads, but the source has given no evidence yet: wait for it, and at the
+            # plan's delay keep the plan (the jobs' fits alone would only make the release a fit late)
+            if now < planned:
+                return None
+            return self.release(group, now, "the plan's delay (no evidence from the source yet)")
         self._fit_jobs(look, loop_starts)
         extra = min(1.0, max(0.0, self.prefetched())) if self.prefetched is not None else 0.0
         fitted = {"source": self.beta, "prefetch": 1.0 + extra, **{f"job:{k}": v for k, v in self.alpha.items()}}
