@@ -351,24 +351,27 @@ def test_a_hold_past_the_plan_is_checked_when_the_planned_delay_comes():
     assert d.jobs == [late] and d.at == pytest.approx(planned, abs=0.26) and "fitted model" in d.reason
 
 
-def _run_slow_fits(fit_seconds, measured=True, **kw):
+def _run_slow_fits(fit_seconds, measured=True, slowed="_refit", blind=False, **kw):
     """Steer on a clock that a re-fit advances by ``fit_seconds`` (a fit at a lowered priority on a
     busy node); looks come when :meth:`Steering.until_next_look` says. The watcher measures the
-    fits' wall time on that clock, or (``measured=False``) sees them take none. Returns the
-    steering, the planned delay, the release and the clock when the release was sent."""
+    fits' wall time on that clock, or (``measured=False``) sees them take none. ``slowed`` names
+    the step that takes the time (``"_fit_jobs"``: only fits that reach the jobs); ``blind`` looks
+    count reads but see none (the source gives no evidence). Returns the steering, the planned
+    delay, the release and the clock when the release was sent."""
     clock = [0.0]
     st, look, planned, late = _steering(1.0, wall_clock=(lambda: clock[0]) if measured else (lambda: 0.0), **kw)
-    refit = st._refit
+    step = getattr(st, slowed)
 
     def slow(*args):
         clock[0] += fit_seconds
-        return refit(*args)
-    st._refit = slow
+        return step(*args)
+    setattr(st, slowed, slow)
     for n in st.groups[0]:
         st.released[n] = 0.0
     while st.waiting and clock[0] < 20.0:
         clock[0] += max(0.01, st.until_next_look(clock[0]))
-        ds = st.decide(look(clock[0]), 1000.0)
+        seen = look(clock[0])
+        ds = st.decide(replace(seen, read_bytes=0.0, read_seconds=0.0) if blind else seen, 1000.0)
         if ds:
             return st, planned, ds[0], clock[0]
     raise AssertionError("no release")
@@ -392,22 +395,9 @@ def test_without_the_sources_evidence_the_planned_delay_is_kept_on_time():
     cache serving every read gives the device fit nothing). A fit of the jobs alone takes 0.5 s of
     wall time here (at a lowered priority on a busy node); the look before the delay costs little.
     No fit can say more than the plan then, so the group goes at its delay, not a fit later."""
-    clock = [0.0]
-    st, look, planned, late = _steering(1.0, wall_clock=lambda: clock[0])
-    fit_jobs = st._fit_jobs
-
-    def slow(*args):
-        clock[0] += 0.5
-        return fit_jobs(*args)
-    st._fit_jobs = slow
-    for n in st.groups[0]:
-        st.released[n] = 0.0
-    while st.waiting and clock[0] < 20.0:
-        clock[0] += max(0.01, st.until_next_look(clock[0]))
-        ds = st.decide(replace(look(clock[0]), read_bytes=0.0, read_seconds=0.0), 1000.0)
-    assert clock[0] == pytest.approx(planned, abs=0.02), "the release was sent a fit late"
-    (d,) = st.decisions
-    assert d.at == pytest.approx(planned, abs=0.02) and ds == [d]
+    st, planned, d, sent = _run_slow_fits(0.5, slowed="_fit_jobs", blind=True)
+    assert sent == pytest.approx(planned, abs=0.02), "the release was sent a fit late"
+    assert d.at == pytest.approx(planned, abs=0.02) and st.decisions == [d]
     assert d.reason == "the plan's delay (no evidence from the source yet)"
     assert not st.fits and not st.source_seen and st.beta == 1.0
 
