@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from support.cli import run_cli
+from support.loader_util import gone
 from support.local_slurm import MULTI_NODE_MPI_ENV
 from support.ranks import RANK_PROBE, rank_reports
 
@@ -90,6 +91,8 @@ def test_render_is_pure_and_golden(tmp_path):
     assert "0 bash $run_dir/job-a.sh\n1-2 bash $run_dir/job-b.sh" in text
     assert "exec python work.py 'two words'" in text
     assert text.rstrip().endswith('exit "$rc"')
+    # what the run leaves is cleaned after the step, before the job ends
+    assert text.index("--multi-prog") < text.index("hpcstagger clean --after-run") < text.index('exit "$rc"')
 
 
 def test_heterogeneous_job_with_hpcstagger_exec(slurm_two_nodes, batch_job_on, tmp_path):
@@ -119,3 +122,48 @@ def test_launch_with_srun_inside_an_allocation(slurm_cluster, batch_job_on, tmp_
     assert "mode fixed, makespan" in text
     assert rank_reports(tmp_path) == {"a.0": "a rank 0/1 argv=['two words']", "b.0": "b rank 0/2 argv=[]",
                                      "b.1": "b rank 1/2 argv=[]"}, text
+
+
+SHARED_JOB = """
+import sys, torch
+from hpcstagger.loader import SharedLoader
+
+class Data:
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        return torch.full((4,), float(i)), i
+
+loader = SharedLoader(Data(), 4, name="p", num_workers=1)
+n = sum(1 for _ in loader)
+with open(sys.argv[1], "w") as f:
+    f.write(f"{n} {loader.producer_pid}")
+loader.close()
+"""
+
+
+def test_a_batch_job_ends_its_idle_shared_loader_producer(slurm_cluster, shm_root, tmp_path):
+    """The producer would linger 30 s past its last consumer, and the job's end (proctrack/cgroup on
+    a real cluster) would kill it there with its files still in /dev/shm; the batch script stops it."""
+    (tmp_path / "job.py").write_text(SHARED_JOB)
+    spec = tmp_path / "spec.toml"
+    spec.write_text(textwrap.dedent("""
+        [run]
+        name = "ld"
+        [plan]
+        mode = "simultaneous"
+        [slurm]
+        time = "00:10:00"
+        [[job]]
+        name = "a"
+        command = "python job.py out.txt"
+    """))
+    env = {**slurm_cluster.env, "HPCSTAGGER_SHM_ROOT": shm_root, "HPCSTAGGER_LOADER_LINGER": "30"}
+    out = run_cli("slurm", "submit", str(spec), "--wait", "--timeout", "180", env=env, timeout=200)
+    assert out.returncode == 0, out.stdout + out.stderr
+    batches, pid = (int(x) for x in (tmp_path / "out.txt").read_text().split())
+    assert batches == 8 and pid > 0
+    assert gone(pid), f"the producer pid {pid} still runs after the job"
+    loader_dir = Path(shm_root) / ".loader"
+    assert not loader_dir.exists() or list(loader_dir.iterdir()) == []

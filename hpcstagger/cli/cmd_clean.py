@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -27,13 +28,32 @@ def register(sub: Any) -> None:
                         "do not find them)")
     p.add_argument("--unused", action="store_true",
                    help="remove only what no live process uses, and leave the rest without refusing")
+    p.add_argument("--after-run", action="store_true",
+                   help="only what a finished run leaves: stop the shared loaders' producers that no job is "
+                        "attached to any more (instead of letting them linger), then remove the loader rings, "
+                        "throttle tables, gate files and dataset listings that no live process uses; caches stay. "
+                        "'hpcstagger launch' does this when its ranks are gone; the Slurm batch script runs it "
+                        "after its step, before the job's end kills what is left")
     p.add_argument("--json", action="store_true", help="print the items as one JSON object")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpcstagger.colocated.leftovers import clean
+    from hpcstagger.colocated.leftovers import clean, remove_unused
 
+    if args.after_run:
+        if args.force or args.unused or args.dry_run:
+            print("hpcstagger clean: --after-run removes only what no live process uses; drop --force, --unused "
+                  "and --dry-run", file=sys.stderr)
+            return 2
+        env = {**os.environ, **({"HPCSTAGGER_SHM_ROOT": os.path.abspath(args.root)} if args.root else {})}
+        removed = remove_unused(env, gate_dir=args.gate_dir)
+        if args.json:
+            json.dump({"dry_run": False, "items": [{"path": p} for p in removed]}, sys.stdout)
+            sys.stdout.write("\n")
+        else:
+            print("\n".join(f"removed {p}" for p in removed) if removed else "nothing to remove")
+        return 0
     items = clean(args.root, force=args.force, dry_run=args.dry_run, unused_only=args.unused,
                   gate_dir=args.gate_dir)
     if args.json:

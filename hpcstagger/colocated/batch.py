@@ -44,7 +44,8 @@ def render_batch(spec: Spec, *, python_bin: str | None = None, version: str = ""
     world, PMI-2) through a small wrapper script per job, since ``--multi-prog`` lines cannot hold
     quoted arguments; with ``"mpiexec"`` as one MPMD ``mpiexec``. Mode sequential starts one step
     per job, one after another. ``python_bin`` (the directory of the Python environment to use) is
-    put first on PATH. The script ends with ``hpcstagger status``, which prints each job's times.
+    put first on PATH. The script ends with ``hpcstagger status``, which prints each job's times, beside
+    ``hpcstagger clean --after-run`` (what the run leaves in /dev/shm, before the job's end kills it).
     """
     sl = spec.slurm
     lines = ["#!/bin/bash",
@@ -102,7 +103,10 @@ def render_batch(spec: Spec, *, python_bin: str | None = None, version: str = ""
     else:
         parts = [f"-n {job.ranks} {_env_command(job)}" for job in spec.jobs]
         lines.append(f'step env {runenv.RUN_DIR}="$run_dir" mpiexec ' + " : ".join(parts))
-    lines += [f'hpcstagger status "${runenv.SPEC}" "$run_dir" || true', 'exit "$rc"']
+    # the step's ranks are gone: stop the shared loaders' idle producers now (the job's end would kill them,
+    # leaving their files in /dev/shm) and remove what no process uses; beside the status report
+    lines += ["hpcstagger clean --after-run > /dev/null & cleaning=$!",
+              f'hpcstagger status "${runenv.SPEC}" "$run_dir" || true', 'wait "$cleaning" || true', 'exit "$rc"']
     return "\n".join(lines) + "\n"
 
 

@@ -23,7 +23,7 @@ from hpcstagger import config
 from hpcstagger.cache import _fs
 from hpcstagger.cache.admin import ROOT_SUBDIRS, remove_empty_dirs
 from hpcstagger.checkpoint.gates import gate_owner
-from hpcstagger.errors import CacheError
+from hpcstagger.errors import CacheError, LoaderError
 from hpcstagger.cache.throttle import remove_if_idle
 
 __all__ = ["Leftover", "find", "users_of", "clean", "remove_unused"]
@@ -170,17 +170,24 @@ def clean(root: str | None = None, *, force: bool = False, dry_run: bool = False
 
 
 def remove_unused(environ: Mapping[str, str] | None = None, *, gate_dir: str = GATE_DIR,
-                  keep_root: bool = True) -> list[str]:
-    """After a run: remove the gate files, loader rings, throttle tables and dataset listings (a
-    listing is of one run) that no live process uses (caches stay: they are for the next run),
-    each by its own liveness record where it has one (a ring's producer and consumers, a table's
-    readers), and the root's empty folders (the root itself too when empty, unless ``keep_root``:
-    it was there before the run); return the paths removed. Never raises: a problem is logged."""
-    from hpcstagger.loader.pipelines import remove_stale
+                  keep_root: bool = True, stop_wait: float = 3.0) -> list[str]:
+    """After a run: stop the shared loaders' producers that no consumer is attached to any more
+    (they would linger for ``loader_linger`` seconds, for a consumer that no longer comes; waiting
+    up to ``stop_wait`` seconds for them to end), then remove the gate files, loader rings, throttle
+    tables and dataset listings (a listing is of one run) that no live process uses (caches stay:
+    they are for the next run), each by its own liveness record where it has one (a ring's producer
+    and consumers, a table's readers), and the root's empty folders (the root itself too when empty,
+    unless ``keep_root``: it was there before the run); return the paths removed. Never raises: a
+    problem is logged."""
+    from hpcstagger.loader.pipelines import remove_stale, stop_idle
 
     root = os.path.abspath(config.get("shm_root", environ))
     removed = []
     try:
+        if os.path.isdir(root):
+            stopped = stop_idle(root, wait=stop_wait)
+            if stopped:
+                log.info("stopped the idle shared-loader producer(s) of %s", ", ".join(stopped))
         for item in find(root, gate_dir=gate_dir, environ=environ):
             if item.users:
                 continue
@@ -194,6 +201,6 @@ def remove_unused(environ: Mapping[str, str] | None = None, *, gate_dir: str = G
         removed += [os.path.join(root, ".loader", key) for key in remove_stale(root)]
         if os.path.isdir(root):
             removed += remove_empty_dirs(root, keep_root=keep_root)
-    except (CacheError, OSError) as exc:
+    except (CacheError, LoaderError, OSError) as exc:
         log.warning("could not remove what the run left in /dev/shm: %s", exc)
     return removed

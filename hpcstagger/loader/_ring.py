@@ -53,7 +53,7 @@ ALIGN = 64
 # header words
 (H_MAGIC, H_VERSION, H_WINDOW, H_N, H_BATCH, H_SEED, H_SEGMENTS, H_DROP, H_PPID, H_PSTART, H_BEAT, H_STATE,
  H_HEAD, H_SLOT_BYTES, H_BLOCKED, H_CREATED, H_ERRLEN, H_WORKERS, H_SPAWNER, H_DEVICE, H_GHEAD, H_GPID,
- H_IPCLEN, H_PWAIT, H_SWAIT) = range(25)
+ H_IPCLEN, H_PWAIT, H_SWAIT, H_QUIT) = range(26)  # H_QUIT: another process asks an idle producer to stop now
 ERR_OFF, ERR_MAX = 512, 480                      # error text bytes
 IPC_OFF, IPC_MAX = 20480, 1024                   # the GPU ring's handle (JSON), after the slot table
 CONS_OFF, CONS_WORDS = 1024, 16                  # consumer table

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Collection, Iterator
 from typing import Any
 
@@ -11,7 +12,7 @@ from hpcstagger import config
 from hpcstagger.cache import _fs
 from hpcstagger.loader import _ring as R
 
-__all__ = ["list_pipelines", "producers_of", "remove_stale"]
+__all__ = ["list_pipelines", "producers_of", "remove_stale", "stop_idle"]
 
 
 def _entries(root: str | None) -> tuple[int, str, list[str]]:
@@ -92,3 +93,28 @@ def remove_stale(root: str | None = None) -> list[str]:
         if fd >= 0:
             os.close(fd)
     return removed
+
+
+def stop_idle(root: str | None = None, *, wait: float = 3.0) -> list[str]:
+    """Ask every producer under ``root`` that no live consumer is attached to to stop now, as if its
+    linger (the ``loader_linger`` knob) had run out: it removes its files and ends its DataLoader
+    workers, which then clean up after themselves (a producer left to linger past the end of a Slurm
+    job is killed with the job, and leaves its files in /dev/shm and its workers' folders in /tmp).
+    Waits up to ``wait`` seconds for them to end; returns the keys of the pipelines asked. A
+    producer that a consumer attaches to meanwhile goes on."""
+    fd, path, keys = _entries(root)
+    asked: dict[str, tuple[int, int]] = {}
+    try:
+        with R.DirLock(fd) if fd >= 0 else contextlib.nullcontext():
+            for key, ctl in _each_ctl(fd, path, keys):
+                info = _describe(ctl, key)
+                if info["state"] in ("starting", "running") and not any(c["alive"] for c in info["consumers"]):
+                    ctl.w[R.H_QUIT] = 1  # its beat thread looks every 0.1 s
+                    asked[key] = (int(ctl.w[R.H_PPID]), int(ctl.w[R.H_PSTART]))
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    deadline = time.monotonic() + wait
+    while any(_fs.alive(pid, start) for pid, start in asked.values()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return list(asked)

@@ -275,7 +275,8 @@ class _Producer:
                 self._stager_died()
                 return
             now = time.monotonic()
-            if now - last_sweep < 0.25:
+            quit_asked = bool(w[R.H_QUIT])  # the run is over (stop_idle): no linger once nobody is attached
+            if now - last_sweep < 0.25 and not quit_asked:
                 continue
             last_sweep = now
             with R.DirLock(self.dir_fd):
@@ -283,9 +284,11 @@ class _Producer:
                 self.ctl.wake_producer()  # a consumer it detached may have held a slot back
                 if live:
                     empty_since = None
-                elif empty_since is None:
+                    if quit_asked:  # someone attached after all: the request was for an idle producer
+                        w[R.H_QUIT] = 0
+                elif empty_since is None and not quit_asked:
                     empty_since = now
-                elif now - empty_since >= self.linger:
+                elif quit_asked or (empty_since is not None and now - empty_since >= self.linger):
                     w[R.H_STATE] = R.P_STOPPED
                     R.remove_files(self.dir_fd, self.pipe.key, self.ctl.ino)
                     self.removed = True
