@@ -50,3 +50,34 @@ def test_oversized_job_is_refused_not_left_pending(slurm_cluster, tmp_path):
 def test_wait_for_unknown_job_raises(slurm_cluster):
     with pytest.raises(LaunchError, match="does not know job 987654"):
         slurm.wait_for_job(987654, 5, env=slurm_cluster.env)
+
+
+def test_a_cluster_whose_port_was_taken_meanwhile_starts_on_fresh_ports(slurm_cluster, monkeypatch):
+    """Ports are picked free, not held: another cluster (a parallel test) may bind one first. The
+    first start here gives slurmd a port that a socket holds; slurmd fails to bind it, and the start
+    is retried on fresh ports (``slurm_cluster`` only for its conditions: Slurm installed, root)."""
+    import socket
+
+    from support import local_slurm
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))  # bound, not listening: a bind fails, a connection is refused
+    taken = held.getsockname()[1]
+    real = local_slurm._free_port
+    handed: list[int] = []
+
+    def first_taken() -> int:  # the first config's slurmd ports (its 2nd and 3rd) are the held one
+        port = taken if len(handed) in (1, 2) else real()
+        handed.append(port)
+        return port
+
+    monkeypatch.setattr(local_slurm, "_free_port", first_taken)
+    cluster = local_slurm.LocalSlurm()
+    try:
+        cluster.start()
+        assert handed[1:3] == [taken] * 2 and len(handed) == 6 and taken not in handed[3:]
+        conf = (cluster.dir / "slurm.conf").read_text()
+        assert f"Port={taken}" not in conf
+    finally:
+        cluster.stop()
+        held.close()

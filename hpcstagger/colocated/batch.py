@@ -105,7 +105,7 @@ def render_batch(spec: Spec, *, python_bin: str | None = None, version: str = ""
         lines.append(f'step env {runenv.RUN_DIR}="$run_dir" mpiexec ' + " : ".join(parts))
     # the step's ranks are gone: stop the shared loaders' idle producers now (the job's end would kill them,
     # leaving their files in /dev/shm) and remove what no process uses; beside the status report
-    lines += ["hpcstagger clean --after-run > /dev/null & cleaning=$!",
+    lines += ["hpcstagger clean --after-run > /dev/null &", "cleaning=$!",
               f'hpcstagger status "${runenv.SPEC}" "$run_dir" || true', 'wait "$cleaning" || true', 'exit "$rc"']
     return "\n".join(lines) + "\n"
 

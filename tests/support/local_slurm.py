@@ -71,6 +71,7 @@ class LocalSlurm:
         # an aborted job of an earlier cluster left behind.
         self.first_job_id = int.from_bytes(os.urandom(3), "little") + 1000
         self.partition = partition
+        self.base = base
         self.dir = Path(tempfile.mkdtemp(prefix="hpcstagger-slurm-", dir=base))
         self.host = socket.gethostname().split(".")[0]
         self.nodes = [self.host] if nodes == 1 else [f"n{i}" for i in range(1, nodes + 1)]
@@ -153,8 +154,21 @@ PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP O
                 parts.append(f"--- {f.name}\n" + "\n".join(text))
         return "\n".join(parts)
 
-    def start(self, timeout: float = 30.0) -> LocalSlurm:
-        """Write the config, start the daemons, and wait until the node is idle."""
+    def start(self, timeout: float = 30.0, attempts: int = 3) -> LocalSlurm:
+        """Write the config, start the daemons, and wait until the node is idle. The ports are
+        picked free but not held, so another cluster starting at the same moment (tests in
+        parallel) can take one first: a daemon that then fails to bind is retried on fresh ports."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._start_once(timeout)
+            except RuntimeError as exc:
+                if "Address already in use" not in str(exc) or attempt == attempts:
+                    raise
+                self.procs = {}
+                self.dir = Path(tempfile.mkdtemp(prefix="hpcstagger-slurm-", dir=self.base))
+        raise AssertionError("not reached")
+
+    def _start_once(self, timeout: float) -> LocalSlurm:
         missing = missing_binaries()
         if missing:
             raise RuntimeError(f"Slurm commands missing: {', '.join(missing)}; on Debian: "
