@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 
 from hpcstagger import slurm
 from hpcstagger.errors import LaunchError
+from support import local_slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(240)]
 
@@ -56,10 +58,6 @@ def test_a_cluster_whose_port_was_taken_meanwhile_starts_on_fresh_ports(slurm_cl
     """Ports are picked free, not held: another cluster (a parallel test) may bind one first. The
     first start here gives slurmd a port that a socket holds; slurmd fails to bind it, and the start
     is retried on fresh ports (``slurm_cluster`` only for its conditions: Slurm installed, root)."""
-    import socket
-
-    from support import local_slurm
-
     held = socket.socket()
     held.bind(("127.0.0.1", 0))  # bound, not listening: a bind fails, a connection is refused
     taken = held.getsockname()[1]

@@ -184,10 +184,9 @@ def remove_unused(environ: Mapping[str, str] | None = None, *, gate_dir: str = G
     root = os.path.abspath(config.get("shm_root", environ))
     removed = []
     try:
-        if os.path.isdir(root):
-            stopped = stop_idle(root, wait=stop_wait)
-            if stopped:
-                log.info("stopped the idle shared-loader producer(s) of %s", ", ".join(stopped))
+        stopped = stop_idle(root, wait=stop_wait)  # nothing to do without a .loader folder
+        if stopped:
+            log.info("stopped the idle shared-loader producer(s) of %s", ", ".join(stopped))
         for item in find(root, gate_dir=gate_dir, environ=environ):
             if item.users:
                 continue
