@@ -37,7 +37,6 @@ def format_text(info: dict[str, Any]) -> str:
     rows.append(("torch", _version(torch) + (f", CUDA {torch['cuda']}" if torch.get("cuda") else ", CPU build"
                                              if torch.get("installed") else "")))
     rows.append(("numpy", _version(v["numpy"])))
-    rows.append(("scipy", _version(v["scipy"])))
     rows.append(("h5py", _version(v["h5py"]) + (f", HDF5 {v['h5py']['hdf5']}" if v["h5py"].get("hdf5") else "")))
     mpi = v["mpi4py"]
     rows.append(("mpi4py", _version(mpi)))

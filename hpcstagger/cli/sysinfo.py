@@ -183,7 +183,6 @@ def collect() -> dict[str, Any]:
             "hpcstagger": {"installed": True, "version": __version__},
             "torch": _torch_info(),
             "numpy": _module_version("numpy"),
-            "scipy": _module_version("scipy"),
             "h5py": _h5py_info(),
             "mpi4py": mpi,
             "horovod": _horovod_info(),

@@ -4,7 +4,7 @@ Search. Every job may start first; delays are searched over ``[0, max_delay]`` p
 shifted so that the earliest is 0.
 
 - **2 jobs**: one signed stagger ``s`` (job 2 starts ``s`` after job 1; negative: job 1 starts
-  ``-s`` after job 2) on a grid denser near 0, then scipy's bounded Brent between the grid
+  ``-s`` after job 2) on a grid denser near 0, then bounded Brent between the grid
   neighbours of the best point. The grid is the makespan-versus-stagger curve.
 - **N jobs**: first one family per job f: f starts at 0 and every other job at a common delay
   (a grid), and overlapped sequential orders, which picks the job to go first; then coordinate
@@ -55,7 +55,7 @@ from collections.abc import Callable
 
 from hpcstagger.errors import ConfigError
 from hpcstagger.model import _confirm, _engine, _quality
-from hpcstagger.model._search import CUTOFF, Evaluator, grid, line_search
+from hpcstagger.model._search import CUTOFF, Evaluator, grid, line_search, minimize_bounded
 from hpcstagger.model._spread import OFFSETS_MANY, OFFSETS_TWO, Spread, robust_two, start_jitter
 from hpcstagger.model.scenario import Scenario
 from hpcstagger import config
@@ -280,13 +280,9 @@ def _plan_scaled(ev: Evaluator, base: list[float], best: float,
     k = min(range(len(scales)), key=lambda i: (vals[i], abs(scales[i] - 1.0)))
     lam_best, val_best = scales[k], vals[k]
     if 0 < k < len(scales) - 1 and _cpu_clock() < deadline:
-        from scipy.optimize import minimize_scalar
-
-        res = minimize_scalar(lambda lam: ev([lam * x for x in base]),
-                              bounds=(scales[k - 1], scales[k + 1]), method="bounded",
-                              options={"xatol": 1e-3, "maxiter": 8})
-        if float(res.fun) < val_best:
-            lam_best, val_best = float(res.x), float(res.fun)
+        lam, val = minimize_bounded(lambda lam: ev([lam * x for x in base]), scales[k - 1], scales[k + 1], 1e-3, 8)
+        if val < val_best:
+            lam_best, val_best = lam, val
     best_d = list(base)
     if val_best < best:
         best_d, best = [lam_best * x for x in base], val_best
@@ -356,12 +352,9 @@ def _plan_two(ev: Evaluator, spread: Spread, bound: list[float], points: int):
     a = xs[k - 1] if k > 0 else xs[k]
     b = xs[k + 1] if k + 1 < len(xs) else xs[k]
     if b > a:
-        from scipy.optimize import minimize_scalar
-
-        res = minimize_scalar(f, bounds=(a, b), method="bounded",
-                              options={"xatol": 1e-5 * (bound[0] + bound[1]) + 1e-9, "maxiter": 30})
-        if float(res.fun) < best:
-            best_s, best = float(res.x), float(res.fun)
+        s, val = minimize_bounded(f, a, b, 1e-5 * (bound[0] + bound[1]) + 1e-9, 30)
+        if val < best:
+            best_s, best = s, val
     curve = sorted(set(zip(xs, vals, strict=True)) | {(best_s, best)})
     return delays(best_s), best, curve
 
@@ -428,12 +421,9 @@ def _plan_many(sc: Scenario, ev: Evaluator, bound: list[float], points: int,
                 lo, hi = max(0.0, best_d[j] - width[j]), min(bound[j], best_d[j] + width[j])
                 x, val = best_d[j], best
                 if hi > lo:
-                    from scipy.optimize import minimize_scalar
-
-                    res = minimize_scalar(f, bounds=(lo, hi), method="bounded",
-                                          options={"xatol": 1e-4 * bound[j] + 1e-9, "maxiter": 5})
-                    if float(res.fun) < val:
-                        x, val = float(res.x), float(res.fun)
+                    xb, vb = minimize_bounded(f, lo, hi, 1e-4 * bound[j] + 1e-9, 5)
+                    if vb < val:
+                        x, val = xb, vb
             if val < best:
                 best_d[j], best = x, val
                 shift = min(best_d)
