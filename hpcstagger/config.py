@@ -160,9 +160,9 @@ _KNOB_LIST: list[Knob] = [
     Knob("plan_min_gain", float, 0.01,
          "least predicted gain (fraction of the makespan) for which optimal_plan recommends a stagger"),
     Knob("plan_replay", bool, True,
-         "optimal_plan replays a stagger with the sample-level simulator (when that takes about 0.5 s of CPU "
-         "or less) and starts the jobs together unless the simulator confirms its gain (0: the fluid model's "
-         "plan stands alone)"),
+         "optimal_plan replays a stagger with the sample-level simulator (in about 0.5 s of CPU or less: a "
+         "large dataset at a smaller scale) and starts the jobs together unless the simulator confirms its gain "
+         "(0: the fluid model's plan stands alone)"),
     Knob("plan_jitter", float, 0.25,
          "how far a job's real start may stray from its planned delay, as a fraction of the jobs' mean "
          "start-up; optimal_plan minimises the mean predicted makespan over that spread (0: exact starts)"),

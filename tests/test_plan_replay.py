@@ -67,16 +67,58 @@ def test_a_stagger_the_simulator_confirms_stands_with_its_replay():
 
 def test_a_replay_too_costly_is_skipped_and_the_plan_stands(monkeypatch):
     sc = scenario(n=600, jobs=((0.0005, 2), (0.0005, 2)), bandwidth=(1.31072e8, 0.8e8), capacity=1.0)
-    monkeypatch.setattr(_confirm, "READS", 2 * _confirm.reads(sc) - 1)
+    # even at a scale that leaves each job MIN_WINDOWS windows (one sample each here) the replay reads too much
+    monkeypatch.setattr(_confirm, "READS", 2 * _confirm.reads(sc) // (600 // _confirm.MIN_WINDOWS) - 1)
     plan = optimal_plan(sc)
     assert any(plan.delays.values()) and plan.simulated == {}
 
 
+def test_a_large_dataset_is_replayed_at_a_scale_that_keeps_to_the_reads(monkeypatch):
+    sc = scenario(n=600, jobs=((0.0005, 2), (0.0005, 2)), bandwidth=(1.31072e8, 0.8e8), capacity=1.0)
+    seen = []
+    real = _confirm.simulate
+
+    def counting(s, delays, seed=0):
+        seen.append((s.dataset.samples, s.cache.capacity, list(delays)))
+        return real(s, delays, seed=seed)
+
+    monkeypatch.setattr(_confirm, "simulate", counting)
+    monkeypatch.setattr(_confirm, "READS", _confirm.reads(sc) // 2)  # both replays need 4x the reads: scale 1/4
+    plan = optimal_plan(sc)
+    assert plan.simulated["scale"] == 4.0
+    assert [n for n, _, _ in seen] == [150, 150]
+    assert seen[0][1] == pytest.approx(sc.cache.capacity / 4)
+    assert max(seen[0][2]) == pytest.approx(max(plan.staggered.values()) / 4)
+    assert any(plan.delays.values())  # the scaled replay confirms what the full one does
+    assert plan.simulated["plan"] < plan.simulated["simultaneous"] * 0.99
+
+
+def test_the_sweep_over_a_larger_dataset_is_checked_at_a_scale_and_starts_together():
+    # the trials above over 5,015 JPEGs: one replay at full size reads more than READS allows; at half
+    # size the simulator finds a fraction of the fluid model's gain, and the runs found none
+    d = _sweep().to_dict()
+    d["dataset"]["samples"] = 5015
+    d["cache"]["capacity"] = 150.0e6
+    sc = Scenario.from_dict(d)
+    assert 2 * _confirm.reads(sc) > _confirm.READS
+    with config.override(plan_replay=False):
+        alone = optimal_plan(sc)
+    assert any(alone.delays.values()) and alone.gain > 0.03
+    plan = optimal_plan(sc)
+    assert plan.simulated.get("scale", 1.0) > 1.0
+    assert not any(plan.delays.values())
+
+
 @pytest.mark.parametrize("sim_gain, fluid_gain, refuted", [
     (0.002, 0.09, True),    # the fluid model's 9% is not there
-    (0.05, 0.09, False),    # smaller, but a gain
+    (0.05, 0.09, False),    # smaller, but a gain larger than the two models' disagreement
+    (0.014, 0.069, True),   # a gain, but smaller than the disagreement: no evidence of one
+    (0.035, 0.08, True),    # a gain of 3.5% against a disagreement of 4.5%
+    (0.09, 0.094, False),   # both models agree
+    (0.12, 0.09, False),    # the simulator finds more than the fluid model
     (0.005, 0.012, False),  # both marginal: within min_gain of each other
     (0.0, 0.0, False),      # a stagger kept for a start-time spread gains nothing at exact starts in either
 ])
-def test_disagreement_is_a_missing_gain_by_more_than_min_gain(sim_gain, fluid_gain, refuted):
+def test_a_stagger_is_refuted_where_the_models_disagree_by_more_than_the_simulator_s_gain(sim_gain, fluid_gain,
+                                                                                           refuted):
     assert _confirm.disagree({"plan": 10.0 * (1 - sim_gain), "simultaneous": 10.0}, 1 - fluid_gain, 0.01) is refuted

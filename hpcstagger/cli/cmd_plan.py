@@ -89,8 +89,11 @@ def format_plan(path: str, sc: Any, plan: Any) -> str:
     if plan.simulated:
         sim_plan, sim_together = plan.simulated["plan"], plan.simulated["simultaneous"]
         verdict = ("confirmed" if any(plan.delays.values()) else
-                   "not confirmed, so the jobs start together (the models disagree by more than the gain)")
-        lines.append(f"(the model's stagger replayed by the sample-level simulator: {_seconds(sim_plan)} against "
+                   "not confirmed, so the jobs start together (the models disagree by more than the simulator's "
+                   "gain)")
+        scale = plan.simulated.get("scale", 1.0)
+        at = f", on 1/{scale:g} of the dataset, times {scale:g}" if scale > 1 else ""
+        lines.append(f"(the model's stagger replayed by the sample-level simulator{at}: {_seconds(sim_plan)} against "
                      f"{_seconds(sim_together)} simultaneous; {verdict})")
     return "\n".join(lines)
 

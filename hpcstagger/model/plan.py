@@ -41,8 +41,9 @@ that other work on the node does not change the plan); the plan's makespans are
 recomputed at full accuracy, and a stagger that does not pay then is dropped.
 
 Last, a stagger is replayed by the sample-level simulator (:mod:`._confirm`; the ``plan_replay``
-knob) with its delays and with a simultaneous start: unless the simulator too finds it ahead by
-``min_gain``, the two models disagree about it and the jobs start together (``Plan.simulated``).
+knob) with its delays and with a simultaneous start (a large dataset at a smaller scale): where the
+simulator's gain falls short of the model's by more than ``min_gain`` and is no larger than that
+shortfall, the two models disagree about it and the jobs start together (``Plan.simulated``).
 """
 
 from __future__ import annotations

@@ -235,7 +235,7 @@ def simultaneous_reason(delays: Mapping[str, float], predicted: Mapping[str, flo
     if simulated:
         a, b = float(simulated["plan"]), float(simulated["simultaneous"])
         why = (f"the sample-level simulator does not confirm the model's stagger ({figures}; replayed, "
-               f"{a:.1f} s against {b:.1f} s): the two models disagree by more than the gain")
+               f"{a:.1f} s against {b:.1f} s): the two models disagree by more than the simulator's gain")
     elif gain < 1e-3:  # a flat curve: the model's own accuracy
         why = f"the model predicts that no stagger shortens the makespan ({sim:.1f} s simultaneous)"
     elif gain <= min_gain:
