@@ -164,13 +164,29 @@ def test_the_plan_uses_the_runs_smaller_size_but_not_for_the_page_cache(tmp_path
     assert scenario_for(_spec(tmp_path, "3GB"), ["a"], {}).cache.capacity == 2e9  # a given size: the file's
 
 
-def test_the_batch_script_sizes_an_auto_cache_once_with_hpcstagger_cache_size(tmp_path, shm_root):
-    """Under sbatch no launcher sizes the cache: the script exports what ``hpcstagger cache size``
-    prints (the launch's sizing, from the memory free when the job starts) to every process."""
+def test_the_batch_script_sizes_an_auto_cache_once_with_hpcstagger_slurm_prepare(tmp_path, shm_root):
+    """Under sbatch no launcher sizes the cache: the script exports what ``hpcstagger slurm prepare``
+    prints (the launch's sizing, from the memory free when the job starts) to every process, and
+    ``hpcstagger cache size`` prints the same size."""
     _scenario(tmp_path / "scenario.toml", jobs_memory=1e9, samples=2000)
-    assert "HPCSTAGGER_CACHE_CAPACITY" not in render_batch(_spec(tmp_path, "64MB"))
     script = render_batch(_spec(tmp_path))
-    assert 'export HPCSTAGGER_CACHE_CAPACITY="$(hpcstagger cache size "$HPCSTAGGER_SPEC")"' in script
+    assert 'prepared="$(hpcstagger slurm prepare "$HPCSTAGGER_SPEC" "$run_dir")"\neval "$prepared"' in script
+    assert script.index('mkdir -p "$run_dir"') < script.index("slurm prepare") < script.index("srun ")
+    expected = C.size_cache(C.mem_available(), 1e9, 2e9, file_source=True).capacity
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    res = run_cli("slurm", "prepare", str(tmp_path / "spec.toml"), str(run_dir),
+                  env=cli_env(HPCSTAGGER_SHM_ROOT=shm_root))
+    assert res.returncode == 0, res.stderr
+    exports = dict(line.removeprefix("export ").split("=", 1) for line in res.stdout.splitlines())
+    assert abs(int(exports["HPCSTAGGER_CACHE_CAPACITY"]) - expected) <= max(64 << 20, 0.1 * expected)
+    assert "jobs' measured 1000 MB" in res.stderr
+    given = run_cli("slurm", "prepare", str(_spec(tmp_path, "64MB").path), str(run_dir),
+                    env=cli_env(HPCSTAGGER_SHM_ROOT=shm_root))
+    assert given.returncode == 0 and "HPCSTAGGER_CACHE_CAPACITY" not in given.stdout  # a size given: nothing to do
+    _spec(tmp_path)  # capacity "auto" again
+    missing = run_cli("slurm", "prepare", str(tmp_path / "spec.toml"), str(tmp_path / "nowhere"))
+    assert missing.returncode != 0 and "does not exist" in missing.stderr
     res = run_cli("cache", "size", str(tmp_path / "spec.toml"), env=cli_env(HPCSTAGGER_SHM_ROOT=shm_root))
     assert res.returncode == 0, res.stderr
     expected = C.size_cache(C.mem_available(), 1e9, 2e9, file_source=True).capacity

@@ -56,7 +56,8 @@ def test_every_positional_argument_is_described(path, parser):
 def test_every_subcommand_that_reads_a_spec_takes_it_first():
     assert set(spec_commands()) >= {"hpcstagger calibrate", "hpcstagger launch", "hpcstagger status",
                                     "hpcstagger exec", "hpcstagger sweep", "hpcstagger history",
-                                    "hpcstagger slurm render", "hpcstagger slurm submit", "hpcstagger slurm run-dir"}
+                                    "hpcstagger slurm render", "hpcstagger slurm submit", "hpcstagger slurm run-dir",
+                                    "hpcstagger slurm prepare"}
 
 
 def _usage_error(argv: list[str], capsys) -> str:
@@ -98,7 +99,8 @@ def test_the_spec_as_first_argument_or_as_option_and_not_both(tmp_path, capsys):
         assert f"spec file {missing} does not exist" in err and len(err.strip().splitlines()) == 1
     for path in spec_commands():
         words = path.split()[1:]
-        extra = ["runs/1"] if path == "hpcstagger status" else []  # status: 'status --spec SPEC RUN_DIR' is fine
+        # status and slurm prepare: 'status --spec SPEC RUN_DIR' is fine
+        extra = ["runs/1"] if path in ("hpcstagger status", "hpcstagger slurm prepare") else []
         err = _usage_error([*words, "a.toml", *extra, "--spec", "b.toml"], capsys)
         assert "the spec is given twice" in err and f"{path} --help" in err
         if path != "hpcstagger calibrate":  # calibrate also measures step factories without a spec

@@ -206,14 +206,14 @@ def test_the_launcher_plans_ahead_and_rank_0_takes_its_plan_only_for_the_same_re
     run_dir, plans, said = run()
     assert (run_dir / "plan-ahead.json").exists()
     assert all(p.get("planned_ahead") is True for p in plans), plans
-    assert len(said) == 2 and all("planned by the launcher while the ranks started" in ln for ln in said), said
+    assert len(said) == 2 and all("planned ahead while the ranks started" in ln for ln in said), said
     ahead = json.loads((run_dir / "plan-ahead.json").read_text())
     assert ahead["plan"]["delays"] == plans[0]["delays"]
 
     _, plans, said = run(CALIBRATED="1")  # rank 0's request names the jobs' calibrations
     assert not any(p.get("planned_ahead") for p in plans)
     assert plans[0]["calibrations"]["a"] == {"sample_time": 0.002}
-    assert not any("planned by the launcher" in ln for ln in said)
+    assert not any("planned ahead" in ln for ln in said)
 
     run_dir, plans, _ = run(HPCSTAGGER_PLAN_AHEAD="0")
     assert not (run_dir / "plan-ahead.json").exists() and not any(p.get("planned_ahead") for p in plans)

@@ -167,3 +167,44 @@ def test_a_batch_job_ends_its_idle_shared_loader_producer(slurm_cluster, shm_roo
     assert gone(pid), f"the producer pid {pid} still runs after the job"
     loader_dir = Path(shm_root) / ".loader"
     assert not loader_dir.exists() or list(loader_dir.iterdir()) == []
+
+
+def test_a_batch_job_plans_while_its_ranks_start(slurm_cluster, tmp_path):
+    """The rendered script starts world rank 0's planning with ``hpcstagger slurm prepare`` before
+    its srun step, as ``hpcstagger launch`` does before its ranks: rank 0 takes that plan, and with
+    the knob off it plans itself."""
+    from support.model_scenarios import small_toml
+
+    (tmp_path / "work.py").write_text(WORK)
+    (tmp_path / "s.toml").write_text(small_toml({"a": 0.0005, "b": 0.001}))
+    spec = tmp_path / "spec.toml"
+    spec.write_text(textwrap.dedent("""
+        [run]
+        name = "pa"
+        [plan]
+        mode = "plan"
+        scenario = "s.toml"
+        [slurm]
+        time = "00:10:00"
+        [[job]]
+        name = "a"
+        command = "python work.py"
+        [[job]]
+        name = "b"
+        command = "python work.py"
+    """))
+
+    def run(**env):
+        out = run_cli("slurm", "submit", str(spec), "--wait", "--timeout", "180", env={**slurm_cluster.env, **env},
+                      timeout=200)
+        assert out.returncode == 0, out.stdout + out.stderr
+        run_dir = Path(json.loads(run_cli("status", str(spec), "--json").stdout)["run_dir"])
+        plans = [json.loads((run_dir / f).read_text())["plan"] for f in ("a.0.json", "b.0.json")]
+        return run_dir, plans
+
+    run_dir, plans = run()
+    ahead = json.loads((run_dir / "plan-ahead.json").read_text())
+    assert all(p.get("planned_ahead") is True for p in plans), plans
+    assert ahead["plan"]["delays"] == plans[0]["delays"]
+    run_dir, plans = run(HPCSTAGGER_PLAN_AHEAD="0")
+    assert not (run_dir / "plan-ahead.json").exists() and not any(p.get("planned_ahead") for p in plans)

@@ -50,8 +50,9 @@ def register(sub: Any) -> None:
                         description='Print the capacity in bytes that SPEC\'s [cache] gets on this node now, and '
                                     'why on stderr: for capacity = "auto", what the memory (MemAvailable, or the '
                                     "memory cgroup's room) leaves beside the jobs' memory measured in the "
-                                    "calibrated scenario, as hpcstagger launch sizes it. The Slurm batch script "
-                                    "exports it as HPCSTAGGER_CACHE_CAPACITY, one size for every process.")
+                                    "calibrated scenario, as hpcstagger launch sizes it (and hpcstagger slurm "
+                                    "prepare in a batch script, which exports it as HPCSTAGGER_CACHE_CAPACITY, "
+                                    "one size for every process).")
     q.add_argument("spec", metavar="SPEC", help="the job spec (TOML)")
     q.set_defaults(func=run_size)
 

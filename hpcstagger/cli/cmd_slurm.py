@@ -42,6 +42,17 @@ def register(sub: Any) -> None:
     add_spec(d)
     d.add_argument("--job-id", metavar="ID", help="the Slurm job id (default: SLURM_JOB_ID)")
     d.set_defaults(func=run_run_dir)
+    pr = acts.add_parser("prepare", help="size the cache and start the plan, before a batch job's ranks",
+                         description="Inside a batch job, before its ranks start, do what hpcstagger launch does "
+                                     "first: size SPEC's [cache] capacity \"auto\" from the memory free now, and "
+                                     "start world rank 0's planning process, which plans while the ranks start "
+                                     "and leaves its plan in RUN_DIR. Prints the variables for the ranks as "
+                                     "'export NAME=VALUE' lines (the rendered batch script evaluates them); why "
+                                     "the cache got its size goes to standard error.")
+    add_spec(pr, then="run_dir")
+    pr.add_argument("run_dir", nargs="?", metavar="RUN_DIR",
+                    help="the run's status directory, which must exist (the batch script's $run_dir)")
+    pr.set_defaults(func=run_prepare)
 
 
 def _render(spec: Any) -> str:
@@ -89,6 +100,34 @@ def run_submit(args: argparse.Namespace) -> int:
     if state != "COMPLETED":
         raise LaunchError(f"job {job_id} ended {state} (exit code {code}); see {output}")
     print(f"job {job_id} COMPLETED")
+    return 0
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    import shlex
+    from pathlib import Path
+
+    from hpcstagger.colocated import planahead
+    from hpcstagger.spec import cachesize, runenv
+    from hpcstagger.spec.jobspec import Spec
+
+    if not args.run_dir:
+        raise ConfigError("no run directory: give it after the spec (hpcstagger slurm prepare SPEC RUN_DIR)")
+    spec = Spec.from_toml(args.spec)
+    if not os.path.isdir(args.run_dir):
+        raise ConfigError(f"the run directory {args.run_dir} does not exist; create it first (mkdir -p)")
+    env = {**os.environ, runenv.SPEC: spec.path}
+    out = []
+    sized = cachesize.for_launch(spec, env)
+    if sized is not None:
+        env[runenv.CACHE_CAPACITY] = str(sized.capacity)
+        out.append(f"export {runenv.CACHE_CAPACITY}={sized.capacity}")
+        print(f"hpcstagger slurm prepare: [cache] capacity auto: {sized.why}", file=sys.stderr)
+    mode = env.get(runenv.MODE) or spec.plan.mode
+    env[runenv.RUN_DIR] = args.run_dir
+    ahead, _ = planahead.start(spec, mode, env, Path(args.run_dir), [j.name for j in spec.jobs], detach=True)
+    out += [f"export {k}={shlex.quote(v)}" for k, v in ahead.items()]
+    print("\n".join(out))
     return 0
 
 

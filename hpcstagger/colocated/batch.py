@@ -72,11 +72,12 @@ def render_batch(spec: Spec, *, python_bin: str | None = None, version: str = ""
     lines += [f"export {runenv.SPEC}={shlex.quote(spec.path)}",
               f"export {runenv.MODE}={spec.plan.mode}",
               "unset MPIR_CVAR_PMI_VERSION",
-              *([f'export {runenv.CACHE_CAPACITY}="$(hpcstagger cache size "${runenv.SPEC}")"   '
-                 "# [cache] capacity auto: one size for every process, from the memory free now"]
-                if spec.cache.auto else []),
               f'run_dir="{run_dir}"',
               'mkdir -p "$run_dir"',
+              # as hpcstagger launch does before the ranks: [cache] capacity auto sized once for every process
+              # (from the memory free now), and world rank 0's plan started, made while the ranks start
+              f'prepared="$(hpcstagger slurm prepare "${runenv.SPEC}" "$run_dir")"',
+              'eval "$prepared"',
               "rc=0",
               'step() { if [ "$rc" -eq 0 ]; then "$@" || rc=$?; fi; }   # run until the first failure',
               f'echo "hpcstagger: run {spec.run.name}, mode {spec.plan.mode}, {len(spec.jobs)} job(s) on '

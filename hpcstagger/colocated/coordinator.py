@@ -496,5 +496,5 @@ def _announce(session: Session, decided: RunPlan) -> None:
         extra += f"; {decided.learn.get('why', '')}"
     if h := decided.history:
         extra += f"; from the history of {h['runs']} run(s): {describe_history(h)}"
-    ahead = "; planned by the launcher while the ranks started" if decided.planned_ahead else ""
+    ahead = "; planned ahead while the ranks started" if decided.planned_ahead else ""
     session.say(f"mode {decided.mode}: delays {summary}{extra} (coordinator {session.overhead * 1000:.0f} ms{ahead})")

@@ -50,11 +50,13 @@ def plan_inputs(spec: Spec | None, mode: str, environ: Mapping[str, str],
                       learned=learn.resolve(spec, mode, environ), partition=dict(partition) if partition else None)
 
 
-def start(spec: Spec, mode: str, environ: Mapping[str, str], run_dir: Path,
-          order: Sequence[str]) -> tuple[dict[str, str], subprocess.Popen[str] | None]:
+def start(spec: Spec, mode: str, environ: Mapping[str, str], run_dir: Path, order: Sequence[str], *,
+          detach: bool = False) -> tuple[dict[str, str], subprocess.Popen[str] | None]:
     """Start planning ``order`` (the run's jobs) in ``mode`` for ranks that will run with
     ``environ``. Returns the variables to add to the ranks' environment and the planning process
-    (None, and no variables, where planning ahead does not apply or cannot start)."""
+    (None, and no variables, where planning ahead does not apply or cannot start). ``detach``: the
+    caller exits before the plan is made (``hpcstagger slurm prepare`` in a batch script), so the
+    request is handed over now and the process is left to write its file and end by itself."""
     if (mode not in runenv.PLAN_MODES_IN_WORLD or not spec.plan.scenario or spec.cache_partitioned()
             or not config.get("plan_ahead", environ)):
         return {}, None
@@ -71,11 +73,22 @@ def start(spec: Spec, mode: str, environ: Mapping[str, str], run_dir: Path,
     env["HPCSTAGGER_MPI"] = "0"
     try:
         proc = subprocess.Popen([sys.executable, "-m", "hpcstagger.stagger.planproc", "--ahead", str(path)],
-                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                text=True, env=env)
+                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL if detach else subprocess.PIPE,
+                                text=True, env=env, start_new_session=detach)
     except OSError as exc:
         log.info("not planning ahead: %s", exc)
         return {}, None
+    if detach:  # its failures go to its file ("error"), which world rank 0 reads and logs
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps(request))
+            proc.stdin.close()
+        except OSError as exc:
+            log.info("not planning ahead: the planning process: %s", exc)
+            stop(proc)
+            return {}, None
+        return {runenv.PLAN_AHEAD: f"{proc.pid}:{path}"}, proc
     threading.Thread(target=_feed, args=(proc, json.dumps(request)), name="hpcstagger-plan-ahead",
                      daemon=True).start()
     return {runenv.PLAN_AHEAD: f"{proc.pid}:{path}"}, proc

@@ -24,7 +24,8 @@ Without a measurement of the jobs (no scenario, or one calibrated before ``jobs_
 measured) the cache takes at most :data:`UNMEASURED_SHARE` of the memory.
 
 Every process of a run must agree on the size (a ShmCache is created once, with one capacity):
-``hpcstagger launch`` and ``hpcstagger calibrate --spec`` size it once and hand it to every process
+``hpcstagger launch``, ``hpcstagger calibrate --spec`` and the rendered batch script (``hpcstagger
+slurm prepare``) size it once and hand it to every process
 in ``HPCSTAGGER_CACHE_CAPACITY`` (:data:`~hpcstagger.spec.runenv.CACHE_CAPACITY`). A process
 started otherwise sizes it from the memory the node's processes may hold in all (the cgroup's
 limit, or ``MemTotal``), which is the same for every process of the node.
