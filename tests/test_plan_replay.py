@@ -56,6 +56,31 @@ def test_a_stagger_the_simulator_does_not_confirm_is_dropped():
     assert reason is not None and "sample-level simulator does not confirm" in reason
 
 
+def test_a_scan_s_best_stagger_the_simulator_finds_slower_ends_the_search(monkeypatch):
+    """The replay runs on the scan's best start before the coordinate descent: where the simulator
+    finds it slower than a simultaneous start the search stops there, the jobs start together, and
+    the plan reports that stagger and its replay. Where the simulator finds it ahead, the search goes on."""
+    sc = _sweep()
+    plan = optimal_plan(sc)
+    assert not any(plan.delays.values()) and plan.staggered
+    assert plan.simulated["plan"] > plan.simulated["simultaneous"]
+    stopped = plan.evaluations
+    assert stopped <= 4  # the simultaneous start and the scan's two best starts, at planning accuracy
+    real = _confirm.replay
+    calls = []
+
+    def ahead(s, d):  # the simulator's replays, the stagger made to look 0.5% ahead
+        out = real(s, d)
+        calls.append(list(d))
+        return {**out, "plan": out["simultaneous"] * 0.995}
+
+    monkeypatch.setattr(_confirm, "replay", ahead)
+    searched = optimal_plan(sc)
+    assert searched.evaluations > stopped + 4  # the coordinate descent ran
+    assert len(calls) == 2  # the scan's best start, then the search's stagger (refuted: 0.5% is too little)
+    assert not any(searched.delays.values())
+
+
 def test_a_stagger_the_simulator_confirms_stands_with_its_replay():
     # two jobs reading everything from a source that loses under concurrency: both models stagger
     sc = scenario(n=600, jobs=((0.0005, 2), (0.0005, 2)), bandwidth=(1.31072e8, 0.8e8), capacity=1.0)
