@@ -410,8 +410,7 @@ def _plan_many(sc: Scenario, ev: Evaluator, bound: list[float], points: int,
             candidates.append(d)
     for order in (list(range(J)), sorted(range(J), key=lambda j: -solo[j])):
         for lam in (0.5, 1.0):  # one after another (longest first, or in job order), or overlapped by half
-            d = [0.0] * J
-            t = 0.0
+            d, t = [0.0] * J, 0.0
             for j in order:
                 d[j] = min(lam * t, bound[j])
                 t += solo[j]
