@@ -3,7 +3,7 @@
 :class:`Scenario` describes the dataset, the shared source, the node-local cache and the jobs;
 :func:`predict` is the fast fluid model, :func:`simulate` the sample-level simulator that checks
 it, :func:`optimal_plan` picks the start delays, and :func:`calibrate` measures a scenario.
-Names are imported on first use, so ``import hpcstagger.model`` imports neither numpy nor scipy;
+Names are imported on first use, so ``import hpcstagger.model`` imports no numpy;
 ``hpcstagger.model.simulate`` and ``.calibrate`` are the functions (``importlib.import_module``
 gives the modules of the same names).
 
