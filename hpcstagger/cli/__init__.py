@@ -12,6 +12,7 @@ import argparse
 import importlib
 import logging
 import sys
+import time
 from typing import Any, NoReturn
 from collections.abc import Callable, Sequence
 
@@ -71,11 +72,18 @@ def _world_size_if_mpi() -> int:
         return 1
 
 
+# Seconds between a rank's last words and MPI_Abort: the launcher's proxies forward each rank's output,
+# and the abort kills them, so a line written just before it can be lost (both ranks' error files of
+# a two-rank abort came back empty once, on a loaded 2-core VM). A failing run can spare it.
+ABORT_GRACE = 0.2
+
+
 def _abort_world(code: int) -> None:
     mpi = sys.modules.get("mpi4py.MPI")
     sys.stdout.flush()
     sys.stderr.flush()
     if mpi is not None:
+        time.sleep(ABORT_GRACE)
         mpi.COMM_WORLD.Abort(code)
 
 
