@@ -66,19 +66,25 @@ def test_a_scan_s_best_stagger_the_simulator_finds_slower_ends_the_search(monkey
     assert plan.simulated["plan"] > plan.simulated["simultaneous"]
     stopped = plan.evaluations
     assert stopped <= 4  # the simultaneous start and the scan's two best starts, at planning accuracy
-    real = _confirm.replay
-    calls = []
+    real, real_simulate = _confirm.replay, _confirm.simulate
+    calls, simulated = [], []
 
-    def ahead(s, d):  # the simulator's replays, the stagger made to look 0.5% ahead
-        out = real(s, d)
+    def ahead(s, d, memo=None):  # the simulator's replays, the stagger made to look 0.5% ahead
+        out = real(s, d, memo)
         calls.append(list(d))
         return {**out, "plan": out["simultaneous"] * 0.995}
 
+    def counting(s, d, seed=0):
+        simulated.append(list(d))
+        return real_simulate(s, d, seed=seed)
+
     monkeypatch.setattr(_confirm, "replay", ahead)
+    monkeypatch.setattr(_confirm, "simulate", counting)
     searched = optimal_plan(sc)
     assert searched.evaluations > stopped + 4  # the coordinate descent ran
     assert len(calls) == 2  # the scan's best start, then the search's stagger (refuted: 0.5% is too little)
     assert not any(searched.delays.values())
+    assert simulated.count([0.0] * 4) == 1  # the simultaneous start replayed once for both checks
 
 
 def test_a_stagger_the_simulator_confirms_stands_with_its_replay():

@@ -52,11 +52,14 @@ def reads(sc: Scenario) -> int:
     return int(sc.dataset.samples) * sum(int(j.epochs) for j in sc.jobs)
 
 
-def replay(sc: Scenario, delays: list[float]) -> dict[str, float] | None:
+def replay(sc: Scenario, delays: list[float],
+           memo: dict[tuple[float, ...], float] | None = None) -> dict[str, float] | None:
     """The simulator's makespans of ``delays`` (``plan``) and of a simultaneous start
     (``simultaneous``), both with seed 0, so that the two replays draw the same orders; at a scale
     of 1/k (and ``scale`` = k) when they would read more than :data:`READS` samples together; None
-    when that scale leaves a job fewer than :data:`MIN_WINDOWS` windows per epoch."""
+    when that scale leaves a job fewer than :data:`MIN_WINDOWS` windows per epoch. ``memo`` keeps
+    the makespans of one scenario's replays by delays, for a later call (the planner replays the
+    simultaneous start during its search and again at the end)."""
     k = math.ceil(2 * reads(sc) / READS)
     if k > 1:
         d = sc.to_dict()
@@ -67,8 +70,15 @@ def replay(sc: Scenario, delays: list[float]) -> dict[str, float] | None:
         if "capacity" in d["cache"]:
             d["cache"]["capacity"] = float(d["cache"]["capacity"]) / k
         sc, delays = Scenario.from_dict(d), [x / k for x in delays]
-    out = {"plan": k * float(simulate(sc, delays, seed=0).makespan),
-           "simultaneous": k * float(simulate(sc, [0.0] * len(sc.jobs), seed=0).makespan)}
+    memo = {} if memo is None else memo
+
+    def makespan(d: list[float]) -> float:
+        key = tuple(d)
+        if key not in memo:
+            memo[key] = k * float(simulate(sc, d, seed=0).makespan)
+        return memo[key]
+
+    out = {"plan": makespan(delays), "simultaneous": makespan([0.0] * len(sc.jobs))}
     if k > 1:
         out["scale"] = float(k)
     return out

@@ -199,15 +199,16 @@ def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain
     unseen = unseen_loaders(sc)
     staggered: list[float] | None = None
     early: dict[str, float] | None = None
+    replays: dict[tuple[float, ...], float] = {}  # the simulator's makespans by delays, for the search and the end
     if J >= 2 and not unseen:
         best_d, curve, label, staggered, early = _search(sc, ev, spread, simultaneous_coarse, solo,
                                                          max_delay=max_delay, min_gain=min_gain, grid=grid,
-                                                         budget=budget)
+                                                         budget=budget, replays=replays)
     else:  # one job; or a loader the model cannot see, whose stagger would rest on no evidence
         label = unseen_reason(unseen) if J >= 2 else _SIMULTANEOUS_ONLY
         best_d, curve = [0.0] * J, [(0.0, simultaneous_coarse)]
     return _final_plan(sc, best_d, curve, label, min_gain, evaluations=ev.count, t0=t0,
-                       jitter=spread.jitter, staggered=staggered, refuted=early)
+                       jitter=spread.jitter, staggered=staggered, refuted=early, replays=replays)
 
 
 def _cpu_clock() -> float:
@@ -232,8 +233,8 @@ def _check_args(max_delay: float | None, min_gain: float | None) -> float:
 def _search(sc: Scenario, ev: Evaluator, spread: Spread, simultaneous: float, solo: list[float], *,
             max_delay: float | None,
             min_gain: float, grid: int | None,
-            budget: float) -> tuple[list[float], list[tuple[float, float]], str, list[float] | None,
-                                    dict[str, float] | None]:
+            budget: float, replays: dict[tuple[float, ...], float] | None = None
+            ) -> tuple[list[float], list[tuple[float, float]], str, list[float] | None, dict[str, float] | None]:
     """2 or more jobs: the searched delays (all 0 unless they gain more than ``min_gain`` over a
     simultaneous start, both over the start-time spread), the makespan-versus-delay curve, its label,
     the best stagger found whether or not it gains (None when the search found none), and the
@@ -259,7 +260,7 @@ def _search(sc: Scenario, ev: Evaluator, spread: Spread, simultaneous: float, so
             a simultaneous start, the search stops (a finer search costs 0.8 CPU-s for 4 trials, on cores
             the starting jobs use). One the simulator finds ahead, if by less than the model, is searched
             on: on a 3-job shape the scan's best was 1.1% ahead there, the search's 8.2% and measured best."""
-            sim = _confirm.replay(sc, d) if any(d) and config.get("plan_replay") else None
+            sim = _confirm.replay(sc, d, replays) if any(d) and config.get("plan_replay") else None
             if (sim is not None and sim["plan"] > sim["simultaneous"]
                     and _confirm.disagree(sim, val / simultaneous, min_gain)):
                 refuted.update(sim)
@@ -319,12 +320,14 @@ def _plan_scaled(ev: Evaluator, base: list[float], best: float,
 
 def _final_plan(sc: Scenario, best_d: list[float], curve: list[tuple[float, float]], label: str,
                 min_gain: float, *, evaluations: int, t0: float, jitter: float = 0.0,
-                staggered: list[float] | None = None, refuted: dict[str, float] | None = None) -> Plan:
+                staggered: list[float] | None = None, refuted: dict[str, float] | None = None,
+                replays: dict[tuple[float, ...], float] | None = None) -> Plan:
     """The plan of delays ``best_d`` with its makespans recomputed at full accuracy, back to a
     simultaneous start if the stagger then gains less than ``min_gain``: with exact starts in its
     makespan, over a start-time spread of ``jitter`` seconds in its mean over the spread (the search
     weighed the spread at its own, coarser accuracy, which can favour a stagger that loses).
-    ``refuted``: the simulator's replays of ``staggered``, which refuted it during the search."""
+    ``refuted``: the simulator's replays of ``staggered``, which refuted it during the search;
+    ``replays``: the makespans the search's replays found (:func:`._confirm.replay`'s memo)."""
     J = len(sc.jobs)
     names = sc.job_names
     zero = [0.0] * J
@@ -341,7 +344,7 @@ def _final_plan(sc: Scenario, best_d: list[float], curve: list[tuple[float, floa
     if any(best_d) and mine > together * (1.0 - min_gain):
         # the stagger does not pay at full accuracy: start together
         best_d, means, finish = list(zero), (0.0, 0.0), together_finish
-    simulated = _confirm.replay(sc, best_d) if any(best_d) and config.get("plan_replay") else refuted
+    simulated = _confirm.replay(sc, best_d, replays) if any(best_d) and config.get("plan_replay") else refuted
     if simulated is not None and _confirm.disagree(simulated, max(finish) / simultaneous, min_gain):
         best_d, means, finish = list(zero), (0.0, 0.0), together_finish  # the simulator does not confirm it
     sequential = _sequential(sc) if J > 1 else max(finish)
