@@ -82,7 +82,9 @@ def test_a_scan_s_best_stagger_the_simulator_finds_slower_ends_the_search(monkey
     monkeypatch.setattr(_confirm, "simulate", counting)
     searched = optimal_plan(sc)
     assert searched.evaluations > stopped + 4  # the coordinate descent ran
-    assert len(calls) == 2  # the scan's best start, then the search's stagger (refuted: 0.5% is too little)
+    # the scan's best start; the search's stagger last (refuted: 0.5% is too little), after the points of
+    # its flat curve that the refinement replayed (each as far ahead, so none replaced it)
+    assert len(calls) >= 2 and calls[-1] == list(searched.staggered.values()) != calls[0]
     assert not any(searched.delays.values())
     assert simulated.count([0.0] * 4) == 1  # the simultaneous start replayed once for both checks
 
@@ -92,7 +94,7 @@ def test_a_stagger_the_simulator_confirms_stands_with_its_replay():
     sc = scenario(n=600, jobs=((0.0005, 2), (0.0005, 2)), bandwidth=(1.31072e8, 0.8e8), capacity=1.0)
     plan = optimal_plan(sc)
     assert any(plan.delays.values())
-    assert set(plan.simulated) == {"plan", "simultaneous"}
+    assert {"plan", "simultaneous"} <= set(plan.simulated) <= {"plan", "simultaneous", "refined"}
     assert plan.simulated["plan"] < plan.simulated["simultaneous"] * 0.99
 
 
@@ -117,9 +119,9 @@ def test_a_large_dataset_is_replayed_at_a_scale_that_keeps_to_the_reads(monkeypa
     monkeypatch.setattr(_confirm, "READS", _confirm.reads(sc) // 2)  # both replays need 4x the reads: scale 1/4
     plan = optimal_plan(sc)
     assert plan.simulated["scale"] == 4.0
-    assert [n for n, _, _ in seen] == [150, 150]
+    assert len(seen) >= 2 and {n for n, _, _ in seen} == {150}  # the check's two replays, the refinement's
     assert seen[0][1] == pytest.approx(sc.cache.capacity / 4)
-    assert max(seen[0][2]) == pytest.approx(max(plan.staggered.values()) / 4)
+    assert any(max(d) == pytest.approx(max(plan.staggered.values()) / 4) for _, _, d in seen)
     assert any(plan.delays.values())  # the scaled replay confirms what the full one does
     assert plan.simulated["plan"] < plan.simulated["simultaneous"] * 0.99
 

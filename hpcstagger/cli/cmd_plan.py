@@ -93,6 +93,10 @@ def format_plan(path: str, sc: Any, plan: Any) -> str:
                    "gain)")
         scale = plan.simulated.get("scale", 1.0)
         at = f", on 1/{scale:g} of the dataset, times {scale:g}" if scale > 1 else ""
+        refined = int(plan.simulated.get("refined", 0))
+        if refined:
+            verdict += (f"; where the model's curve was flat, the simulator chose it among {refined + 1} "
+                        "staggers the model could not tell apart")
         lines.append(f"(the model's stagger replayed by the sample-level simulator{at}: {_seconds(sim_plan)} against "
                      f"{_seconds(sim_together)} simultaneous; {verdict})")
     return "\n".join(lines)
