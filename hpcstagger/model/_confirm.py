@@ -58,7 +58,7 @@ MIN_WINDOWS = 16
 # error against the simulator: median 1.2%, beyond 2% on a fifth of random loader shapes)
 FLAT = 0.02
 # the refinement's first pass replays at most this many of those points, evenly spread over them
-SPREAD = 5
+SPREAD = 3
 
 
 def reads(sc: Scenario) -> int:
@@ -120,14 +120,14 @@ def refine(sc: Scenario, plan: list[float], flat: list[list[float]], memo: dict[
     replays are exact starts), so that a point on the edge of a cliff, which the plan waited past,
     does not win on its exact start. The first pass
     replays up to :data:`SPREAD` points evenly spread over ``flat``, the second the points halfway
-    to the best one's neighbours there; together at most ``2 * READS`` sample reads (a scaled
+    to the best one's neighbours there; together at most :data:`READS` sample reads (a scaled
     replay's reads at its scale), as many points as that affords, none where a replay would not
     run (:func:`replay` returns None)."""
     points = [list(d) for d in flat if any(d) and list(d) != list(plan)]
     if not points:
         return list(plan), 0
     k = math.ceil(2 * reads(sc) / READS)
-    afford = int(2 * READS // max(1, math.ceil(reads(sc) / k)))
+    afford = int(READS // max(1, math.ceil(reads(sc) / k)))
     first = min(SPREAD, len(points), afford)
     mine = replay(sc, plan, memo) if first >= 1 else None
     if mine is None:
@@ -142,10 +142,11 @@ def refine(sc: Scenario, plan: list[float], flat: list[list[float]], memo: dict[
 
     index = sorted({round(i * (len(points) - 1) / max(first - 1, 1)) for i in range(first)})
     best = min(index, key=at)
-    left = [i for i in index if i < best]
-    right = [i for i in index if i > best]
-    for i in ((best + left[-1]) // 2 if left else None, (best + right[0] + 1) // 2 if right else None):
-        if i is not None and i not in seen and len(seen) < afford and at(i) < at(best):
+    # halfway to each neighbour of the best, first toward the faster neighbour (the valley's side)
+    sides = [(at(n), (best + n) // 2 if n < best else (best + n + 1) // 2)
+             for n in ([i for i in index if i < best][-1:] + [i for i in index if i > best][:1])]
+    for _, i in sorted(sides):
+        if i not in seen and len(seen) < afford and at(i) < at(best):
             best = i
     # the two fastest, each with what the spread costs it against what it costs the plan
     bar = mine["plan"] * (1.0 - min_gain)
