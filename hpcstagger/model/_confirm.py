@@ -58,7 +58,7 @@ MIN_WINDOWS = 16
 # error against the simulator: median 1.2%, beyond 2% on a fifth of random loader shapes)
 FLAT = 0.02
 # the refinement's first pass replays at most this many of those points, evenly spread over them
-SPREAD = 3
+SPREAD = 5
 
 
 def reads(sc: Scenario) -> int:
@@ -110,27 +110,31 @@ def disagree(simulated: dict[str, float], ratio: float, min_gain: float) -> bool
 
 
 def refine(sc: Scenario, plan: list[float], flat: list[list[float]], memo: dict[tuple[float, ...], float],
-           min_gain: float, penalty: Callable[[list[float]], float] | None = None) -> tuple[list[float], int]:
+           min_gain: float, ratio: float, penalty: Callable[[list[float]], float] | None = None
+           ) -> tuple[list[float], int]:
     """Among ``flat``, delays that the fluid model finds within :data:`FLAT` of its plan ``plan``
     (ordered along its curve), the delays the simulator finds fastest, if ahead of the plan's
     replay by more than ``min_gain``; else ``plan``. Returns those delays and the number of points
-    replayed. ``penalty(delays)``, when given, is added to the two fastest points' replayed
-    makespans and to the plan's before they are compared: what the fluid model says a start-time
-    spread costs at those delays (its mean over the spread less its exact-start makespan; the
-    replays are exact starts), so that a point on the edge of a cliff, which the plan waited past,
-    does not win on its exact start. The first pass
-    replays up to :data:`SPREAD` points evenly spread over ``flat``, the second the points halfway
-    to the best one's neighbours there; together at most :data:`READS` sample reads (a scaled
-    replay's reads at its scale), as many points as that affords, none where a replay would not
-    run (:func:`replay` returns None)."""
+    replayed. A plan whose replay refutes it (:func:`disagree`, ``ratio`` being its fluid-model
+    makespan over a simultaneous start's) is returned as it is, for the check to drop: where the two
+    models disagree about the plan, the simulator alone does not pick another stagger.
+    ``penalty(delays)``, when given, is added to the two fastest points' replayed makespans and to
+    the plan's before they are compared: what the fluid model says a start-time spread costs at
+    those delays (its mean over the spread less its exact-start makespan; the replays are exact
+    starts), so that a point on the edge of a cliff, which the plan waited past, does not win on
+    its exact start. The first pass replays up to :data:`SPREAD` points evenly
+    spread over ``flat``, the second the points halfway to the best one's neighbours there, the
+    faster neighbour's side first; together at most ``2 * READS`` sample reads (a scaled replay's
+    reads at its scale), as many points as that affords, none where a replay would not run
+    (:func:`replay` returns None)."""
     points = [list(d) for d in flat if any(d) and list(d) != list(plan)]
     if not points:
         return list(plan), 0
     k = math.ceil(2 * reads(sc) / READS)
-    afford = int(READS // max(1, math.ceil(reads(sc) / k)))
+    afford = int(2 * READS // max(1, math.ceil(reads(sc) / k)))
     first = min(SPREAD, len(points), afford)
     mine = replay(sc, plan, memo) if first >= 1 else None
-    if mine is None:
+    if mine is None or disagree(mine, ratio, min_gain):
         return list(plan), 0
     seen: dict[int, float] = {}
 

@@ -209,7 +209,9 @@ def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain
                                                          budget=budget, replays=replays)
         if any(best_d) and config.get("plan_replay"):
             cost = (lambda d: spread(d) - spread.ev(d)) if spread.jitter > 0 else None
-            best_d, refined = _confirm.refine(sc, best_d, _confirm.flat(curve, best_d), replays, min_gain, cost)
+            fine = _engine.Engine(sc, _quality.FINE)  # the ratio the final check weighs, at its accuracy
+            ratio = max(fine.run(best_d)) / max(fine.run([0.0] * J))
+            best_d, refined = _confirm.refine(sc, best_d, _confirm.flat(curve, best_d), replays, min_gain, ratio, cost)
             staggered = list(best_d)
     else:  # one job; or a loader the model cannot see, whose stagger would rest on no evidence
         label = unseen_reason(unseen) if J >= 2 else _SIMULTANEOUS_ONLY
