@@ -104,6 +104,22 @@ def test_a_symlinked_loader_directory_is_refused(shm_root, tmp_path):
     assert os.listdir(elsewhere) == [] and loader.producer_pid == 0
 
 
+def test_a_temporary_directory_too_long_for_the_workers_sockets_is_refused(shm_root, tmp_path, monkeypatch):
+    # DataLoader workers pass a batch's descriptors over a Unix socket under TMPDIR; a path past 107
+    # bytes fails in the worker, whose error the detached producer cannot show: the jobs would hang
+    deep = tmp_path / ("d" * max(80 - len(str(tmp_path)) - 1, 1))  # 80 bytes, or more where tmp_path is long
+    deep.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(deep))
+    t0 = time.monotonic()
+    with pytest.raises(LoaderError, match=rf"\({len(os.fsencode(deep))} bytes\).*TMPDIR to a shorter one"):
+        SharedLoader(Numbered(8), 2, name="p", num_workers=2, root=shm_root).attach()
+    assert time.monotonic() - t0 < 5 and loader_files(shm_root) == []
+    # no workers, no sockets: the same directory is fine
+    loader = SharedLoader(Numbered(8), 2, name="q", num_workers=0, root=shm_root)
+    assert sorted(int(i) for _, index in loader for i in index) == list(range(8))
+    loader.close()
+
+
 def test_a_group_writable_loader_directory_is_refused(shm_root):
     path = os.path.join(shm_root, ".loader")
     os.mkdir(path)

@@ -10,8 +10,10 @@ consumer is attached.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -25,13 +27,14 @@ LONG_LINGER = "30"  # far longer than any wait below: only a stop request ends t
 
 
 @pytest.fixture
-def lingering(jobs, tmp_path):
-    """``jobs`` whose producers linger 30 s and whose temporary folders go to ``<tmp>/tmp``."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    jobs.env.update(HPCSTAGGER_LOADER_LINGER=LONG_LINGER, TMPDIR=str(tmp))
+def lingering(jobs):
+    """``jobs`` whose producers linger 30 s and whose temporary folders go to a folder of their own,
+    directly in the temporary directory: the workers' Unix sockets under it need a short path."""
+    tmp = tempfile.mkdtemp(prefix="stop-")
+    jobs.env.update(HPCSTAGGER_LOADER_LINGER=LONG_LINGER, TMPDIR=tmp)
     jobs.tmpdir = tmp
-    return jobs
+    yield jobs
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _finished_job(jobs, label: str = "a") -> int:

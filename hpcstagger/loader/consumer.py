@@ -44,7 +44,7 @@ from hpcstagger.comm import Backoff
 from hpcstagger.errors import CacheError, ConfigError, LoaderError
 from hpcstagger.loader import _cuda, _ring as R
 from hpcstagger.loader._order import StreamOrder
-from hpcstagger.loader.producer import Pipeline, spawn_producer
+from hpcstagger.loader.producer import Pipeline, check_socket_dir, spawn_producer
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +239,7 @@ class SharedLoader:
             log.info("shared loader %s: removing the files of a stopped or dead producer", self.name)
             R.remove_files(dir_fd, self.key, ctl.ino)
             ctl.close()
+        check_socket_dir(self._pipe.num_workers)  # before any file: a producer that cannot work would hang its jobs
         ctl = R.open_ctl(dir_fd, dir_path, self.key, create=True)
         assert ctl is not None
         w = ctl.w

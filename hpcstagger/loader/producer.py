@@ -78,6 +78,34 @@ class _StreamBatches:
             g += 1
 
 
+# multiprocessing passes a batch's descriptors over a Unix socket at <tempdir>/pymp-XXXXXXXX/listener-XXXXXXXX
+_SOCKET_TAIL = len("/pymp-12345678/listener-12345678")
+_SUN_PATH = 107  # the bytes a Unix socket's path may have on Linux (sun_path, less its NUL)
+
+
+def check_socket_dir(num_workers: int) -> None:
+    """LoaderError when DataLoader workers could not hand batches to the producer: with torch's
+    ``file_descriptor`` sharing they pass descriptors over a Unix socket under the temporary
+    directory, and a TMPDIR longer than 75 bytes makes its path too long. The workers' error goes to
+    the producer's stderr, which is detached: the jobs would wait for batches that never come."""
+    if num_workers <= 0:
+        return
+    import tempfile
+
+    import torch.multiprocessing
+
+    if torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
+        return
+    where = tempfile.gettempdir()
+    size = len(os.fsencode(where))
+    if size + _SOCKET_TAIL > _SUN_PATH:
+        raise LoaderError(
+            f"the shared loader's DataLoader workers pass batches over a Unix socket under the temporary "
+            f"directory {where} ({size} bytes), and Linux allows a socket path {_SUN_PATH} bytes: at most "
+            f"{_SUN_PATH - _SOCKET_TAIL} for the directory. Set TMPDIR to a shorter one (export TMPDIR=/tmp), "
+            "or num_workers=0")
+
+
 def spawn_producer(pipe: Pipeline, ctl: R.Ctl, root: str) -> tuple[int, int]:
     """Fork the producer (detached, in its own session); return its (pid, start time)."""
     rfd, wfd = os.pipe()
