@@ -66,6 +66,11 @@ def reads(sc: Scenario) -> int:
     return int(sc.dataset.samples) * sum(int(j.epochs) for j in sc.jobs)
 
 
+def _scale(sc: Scenario) -> int:
+    """k: the scale 1/k at which two replays of ``sc`` read at most :data:`READS` samples together."""
+    return math.ceil(2 * reads(sc) / READS)
+
+
 def replay(sc: Scenario, delays: list[float],
            memo: dict[tuple[float, ...], float] | None = None) -> dict[str, float] | None:
     """The simulator's makespans of ``delays`` (``plan``) and of a simultaneous start
@@ -74,7 +79,7 @@ def replay(sc: Scenario, delays: list[float],
     when that scale leaves a job fewer than :data:`MIN_WINDOWS` windows per epoch. ``memo`` keeps
     the makespans of one scenario's replays by delays, for a later call (the planner replays the
     simultaneous start during its search and again at the end)."""
-    k = math.ceil(2 * reads(sc) / READS)
+    k = _scale(sc)
     if k > 1:
         d = sc.to_dict()
         d["dataset"]["samples"] = int(sc.dataset.samples) // k
@@ -130,8 +135,7 @@ def refine(sc: Scenario, plan: list[float], flat: list[list[float]], memo: dict[
     points = [list(d) for d in flat if any(d) and list(d) != list(plan)]
     if not points:
         return list(plan), 0
-    k = math.ceil(2 * reads(sc) / READS)
-    afford = int(2 * READS // max(1, math.ceil(reads(sc) / k)))
+    afford = int(2 * READS // max(1, math.ceil(reads(sc) / _scale(sc))))
     first = min(SPREAD, len(points), afford)
     mine = replay(sc, plan, memo) if first >= 1 else None
     if mine is None or disagree(mine, ratio, min_gain):
