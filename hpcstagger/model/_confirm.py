@@ -157,11 +157,13 @@ def refine(sc: Scenario, plan: list[float], flat: list[list[float]], memo: dict[
         if i not in seen and len(seen) < afford and at(i) < at(best):
             best = i
     # the two fastest, each with what the spread costs it against what it costs the plan
+    cost = penalty or (lambda d: 0.0)
     bar = mine["plan"] * (1.0 - min_gain)
-    for n, i in enumerate(sorted((i for i in seen if seen[i] < bar), key=lambda i: seen[i])[:2]):
-        if penalty is not None and n == 0:
-            bar += penalty(list(plan))
-        if seen[i] + (penalty(points[i]) if penalty is not None else 0.0) < bar:
+    fastest = sorted((i for i in seen if seen[i] < bar), key=lambda i: seen[i])[:2]
+    if fastest:
+        bar += cost(list(plan))
+    for i in fastest:
+        if seen[i] + cost(points[i]) < bar:
             return points[i], len(seen)
     return list(plan), len(seen)
 
