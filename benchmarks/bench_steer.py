@@ -20,7 +20,8 @@ of launches, one in mode ``open`` (no watcher) and one in mode ``plan`` with ``[
 false`` (the watcher looks and fits as usual but keeps the planned delays), alternating (with
 ``--uncounted``, another watched the same way without counting reads in flight,
 ``HPCSTAGGER_STEER_COUNT=0``; with ``--steered``, another in mode ``plan`` steered as usual, released
-by the fitted model; each launch of a round goes first in turn), every one
+by the fitted model; with ``--unrecorded``, another steered with ``[plan] history = false``, so that
+nothing is looked at or fitted after the last release; each launch of a round goes first in turn), every one
 planned from the calibration alone (``--no-history``: the runs' history would move the plan between them). Each pair
 compares the running job's batches per second while the other waits (from its leader's progress
 history, from 0.5 s after its loop began to the release or its last progress record, if sooner;
@@ -165,9 +166,12 @@ def _overhead_rounds(name: str, cfg: dict[str, Any], data: Path, work: Path, pai
         return {"name": name, "error": f"calibrate failed; see {log}"}
     watch = work / "spec-watch.toml"
     watch.write_text(spec.read_text().replace('mode = "plan"', 'mode = "plan"\nsteer = false'))
+    unrecorded = work / "spec-unrecorded.toml"
+    unrecorded.write_text(spec.read_text().replace('mode = "plan"', 'mode = "plan"\nhistory = false'))
     rows: list[dict[str, Any]] = []
     arms = [("open", spec, "open"), ("watched", watch, "plan")]
-    arms += [a for a in (("uncounted", watch, "plan"), ("steered", spec, "plan")) if a[0] in extra]
+    arms += [a for a in (("uncounted", watch, "plan"), ("steered", spec, "plan"), ("unrecorded", unrecorded, "plan"))
+             if a[0] in extra]
     for k in range(pairs):
         for label, path, mode in arms[k % len(arms):] + arms[:k % len(arms)]:  # each arm in turn goes first
             stamp = f"overhead-{k}-{label}"
@@ -254,6 +258,9 @@ def main() -> int:
     p.add_argument("--steered", action="store_true",
                    help="with --overhead: a launch each round in mode plan steered as usual (released by the fitted "
                         "model), beside the open-loop and watched ones")
+    p.add_argument("--unrecorded", action="store_true",
+                   help="with --overhead: a launch each round steered as usual but with [plan] history = false "
+                        "(the run is not recorded, so nothing is fitted after the last release)")
     p.add_argument("--out", default=str(HERE / "out" / "bench_steer.json"))
     p.add_argument("--keep", action="store_true", help="keep the work directory (specs, scenarios, logs)")
     args = p.parse_args()
@@ -273,8 +280,9 @@ def main() -> int:
     with U.workspace("bench-steer", args.samples, args.keep) as (root, data):
         for name in names:
             if args.overhead:
+                arms = tuple(a for a in ("uncounted", "steered", "unrecorded") if getattr(args, a))
                 results.append(overhead_pairs(name, configs[name], data, root / name, args.overhead, args.budget,
-                                              tuple(a for a in ("uncounted", "steered") if getattr(args, a))))
+                                              arms))
             else:
                 results.append(run_config(name, configs[name], data, root / name, cases, args.staggers,
                                           args.budget, args.repeat))
