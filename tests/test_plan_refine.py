@@ -95,3 +95,37 @@ def test_the_flat_points_of_a_curve():
     curve3 = [(0.0, 11.0), (2.0, 10.1), (4.0, 10.0), (5.0, 10.15), (6.4, 10.9)]
     assert _confirm.flat(curve3, [4.0, 0.0, 2.0]) == [[2.0, 0.0, 1.0], [4.0, 0.0, 2.0], [5.0, 0.0, 2.5]]
     assert _confirm.flat([], [1.0, 0.0]) == []
+
+
+def _paced_pair() -> Scenario:
+    """Two jobs of 2 DataLoader workers over a source that loses half its bandwidth to a second
+    reader, no cache: one with batches of 128, one with batches of 8 whose step takes about as long
+    as a worker's batch read alone. The fluid model lets each job's workers overlap at random."""
+    def job(name: str, t: float, batch: int, prefetch: int, handoff: float) -> dict:
+        return dict(name=name, sample_time=t, epochs=2, workers=2, batch=batch, prefetch=prefetch, handoff=handoff)
+
+    return Scenario.from_dict({
+        "dataset": {"samples": 1000, "sample_bytes": 131072.0},
+        "storage": {"bandwidth": [2.0e8, 1.0366e8]},
+        "cache": {"capacity": 0.0, "policy": "none", "hit_bandwidth": 5.5e9},
+        "loader": {"prefetch": 2},
+        "job": [job("wide", 2.4887e-4, 128, 4, 9.048e-3), job("narrow", 6.1714e-4, 8, 1, 8.628e-4)]})
+
+
+def test_on_a_flat_curve_around_a_simultaneous_start_the_simulator_picks_a_stagger():
+    sc = _paced_pair()
+    with config.override(plan_replay=False):
+        fluid = optimal_plan(sc)
+    assert fluid.delays == {"wide": 0.0, "narrow": 0.0}
+    curve = dict(zip(fluid.curve_stagger, fluid.curve_makespan, strict=True))
+    assert max(m for x, m in curve.items() if abs(x) <= 1.2) < curve[0.0] * (1 + _confirm.FLAT)  # flat
+    plan = optimal_plan(sc)
+    assert any(plan.delays.values()) and plan.simulated["picked"] == 1.0 and plan.simulated["refined"] >= 3
+    delays = [plan.delays["wide"], plan.delays["narrow"]]
+    assert plan.simulated["plan"] == pytest.approx(simulate(sc, delays, seed=0).makespan)
+    assert plan.simulated["plan"] < simulate(sc, [0.0, 0.0], seed=0).makespan * 0.9
+    # kept on the simulator's word: the fluid model finds it no faster than a simultaneous start
+    assert plan.makespan > plan.simultaneous * (1 - 0.01)
+    assert plan.staggered == plan.delays
+    # more than 2 jobs: a simultaneous plan is not refined (no flat stretch is searched around it)
+    assert _confirm.pick(sc, [0.0, 0.0, 0.0], [(0.0, 1.0), (1.0, 1.0)], {}, 0.01) == ([0.0, 0.0, 0.0], 0, False)

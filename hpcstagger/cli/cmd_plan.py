@@ -76,6 +76,8 @@ def format_plan(path: str, sc: Any, plan: Any) -> str:
                   f"{_seconds(plan.spread_simultaneous)}")
     if not any(plan.delays.values()):
         saved = "   (start together)"
+    elif plan.simulated.get("picked"):
+        saved = "   (the model finds no stagger faster; the simulator's replay, below, does)"
     elif plan.gain > 0:
         saved = f"   (the plan saves {plan.gain:.1%}" + (f"; {spread})" if spread else ")")
     else:
@@ -94,7 +96,10 @@ def format_plan(path: str, sc: Any, plan: Any) -> str:
         scale = plan.simulated.get("scale", 1.0)
         at = f", on 1/{scale:g} of the dataset, times {scale:g}" if scale > 1 else ""
         refined = int(plan.simulated.get("refined", 0))
-        if refined:
+        if plan.simulated.get("picked"):
+            verdict += (f"; the model could not tell a simultaneous start from {refined} staggers, and the "
+                        "simulator chose this one")
+        elif refined:
             verdict += (f"; where the model's curve was flat, the simulator chose it among {refined + 1} "
                         "staggers the model could not tell apart")
         lines.append(f"(the model's stagger replayed by the sample-level simulator{at}: {_seconds(sim_plan)} against "

@@ -47,7 +47,8 @@ shortfall, the two models disagree about it and the jobs start together (``Plan.
 3 or more jobs the scan's best start is replayed before the coordinate descent, which is skipped
 where the simulator finds that stagger slower than a simultaneous start. Where the curve is flat
 around the plan, the simulator picks among the points the fluid model cannot tell apart first
-(:func:`._confirm.refine`; ``Plan.simulated["refined"]``: the points replayed).
+(:func:`._confirm.refine`; ``Plan.simulated["refined"]``: the points replayed), and with 2 jobs
+also around a simultaneous start (``Plan.simulated["picked"]``: it chose a stagger over it).
 """
 
 from __future__ import annotations
@@ -202,22 +203,21 @@ def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain
     staggered: list[float] | None = None
     early: dict[str, float] | None = None
     replays: dict[tuple[float, ...], float] = {}  # the simulator's makespans by delays, for the search and the end
-    refined = 0
+    refined, picked = 0, False
     if J >= 2 and not unseen:
         best_d, curve, label, staggered, early = _search(sc, ev, spread, simultaneous_coarse, solo,
                                                          max_delay=max_delay, min_gain=min_gain, grid=grid,
                                                          budget=budget, replays=replays)
-        if any(best_d) and config.get("plan_replay"):
+        if (any(best_d) or J == 2) and config.get("plan_replay"):
             cost = (lambda d: spread(d) - spread.ev(d)) if spread.jitter > 0 else None
-            fine = _engine.Engine(sc, _quality.FINE)  # the ratio the final check weighs, at its accuracy
-            ratio = max(fine.run(best_d)) / max(fine.run([0.0] * J))
-            best_d, refined = _confirm.refine(sc, best_d, _confirm.flat(curve, best_d), replays, min_gain, ratio, cost)
-            staggered = list(best_d)
+            best_d, refined, picked = _confirm.pick(sc, best_d, curve, replays, min_gain, cost)
+            staggered = list(best_d) if any(best_d) else staggered
     else:  # one job; or a loader the model cannot see, whose stagger would rest on no evidence
         label = unseen_reason(unseen) if J >= 2 else _SIMULTANEOUS_ONLY
         best_d, curve = [0.0] * J, [(0.0, simultaneous_coarse)]
     return _final_plan(sc, best_d, curve, label, min_gain, evaluations=ev.count, t0=t0,
-                       jitter=spread.jitter, staggered=staggered, refuted=early, replays=replays, refined=refined)
+                       jitter=spread.jitter, staggered=staggered, refuted=early, replays=replays, refined=refined,
+                       picked=picked)
 
 
 def _cpu_clock() -> float:
@@ -330,14 +330,15 @@ def _plan_scaled(ev: Evaluator, base: list[float], best: float,
 def _final_plan(sc: Scenario, best_d: list[float], curve: list[tuple[float, float]], label: str,
                 min_gain: float, *, evaluations: int, t0: float, jitter: float = 0.0,
                 staggered: list[float] | None = None, refuted: dict[str, float] | None = None,
-                replays: dict[tuple[float, ...], float] | None = None, refined: int = 0) -> Plan:
+                replays: dict[tuple[float, ...], float] | None = None, refined: int = 0, picked: bool = False) -> Plan:
     """The plan of delays ``best_d`` with its makespans recomputed at full accuracy, back to a
     simultaneous start if the stagger then gains less than ``min_gain``: with exact starts in its
     makespan, over a start-time spread of ``jitter`` seconds in its mean over the spread (the search
     weighed the spread at its own, coarser accuracy, which can favour a stagger that loses).
     ``refuted``: the simulator's replays of ``staggered``, which refuted it during the search;
     ``replays``: the makespans the search's replays found (:func:`._confirm.replay`'s memo);
-    ``refined``: the points :func:`._confirm.refine` replayed before ``best_d`` was chosen."""
+    ``refined``: the points :func:`._confirm.refine` replayed before ``best_d`` was chosen; ``picked``: the
+    simulator chose ``best_d`` over a simultaneous start the fluid model could not tell from it (kept)."""
     J = len(sc.jobs)
     names = sc.job_names
     zero = [0.0] * J
@@ -351,14 +352,14 @@ def _final_plan(sc: Scenario, best_d: list[float], curve: list[tuple[float, floa
         spread = Spread(Evaluator(sc, _quality.FINE), jitter, OFFSETS_TWO if J == 2 else OFFSETS_MANY)
         means = (spread(best_d), spread(zero))
     mine, together = means if jitter else (max(finish), simultaneous)
-    if any(best_d) and mine > together * (1.0 - min_gain):
+    if any(best_d) and mine > together * (1.0 - min_gain) and not picked:
         # the stagger does not pay at full accuracy: start together
         best_d, means, finish = list(zero), (0.0, 0.0), together_finish
     simulated = _confirm.replay(sc, best_d, replays) if any(best_d) and config.get("plan_replay") else refuted
     if simulated is not None and _confirm.disagree(simulated, max(finish) / simultaneous, min_gain):
         best_d, means, finish = list(zero), (0.0, 0.0), together_finish  # the simulator does not confirm it
     if simulated is not None and refined:
-        simulated = {**simulated, "refined": float(refined)}
+        simulated = {**simulated, "refined": float(refined), **({"picked": 1.0} if picked else {})}
     sequential = _sequential(sc) if J > 1 else max(finish)
     order = tuple(names[j] for j in sorted(range(J), key=lambda j: (best_d[j], j)))
     stag_d = list(staggered) if staggered and any(staggered) else []
