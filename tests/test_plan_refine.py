@@ -37,7 +37,7 @@ def test_on_a_flat_curve_the_simulator_picks_the_stagger():
     assert fluid.delays["mlp"] == 0 and 0.5 < fluid.delays["cnn"] < 1.2
     plan = optimal_plan(sc)
     assert plan.delays["mlp"] == 0 and 1.5 < plan.delays["cnn"] < 2.6
-    assert plan.simulated["refined"] >= 3
+    assert plan.simulated["refined"] >= 3 and plan.simulated["moved"] == 1.0 and "picked" not in plan.simulated
     at = {k: simulate(sc, [d, 0.0], seed=0).makespan for k, d in (("fluid", fluid.delays["cnn"]),
                                                                     ("plan", plan.delays["cnn"]))}
     assert plan.simulated["plan"] == pytest.approx(at["plan"])
@@ -128,4 +128,4 @@ def test_on_a_flat_curve_around_a_simultaneous_start_the_simulator_picks_a_stagg
     assert plan.makespan > plan.simultaneous * (1 - 0.01)
     assert plan.staggered == plan.delays
     # more than 2 jobs: a simultaneous plan is not refined (no flat stretch is searched around it)
-    assert _confirm.pick(sc, [0.0, 0.0, 0.0], [(0.0, 1.0), (1.0, 1.0)], {}, 0.01) == ([0.0, 0.0, 0.0], 0, False)
+    assert _confirm.pick(sc, [0.0, 0.0, 0.0], [(0.0, 1.0), (1.0, 1.0)], {}, 0.01) == ([0.0, 0.0, 0.0], 0, "")

@@ -11,7 +11,9 @@ from hpcstagger.stagger.delays import plan_run, scenario_for
 from hpcstagger.stagger.runplan import PlanInputs
 from hpcstagger.spec.jobspec import PLAN_MODES, Spec
 from hpcstagger.errors import ConfigError
+from hpcstagger import config
 from hpcstagger.model import Scenario, predict
+from hpcstagger.model.plan import FLAT
 
 from support.model_scenarios import small_toml
 
@@ -348,3 +350,25 @@ def test_a_barely_simultaneous_plan_holds_the_stagger_and_lets_the_closed_loop_d
     off = plan()
     assert off["delays"] == {"a": 0.0, "b": 0.0} and "steer" not in off
     assert off["simultaneous_reason"].startswith("a simultaneous start: the model predicts no stagger gains")
+
+
+def test_a_stagger_the_simulator_picked_on_a_flat_curve_is_steered_with_a_wider_margin(tmp_path, monkeypatch):
+    """The same flat curve with the simulator's replay on: the simulator picks a stagger the fluid
+    model finds no faster than a simultaneous start, and the watcher, which re-fits the fluid model,
+    moves that release only for a gain larger than the curve's flatness (FLAT) on top of
+    steer_min_gain."""
+    monkeypatch.setenv("HPCSTAGGER_PLAN_JITTER", "0")
+    monkeypatch.delenv("HPCSTAGGER_PLAN_REPLAY", raising=False)
+    (tmp_path / "io.toml").write_text(IO_SCENARIO.replace("[2.0e7, 8.0e6]", "[2.0e7, 2.0e7]"))
+    jobs = [{"name": n, "command": "x", "epochs": 1} for n in ("a", "b")]
+    spec = Spec.from_dict({"plan": {"mode": "plan", "scenario": "io.toml"}, "job": jobs}, base_dir=tmp_path)
+    inputs = PlanInputs(cache_state={"entries": 0, "bytes": 0}, steer_min_gain=0.01)
+    out = plan_run(spec, ["a", "b"], {}, "plan", inputs).to_dict()
+    assert any(out["delays"].values()) and out["simulated"]["picked"] == 1.0
+    assert out["simulated"]["plan"] < out["simulated"]["simultaneous"] * 0.99
+    assert out["predicted"]["plan"] > out["predicted"]["simultaneous"] * 0.99  # the fluid model: no gain
+    assert out["steer"]["min_gain"] == pytest.approx(0.01 + FLAT)
+    assert "simultaneous_reason" not in out
+    with config.override(plan_replay=False):  # the fluid model's own plan is steered with steer_min_gain
+        fluid = plan_run(spec, ["a", "b"], {}, "plan", inputs).to_dict()
+    assert fluid["steer"]["min_gain"] == pytest.approx(0.01) and "picked" not in fluid.get("simulated", {})

@@ -195,18 +195,19 @@ def flat(curve: list[tuple[float, float]], plan: list[float]) -> list[list[float
 
 
 def pick(sc: Scenario, plan: list[float], curve: list[tuple[float, float]], memo: dict[tuple[float, ...], float],
-         min_gain: float, penalty: Callable[[list[float]], float] | None = None) -> tuple[list[float], int, bool]:
+         min_gain: float, penalty: Callable[[list[float]], float] | None = None) -> tuple[list[float], int, str]:
     """:func:`refine` for the planner's ``plan``: a stagger, or with two jobs a simultaneous start
-    as well. Returns the delays, the points replayed, and whether the simulator put a stagger in
-    place of a simultaneous start (which the fluid model then finds no faster: the final check
-    keeps it on the simulator's word). The refutation ratio of a stagger is its fluid-model
-    makespan over a simultaneous start's at the final check's accuracy."""
+    as well. Returns the delays, the points replayed, and how the simulator changed the plan:
+    ``"picked"`` a stagger in place of a simultaneous start (which the fluid model finds no faster:
+    the final check keeps it on the simulator's word), ``"moved"`` another stagger, else ``""``.
+    The refutation ratio of a stagger is its fluid-model makespan over a simultaneous start's at
+    the final check's accuracy."""
     if not any(plan):
         if len(plan) != 2:
-            return list(plan), 0, False
+            return list(plan), 0, ""
         chosen, n = refine(sc, plan, flat(curve, plan), memo, min_gain, 1.0, penalty)
-        return chosen, n, any(chosen)
+        return chosen, n, "picked" if any(chosen) else ""
     fine = _engine.Engine(sc, _quality.FINE)
     ratio = max(fine.run(plan)) / max(fine.run([0.0] * len(plan)))
     chosen, n = refine(sc, plan, flat(curve, plan), memo, min_gain, ratio, penalty)
-    return chosen, n, False
+    return chosen, n, "moved" if chosen != list(plan) else ""

@@ -47,8 +47,8 @@ shortfall, the two models disagree about it and the jobs start together (``Plan.
 3 or more jobs the scan's best start is replayed before the coordinate descent, which is skipped
 where the simulator finds that stagger slower than a simultaneous start. Where the curve is flat
 around the plan, the simulator picks among the points the fluid model cannot tell apart first
-(:func:`._confirm.refine`; ``Plan.simulated["refined"]``: the points replayed), and with 2 jobs
-also around a simultaneous start (``Plan.simulated["picked"]``: it chose a stagger over it).
+(:func:`._confirm.refine`; ``Plan.simulated``: ``refined`` points replayed, ``moved`` to another), with 2
+jobs also around a simultaneous start (``picked``: a stagger chosen over it).
 """
 
 from __future__ import annotations
@@ -61,12 +61,13 @@ from collections.abc import Callable
 
 from hpcstagger.errors import ConfigError
 from hpcstagger.model import _confirm, _engine, _quality
+from hpcstagger.model._confirm import FLAT  # the fluid model's curve within this fraction of its best: a tie
 from hpcstagger.model._search import CUTOFF, Evaluator, grid, line_search, minimize_bounded
 from hpcstagger.model._spread import OFFSETS_MANY, OFFSETS_TWO, Spread, robust_two, start_jitter
 from hpcstagger.model.scenario import Scenario
 from hpcstagger import config
 
-__all__ = ["Plan", "optimal_plan", "unseen_loaders", "unseen_reason"]
+__all__ = ["FLAT", "Plan", "optimal_plan", "unseen_loaders", "unseen_reason"]
 
 
 @dataclass(frozen=True)
@@ -203,7 +204,7 @@ def optimal_plan(scenario: Scenario, *, max_delay: float | None = None, min_gain
     staggered: list[float] | None = None
     early: dict[str, float] | None = None
     replays: dict[tuple[float, ...], float] = {}  # the simulator's makespans by delays, for the search and the end
-    refined, picked = 0, False
+    refined, picked = 0, ""
     if J >= 2 and not unseen:
         best_d, curve, label, staggered, early = _search(sc, ev, spread, simultaneous_coarse, solo,
                                                          max_delay=max_delay, min_gain=min_gain, grid=grid,
@@ -330,15 +331,15 @@ def _plan_scaled(ev: Evaluator, base: list[float], best: float,
 def _final_plan(sc: Scenario, best_d: list[float], curve: list[tuple[float, float]], label: str,
                 min_gain: float, *, evaluations: int, t0: float, jitter: float = 0.0,
                 staggered: list[float] | None = None, refuted: dict[str, float] | None = None,
-                replays: dict[tuple[float, ...], float] | None = None, refined: int = 0, picked: bool = False) -> Plan:
+                replays: dict[tuple[float, ...], float] | None = None, refined: int = 0, picked: str = "") -> Plan:
     """The plan of delays ``best_d`` with its makespans recomputed at full accuracy, back to a
     simultaneous start if the stagger then gains less than ``min_gain``: with exact starts in its
     makespan, over a start-time spread of ``jitter`` seconds in its mean over the spread (the search
     weighed the spread at its own, coarser accuracy, which can favour a stagger that loses).
     ``refuted``: the simulator's replays of ``staggered``, which refuted it during the search;
     ``replays``: the makespans the search's replays found (:func:`._confirm.replay`'s memo);
-    ``refined``: the points :func:`._confirm.refine` replayed before ``best_d`` was chosen; ``picked``: the
-    simulator chose ``best_d`` over a simultaneous start the fluid model could not tell from it (kept)."""
+    ``refined``: the points :func:`._confirm.refine` replayed before ``best_d`` was chosen; ``picked``: how the
+    simulator changed the fluid model's choice (:func:`._confirm.pick`; a ``"picked"`` stagger is kept here)."""
     J = len(sc.jobs)
     names = sc.job_names
     zero = [0.0] * J
@@ -352,14 +353,14 @@ def _final_plan(sc: Scenario, best_d: list[float], curve: list[tuple[float, floa
         spread = Spread(Evaluator(sc, _quality.FINE), jitter, OFFSETS_TWO if J == 2 else OFFSETS_MANY)
         means = (spread(best_d), spread(zero))
     mine, together = means if jitter else (max(finish), simultaneous)
-    if any(best_d) and mine > together * (1.0 - min_gain) and not picked:
+    if any(best_d) and mine > together * (1.0 - min_gain) and picked != "picked":
         # the stagger does not pay at full accuracy: start together
         best_d, means, finish = list(zero), (0.0, 0.0), together_finish
     simulated = _confirm.replay(sc, best_d, replays) if any(best_d) and config.get("plan_replay") else refuted
     if simulated is not None and _confirm.disagree(simulated, max(finish) / simultaneous, min_gain):
         best_d, means, finish = list(zero), (0.0, 0.0), together_finish  # the simulator does not confirm it
     if simulated is not None and refined:
-        simulated = {**simulated, "refined": float(refined), **({"picked": 1.0} if picked else {})}
+        simulated = {**simulated, "refined": float(refined), **({picked: 1.0} if picked else {})}
     sequential = _sequential(sc) if J > 1 else max(finish)
     order = tuple(names[j] for j in sorted(range(J), key=lambda j: (best_d[j], j)))
     stag_d = list(staggered) if staggered and any(staggered) else []

@@ -23,7 +23,7 @@ from hpcstagger.stagger.runplan import PlanInputs, RunPlan
 from hpcstagger.stagger.scenario_build import fold_miss_overhead
 from hpcstagger.stagger.learning import with_scenario
 from hpcstagger.model import optimal_plan, predict, Scenario
-from hpcstagger.model.plan import unseen_loaders, unseen_reason
+from hpcstagger.model.plan import FLAT, unseen_loaders, unseen_reason
 from hpcstagger.stagger.steering import WARMUP, steer_record
 
 __all__ = ["plan_run", "plan_delays", "simultaneous_reason", "scenario_for", "cached_fraction",
@@ -71,7 +71,8 @@ def plan_run(spec: Spec | None, order: Sequence[str], calibrations: Mapping[str,
     Modes ``"plan"`` and ``"open"`` take the plan's delays; ``"plan"`` also adds
     ``steer`` when some job waits (:func:`~hpcstagger.stagger.steering.steer_record`, with the watcher's period
     ``steer_interval`` and the least predicted gain ``steer_min_gain`` that moves a release off
-    the plan): the run then releases waiting jobs on evidence. ``history`` (from
+    the plan, 2% more for a stagger the simulator chose on the fluid model's flat curve): the run
+    then releases waiting jobs on evidence. ``history`` (from
     :func:`~.history.corrections`) gives factors on the scenario's source and jobs, and the jobs'
     start-ups, that earlier runs measured; the plan starts from them, and returns them as
     ``history``. Jobs that share a loader are planned as one (:func:`loader_representatives`;
@@ -139,8 +140,11 @@ def _plan(spec: Spec | None, order: Sequence[str], calibrations: Mapping[str, Ma
         out["delays"], why = guard
         prior = {n: 0.0 for n in order}
     if mode == "plan":
-        out.update(_steer(spec, out["delays"], order, float(p.sequential), steer_interval, steer_min_gain,
-                          prior=prior, guard=why))
+        # a stagger the simulator chose where the fluid model's curve is flat: the watcher, which
+        # re-fits that model, moves its release only for a gain the model can tell (FLAT more)
+        chosen = p.simulated.get("picked") or p.simulated.get("moved")
+        out.update(_steer(spec, out["delays"], order, float(p.sequential), steer_interval,
+                          steer_min_gain + (FLAT if chosen else 0.0), prior=prior, guard=why))
     out["scenario"] = scenario.to_dict()
     out["curve"] = p.to_dict()["curve"]
     out["jitter"] = float(p.jitter)  # the start-time spread the plan was made for (seconds)
