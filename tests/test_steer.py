@@ -484,6 +484,17 @@ def test_after_releases_that_came_before_any_evidence_the_run_is_still_fitted():
     assert done and 3.5 <= t < 4.0  # a full window after the warm-up
     assert st.source_seen and st.beta == pytest.approx(0.7, rel=0.1)
     assert st.fits[-1]["after_release"] and st.fits[-1]["source"] == st.beta and st.cpu_seconds > 0
+    assert st.source_seen["estimator"] == "reads in flight counted"
+    # the same run with its reads not counted in flight (jobs that load in their main process):
+    # the source is fitted to the mean in flight
+    st, look, planned, late = _steering(0.7)
+    for n in st.order:
+        st.released[n] = 0.0
+    t, done = 0.25, False
+    while not done and t < 10.0:
+        t += 0.25
+        done = st.observe(replace(look(t), flight=None), 1000.0)
+    assert done and st.source_seen["estimator"] == "mean in flight" and st.fits[-1]["after_release"]
 
 
 def test_a_compute_bound_job_off_by_30_percent_is_fitted():

@@ -79,6 +79,9 @@ def test_releases_that_come_before_any_evidence_are_still_learned_from(tmp_path,
     assert steer["failed"] is None and steer["fits"], steer
     fit = steer["fits"][-1]
     assert fit["after_release"] and fit["seen"]["readers"] > 0 and 0.25 <= fit["source"] <= 4.0
+    # both jobs load in their main process: after the release their reads are not counted in flight
+    # (that would cost their loops), and the source is fitted to the mean in flight
+    assert fit["seen"]["estimator"] == "mean in flight", fit["seen"]
     hist = json.loads(run_cli("history", spec, "--json", cwd=tmp_path, env=env).stdout)
     assert len(hist["records"]) == 1
     assert hist["records"][0]["source"] == pytest.approx(steer["fit"]["source"])
