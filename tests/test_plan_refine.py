@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hpcstagger import config
+from hpcstagger.cli.cmd_plan import format_plan
 from hpcstagger.model import Scenario, optimal_plan, predict, simulate
 from hpcstagger.model import _confirm
 
@@ -127,5 +128,7 @@ def test_on_a_flat_curve_around_a_simultaneous_start_the_simulator_picks_a_stagg
     # kept on the simulator's word: the fluid model finds it no faster than a simultaneous start
     assert plan.makespan > plan.simultaneous * (1 - 0.01)
     assert plan.staggered == plan.delays
+    text = format_plan("paced.toml", sc, plan)  # hpcstagger plan's table says whose choice it is
+    assert "the model finds no stagger faster" in text and "the simulator replayed" in text
     # more than 2 jobs: a simultaneous plan is not refined (no flat stretch is searched around it)
     assert _confirm.pick(sc, [0.0, 0.0, 0.0], [(0.0, 1.0), (1.0, 1.0)], {}, 0.01) == ([0.0, 0.0, 0.0], 0, "")

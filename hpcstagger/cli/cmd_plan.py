@@ -97,8 +97,8 @@ def format_plan(path: str, sc: Any, plan: Any) -> str:
         at = f", on 1/{scale:g} of the dataset, times {scale:g}" if scale > 1 else ""
         refined = int(plan.simulated.get("refined", 0))
         if plan.simulated.get("picked"):
-            verdict += (f"; the model could not tell a simultaneous start from {refined} staggers, and the "
-                        "simulator chose this one")
+            verdict += ("; the model could not tell a simultaneous start from the staggers around it: the simulator "
+                        f"replayed {refined} of them and chose this one")
         elif refined:
             verdict += (f"; where the model's curve was flat, the simulator chose it among {refined + 1} "
                         "staggers the model could not tell apart")
