@@ -360,7 +360,7 @@ def _final_plan(sc: Scenario, best_d: list[float], curve: list[tuple[float, floa
     if simulated is not None and _confirm.disagree(simulated, max(finish) / simultaneous, min_gain):
         best_d, means, finish = list(zero), (0.0, 0.0), together_finish  # the simulator does not confirm it
     if simulated is not None and refined:
-        simulated = {**simulated, "refined": float(refined), **({picked: 1.0} if picked else {})}
+        simulated = {**simulated, "refined": float(refined), **({picked: 1.0} if picked and any(best_d) else {})}
     sequential = _sequential(sc) if J > 1 else max(finish)
     order = tuple(names[j] for j in sorted(range(J), key=lambda j: (best_d[j], j)))
     stag_d = list(staggered) if staggered and any(staggered) else []
