@@ -32,7 +32,10 @@ def test_a_spinning_process_reads_as_other_work():
     """The window's CPU use of a real busy loop in a child process counts as other processes' use.
     Other work on a small shared node moves both readings, so the checks are relative: the sample
     holds at least what the child itself used, and, when the node had a core to spare, the
-    spinning reading is at least 0.6 cores above the quiet one."""
+    spinning reading is at least 0.6 cores above the quiet one. (Other work that moves by more than
+    half a core between the two windows, as other tests running beside this one do, can take that
+    core back: the relative check is made only on a node that is near idle, at most half a core
+    used by others in the quiet window.)"""
     quiet = sample(1.0)
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
@@ -47,7 +50,7 @@ def test_a_spinning_process_reads_as_other_work():
     assert busy.cores == quiet.cores == usable_cores()
     assert 0.9 <= busy.window_s < 3.0 and busy.load1 is not None and busy.load1 >= 0
     assert busy.others_cores >= child - 0.1, (busy, child)  # the child's own CPU time is in the sample
-    if quiet.others_cores <= busy.cores - 1.0:  # a free core for the child: it takes most of it
+    if quiet.others_cores <= 0.5:  # a free core for the child, and little else running: it takes most of it
         assert busy.others_cores >= quiet.others_cores + 0.6, (quiet, busy, child)
     if child >= 0.5:
         assert busy.busy and busy_warning(busy, "the demo") is not None

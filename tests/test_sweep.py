@@ -96,6 +96,9 @@ def test_summary_of_runs():
     assert s["best"] == {"label": "b +1s", "measured": pytest.approx(9.6)}
     assert s["plan_vs_best"] == pytest.approx(10.2 / 9.6 - 1)
     assert s["error_max"] == pytest.approx(0.05) and s["error_median"] == pytest.approx(0.0)
+    # against each point's median run: plan 10.45 / 10.2, simultaneous 12.1 / 12.1, b 9.5 / 9.6
+    assert s["point_error_max"] == pytest.approx(10.45 / 10.2 - 1)
+    assert s["point_error_median"] == pytest.approx(1 - 9.5 / 9.6)
     assert [r["plan_vs_best"] for r in s["per_repetition"]] == [pytest.approx(10 / 9.5 - 1),
                                                                  pytest.approx(10.4 / 9.7 - 1)]
     assert s["per_repetition"][0]["simultaneous"] == 12.0 and s["per_repetition"][1]["overhead_max"] == 0.1
@@ -105,9 +108,12 @@ def test_summary_of_runs():
     assert s["spread"] == pytest.approx(0.2 / 9.6) and s["spread_max"] == pytest.approx(0.4 / 10.2)
     text = format_sweep({"summary": s, "repeat": 2})
     assert "the runs of one point lay 2.1% apart (median; max 3.9%)" in text
+    assert "prediction error: median 0.0%, max 5.0% (each run)" in text
+    assert "against each point's median run: median 1.0%, max 2.5%" in text
     once = summarize([r for r in runs if r["repetition"] == 1])
     assert once["spread"] is None and all(p["spread"] is None for p in once["points"])
     assert "run-to-run noise" not in format_sweep({"summary": once, "repeat": 1})
+    assert once["point_error_max"] is None and "median run" not in format_sweep({"summary": once, "repeat": 1})
 
 
 def test_bad_input_is_one_line_and_exit_1(tmp_path, shm_root):

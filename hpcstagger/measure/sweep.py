@@ -188,7 +188,9 @@ def summarize(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     the best measured stagger (simultaneous included), the plan's gap to it (``plan_vs_best``:
     plan / best - 1, on medians), the prediction errors (|predicted - measured| / measured:
     median and max), overall and per repetition, and the noise: each point's ``spread`` ((max -
-    min) / median of its runs, with 2 or more) and their median, ``spread``."""
+    min) / median of its runs, with 2 or more) and their median, ``spread``. With 2 or more runs a
+    point, ``point_error_median`` and ``point_error_max`` compare each point's median prediction
+    with its median run: the model against the point as measured, with one run's noise left out."""
     points: dict[str, dict[str, Any]] = {}
     for r in runs:
         p = points.setdefault(r["label"], {"label": r["label"], "mode": r["mode"], "stagger": r.get("stagger"),
@@ -227,12 +229,15 @@ def _best_and_errors(points: list[dict[str, Any]], runs: Sequence[Mapping[str, A
     plan = next((p for p in points if p["mode"] == "plan" and p["measured_median"] is not None), None)
     open_ = next((p for p in points if p["mode"] == "open" and p["measured_median"] is not None), None)
     errors = [abs(r["error"]) for r in runs if r.get("error") is not None]
+    by_point = [abs(p["predicted_median"] / p["measured_median"] - 1) for p in points
+                if len(p.get("measured", ())) >= 2 and p.get("predicted_median") and p["measured_median"]]
     return {"best": None if best is None else {"label": best["label"], "measured": best["measured_median"]},
             "plan": None if plan is None else plan["measured_median"],
             "plan_vs_best": (plan["measured_median"] / best["measured_median"] - 1) if plan and best else None,
             "open": None if open_ is None else open_["measured_median"],
             "open_vs_best": (open_["measured_median"] / best["measured_median"] - 1) if open_ and best else None,
-            "error_median": _median(errors), "error_max": max(errors) if errors else None}
+            "error_median": _median(errors), "error_max": max(errors) if errors else None,
+            "point_error_median": _median(by_point), "point_error_max": max(by_point) if by_point else None}
 
 
 def _repetition(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

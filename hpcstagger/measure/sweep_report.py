@@ -48,7 +48,10 @@ def format_sweep(result: Mapping[str, Any]) -> str:
                      f"max {100 * summary['spread_max']:.1f}%); a gap smaller than that is within it")
     if summary.get("error_median") is not None:
         lines.append(f"prediction error: median {100 * summary['error_median']:.1f}%, "
-                     f"max {100 * summary['error_max']:.1f}%")
+                     f"max {100 * summary['error_max']:.1f}% (each run)")
+    if summary.get("point_error_median") is not None:
+        lines.append(f"prediction error against each point's median run: median "
+                     f"{100 * summary['point_error_median']:.1f}%, max {100 * summary['point_error_max']:.1f}%")
     return "\n".join(lines)
 
 

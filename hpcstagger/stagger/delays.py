@@ -168,11 +168,14 @@ def _guard(spec: Spec, p: Any, delays: Mapping[str, float], rep: Mapping[str, st
     holds them while the fitted model says a later start is better. Not for mode ``open``, for
     ``[plan] steer = false``, when a loader was not measured, or for a stagger shorter than the
     first evidence can come (the first jobs' start-up, the watcher's warm-up and one re-fit), nor
-    for a stagger the sample-level simulator replayed without finding its gain: such a hold would
-    only cost."""
+    where the sample-level simulator refuted a stagger the fluid model planned (``Plan.simulated``
+    is set): the two models then disagree about that stagger's gain, and holding a job for it would
+    only cost. A curve the simulator also finds flat (with two jobs it replays the flat points
+    around a simultaneous start, and picks none) is still guarded: both models rest on the same
+    calibrated terms, and the guard is for an error in those."""
     limit = float(config.get("plan_guard"))
     if (limit <= 0 or not spec.plan.steer or any(float(d) > 0 for d in delays.values()) or not p.staggered
-            or p.simulated  # the simulator replayed that stagger and found no gain: nothing to hold for
+            or p.simulated  # the simulator refuted the fluid model's stagger: nothing to hold for
             or not math.isfinite(p.staggered_makespan) or p.simultaneous <= 0
             or p.staggered_makespan > p.simultaneous * (1.0 + limit)):
         return None
