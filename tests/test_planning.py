@@ -352,6 +352,40 @@ def test_a_barely_simultaneous_plan_holds_the_stagger_and_lets_the_closed_loop_d
     assert off["simultaneous_reason"].startswith("a simultaneous start: the model predicts no stagger gains")
 
 
+def test_a_flat_curve_the_simulator_also_finds_flat_is_still_guarded(tmp_path, monkeypatch):
+    """With the simulator's replay on: one DataLoader worker per job, batches of 8. The simulator
+    replays the flat curve's points around a simultaneous start and picks none, so the plan is a
+    simultaneous start; both models rest on the same calibration, so the guard still holds the
+    fluid model's best stagger for the closed loop to decide (a stagger the simulator refuted is
+    not held: Plan.simulated is then set)."""
+    from hpcstagger.model import _confirm
+
+    monkeypatch.setenv("HPCSTAGGER_PLAN_JITTER", "0")
+    monkeypatch.delenv("HPCSTAGGER_PLAN_REPLAY", raising=False)
+    monkeypatch.delenv("HPCSTAGGER_PLAN_GUARD", raising=False)
+    text = IO_SCENARIO.replace("[2.0e7, 8.0e6]", "[2.0e7, 2.0e7]")
+    text = text.replace("sample_time = 0.001\n", "sample_time = 0.001\nworkers = 1\nbatch = 8\n")
+    text = text.replace("sample_time = 0.0005\n", "sample_time = 0.0005\nworkers = 1\nbatch = 8\n")
+    (tmp_path / "io.toml").write_text(text)
+    replayed = []
+    real = _confirm.refine
+
+    def refine(*args, **kwargs):
+        out = real(*args, **kwargs)
+        replayed.append(out[1])
+        return out
+
+    monkeypatch.setattr(_confirm, "refine", refine)
+    jobs = [{"name": n, "command": "x", "epochs": 1} for n in ("a", "b")]
+    spec = Spec.from_dict({"plan": {"mode": "plan", "scenario": "io.toml"}, "job": jobs}, base_dir=tmp_path)
+    out = plan_run(spec, ["a", "b"], {}, "plan", PlanInputs(cache_state={"entries": 0, "bytes": 0})).to_dict()
+    assert replayed and replayed[0] >= 2  # the simulator replayed the flat points ...
+    assert "picked" not in out.get("simulated", {})  # ... and picked none
+    assert out["predicted"]["plan"] == pytest.approx(out["predicted"]["simultaneous"])
+    assert out["steer"]["prior"] == {"a": 0.0, "b": 0.0} and out["delays"]["b"] > 1.5
+    assert out["simultaneous_reason"].startswith("a simultaneous start, guarded: ")
+
+
 def test_a_stagger_the_simulator_picked_on_a_flat_curve_is_steered_with_a_wider_margin(tmp_path, monkeypatch):
     """The same flat curve with the simulator's replay on: the simulator picks a stagger the fluid
     model finds no faster than a simultaneous start, and the watcher, which re-fits the fluid model,
