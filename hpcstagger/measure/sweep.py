@@ -208,6 +208,9 @@ def summarize(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"points": list(points.values()), "spread": _median(spreads),
                            "spread_max": max(spreads) if spreads else None}
     out.update(_best_and_errors(list(points.values()), runs))
+    by_point = [abs(p["predicted_median"] / p["measured_median"] - 1) for p in points.values()
+                if len(p["measured"]) >= 2 and p["predicted_median"] and p["measured_median"]]
+    out.update(point_error_median=_median(by_point), point_error_max=max(by_point) if by_point else None)
     reps = sorted({r["repetition"] for r in runs})
     out["per_repetition"] = [{"repetition": k, **_repetition(
         [r for r in runs if r["repetition"] == k])} for k in reps]
@@ -229,15 +232,12 @@ def _best_and_errors(points: list[dict[str, Any]], runs: Sequence[Mapping[str, A
     plan = next((p for p in points if p["mode"] == "plan" and p["measured_median"] is not None), None)
     open_ = next((p for p in points if p["mode"] == "open" and p["measured_median"] is not None), None)
     errors = [abs(r["error"]) for r in runs if r.get("error") is not None]
-    by_point = [abs(p["predicted_median"] / p["measured_median"] - 1) for p in points
-                if len(p.get("measured", ())) >= 2 and p.get("predicted_median") and p["measured_median"]]
     return {"best": None if best is None else {"label": best["label"], "measured": best["measured_median"]},
             "plan": None if plan is None else plan["measured_median"],
             "plan_vs_best": (plan["measured_median"] / best["measured_median"] - 1) if plan and best else None,
             "open": None if open_ is None else open_["measured_median"],
             "open_vs_best": (open_["measured_median"] / best["measured_median"] - 1) if open_ and best else None,
-            "error_median": _median(errors), "error_max": max(errors) if errors else None,
-            "point_error_median": _median(by_point), "point_error_max": max(by_point) if by_point else None}
+            "error_median": _median(errors), "error_max": max(errors) if errors else None}
 
 
 def _repetition(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
