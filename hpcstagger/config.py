@@ -182,8 +182,8 @@ _KNOB_LIST: list[Knob] = [
          "nice value of the closed-loop watcher's thread (0: unchanged): its model work yields to training"),
     Knob("steer_count", bool, True,
          "the closed-loop watcher has the shared cache count the node's source reads in flight while it looks "
-         "(the source fit's exact input; each read then takes the cache's lock twice) (0: the mean number in "
-         "flight stands in)"),
+         "(the source fit's exact input; each read then takes the cache's lock twice; never where a job loads in "
+         "its main process) (0: the mean number in flight stands in)"),
     Knob("progress_interval", float, 0.25,
          "seconds between a job leader's progress records (session.loader) for the watcher"),
     Knob("prefetch_idle", float, 0.1,

@@ -104,3 +104,37 @@ def test_the_watcher_has_reads_counted_in_flight_unless_steer_count_is_off(shm_r
     finally:
         watcher.close()
         cache.destroy()
+
+
+def test_a_watcher_told_not_to_count_never_has_reads_counted(shm_root, monkeypatch):
+    import time
+
+    from hpcstagger.cache import ShmCache
+
+    monkeypatch.setenv("HPCSTAGGER_STEER_COUNT", "1")
+    cache = ShmCache("uncounted", 1 << 20, root=shm_root)
+    spec = SimpleNamespace(dataset=SimpleNamespace(path=""), cache=SimpleNamespace(capacity=1 << 20, name="uncounted",
+                                                                                    root=shm_root))
+    watcher = Watcher(spec, "", count=False)
+    try:
+        assert watcher.look(0.0, []).flight is not None
+        with cache.reading():
+            time.sleep(0.05)
+        assert sum(watcher.look(0.1, []).flight or []) == 0.0
+        assert Watcher(spec, "").count  # the knob on, and counting not refused: counted
+    finally:
+        watcher.close()
+        cache.destroy()
+
+
+@pytest.mark.parametrize("workers, main", [((2, 4), False), ((0, 2), True), ((0, 0), True)])
+def test_the_host_counts_reads_in_flight_only_where_no_job_loads_in_its_main_process(workers, main):
+    from hpcstagger.colocated.watcher import _main_loading
+    from support.model_scenarios import scenario
+
+    sc = scenario(jobs=((0.002, 1), (0.003, 1))).to_dict()
+    for job, w in zip(sc["job"], workers, strict=True):
+        job["workers"] = w
+    session = SimpleNamespace(plan=SimpleNamespace(scenario=sc))
+    assert _main_loading(session) is main
+    assert _main_loading(SimpleNamespace(plan=SimpleNamespace(scenario={}))) is False  # no scenario: count
