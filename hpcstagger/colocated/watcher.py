@@ -297,9 +297,9 @@ def _main_loading(session: Any) -> bool:
     """Whether a job of the plan's scenario loads in its main process (0 DataLoader workers). Then
     the watcher has no reads counted in flight, before the releases or after (the source is fitted to
     the mean number in flight): such a job's reads are on its training loop's path, and counting one
-    takes the cache's ``flock`` twice. With 2 jobs of 0 workers running and a third waiting (ext4, 6
-    rounds of open and watched launches on 2 cores), the watched launches took 9.4% longer than the
-    open ones counting and 2.6% not counting, with 0.7 CPU-s more and none. Jobs with 0 workers keep
+    takes the cache's ``flock`` twice. With 2 jobs of 0 workers running and a third waiting 3 s (ext4,
+    2 cores, 6 rounds of open and watched launches of about 8 s), counting cost 0.7 CPU-s a launch;
+    counted after the last release only, a job's loop took 2.5 to 4% longer. Jobs with 0 workers keep
     one read in flight each, so the mean stands in well (a source factor of 0.94 counted and 0.94 by
     the mean, in one launch)."""
     sc = session.plan.scenario
