@@ -41,7 +41,8 @@ class SlowLoader:
         import torch
 
         for _ in range(self.batches):
-            time.sleep(self.delay)
+            if self.delay:  # sleep(0) gives the core away: on a busy machine that is a stall of its own
+                time.sleep(self.delay)
             yield torch.randn(8, 16), torch.randn(8, 1)
 
 
@@ -78,7 +79,7 @@ def test_io_bound_loop_is_recognised_and_round_trips(tmp_path):
 
 def test_compute_and_prep_bound_loops():
     cpu = StallProfiler("c")
-    train(cpu, SlowLoader(10, 0.0), work=0.01)
+    train(cpu, SlowLoader(10, 0.0), work=0.05)  # a wait share of 10% would take 5 ms a batch
     assert cpu.summary()["verdict"] == "compute-bound"
     prep = StallProfiler("p")
     train(prep, SlowLoader(10, 0.001), prep=0.02)
