@@ -88,13 +88,13 @@ class Watcher:
                 log.warning("the watcher cannot read the shared cache: %s", exc)
         return self.cache
 
-    def look(self, t: float, started: Sequence[str], *, count: bool = True) -> Look:
-        """The run now (``t`` seconds after time zero), for the ``started`` jobs; without ``count``,
-        the cache is not asked to count reads in flight (the look reads what it counted so far)."""
+    def look(self, t: float, started: Sequence[str]) -> Look:
+        """The run now (``t`` seconds after time zero), for the ``started`` jobs; the cache is asked
+        to count reads in flight where :attr:`count` says so (else the look reads what it counted so far)."""
         look = Look(t=t)
         cache = self._attach()
         if cache is not None:
-            if self.count and count:
+            if self.count:
                 try:
                     cache.watch(WATCH_S)  # the jobs' reads are counted in flight while somebody looks
                 except CacheError as exc:
