@@ -80,48 +80,29 @@ def test_the_closed_loop_fits_to_the_device_where_the_page_cache_is_the_scenario
     assert st.device and st._readahead == 4.0
 
 
-@pytest.mark.parametrize("count", ["1", "0"])
-def test_the_watcher_has_reads_counted_in_flight_unless_steer_count_is_off(shm_root, monkeypatch, count):
+@pytest.mark.parametrize("knob, told, counts", [("1", True, True), ("0", True, False), ("1", False, False)])
+def test_the_watcher_has_reads_counted_in_flight_unless_steer_count_is_off_or_it_is_told_not_to(
+        shm_root, monkeypatch, knob, told, counts):
     import time
 
     from hpcstagger.cache import ShmCache
 
-    monkeypatch.setenv("HPCSTAGGER_STEER_COUNT", count)
+    monkeypatch.setenv("HPCSTAGGER_STEER_COUNT", knob)
     cache = ShmCache("counted", 1 << 20, root=shm_root)
     spec = SimpleNamespace(dataset=SimpleNamespace(path=""), cache=SimpleNamespace(capacity=1 << 20, name="counted",
                                                                                     root=shm_root))
-    watcher = Watcher(spec, "")
+    watcher = Watcher(spec, "", count=told)
     try:
-        look = watcher.look(0.0, [])  # the watcher's look asks for counting, where the knob lets it
+        assert watcher.count is counts
+        look = watcher.look(0.0, [])  # the watcher's look asks for counting, where the knob and the host let it
         assert look.flight is not None and sum(look.flight) == 0.0
         with cache.reading():  # a job's read from the source
             time.sleep(0.05)
         counted = sum(watcher.look(0.1, []).flight or [])
-        if count == "1":
+        if counts:
             assert counted >= 0.04
         else:
             assert counted == 0.0
-    finally:
-        watcher.close()
-        cache.destroy()
-
-
-def test_a_watcher_told_not_to_count_never_has_reads_counted(shm_root, monkeypatch):
-    import time
-
-    from hpcstagger.cache import ShmCache
-
-    monkeypatch.setenv("HPCSTAGGER_STEER_COUNT", "1")
-    cache = ShmCache("uncounted", 1 << 20, root=shm_root)
-    spec = SimpleNamespace(dataset=SimpleNamespace(path=""), cache=SimpleNamespace(capacity=1 << 20, name="uncounted",
-                                                                                    root=shm_root))
-    watcher = Watcher(spec, "", count=False)
-    try:
-        assert watcher.look(0.0, []).flight is not None
-        with cache.reading():
-            time.sleep(0.05)
-        assert sum(watcher.look(0.1, []).flight or []) == 0.0
-        assert Watcher(spec, "").count  # the knob on, and counting not refused: counted
     finally:
         watcher.close()
         cache.destroy()
