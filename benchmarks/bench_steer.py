@@ -13,7 +13,7 @@ bandwidth times 0.7 / 1.3), ``jobs-30``/``jobs+30`` (every job's CPU costs, ``sa
 ``prep_time`` and ``handoff``, times 0.7 / 1.3).
 
     python benchmarks/bench_steer.py [--only NAME,...] [--cases right,source-30,...]
-        [--staggers 0,1,2,3,4,6] [--repeat N] [--overhead N [--uncounted] [--steered]] [--keep]
+        [--staggers 0,1,2,3,4,6] [--repeat N] [--overhead N [--uncounted] [--steered] [--fixed]] [--keep]
 
 ``--overhead N`` instead measures what watching costs: with the calibration as measured, N pairs
 of launches, one in mode ``open`` (no watcher) and one in mode ``plan`` with ``[plan] steer =
@@ -21,7 +21,9 @@ false`` (the watcher looks and fits as usual but keeps the planned delays), alte
 ``--uncounted``, another watched the same way without counting reads in flight,
 ``HPCSTAGGER_STEER_COUNT=0``; with ``--steered``, another in mode ``plan`` steered as usual, released
 by the fitted model; with ``--unrecorded``, another steered with ``[plan] history = false``, so that
-nothing is looked at or fitted after the last release; each launch of a round goes first in turn), every one
+nothing is looked at or fitted after the last release; with ``--fixed``, another in mode ``fixed`` at the delays
+the first open launch was planned (what the planning, the plan's exchange and the waiting cost, against a
+launch told its delays); each launch of a round goes first in turn), every one
 planned from the calibration alone (``--no-history``: the runs' history would move the plan between them). Each pair
 compares the running job's batches per second while the other waits (from its leader's progress
 history, from 0.5 s after its loop began to the release or its last progress record, if sooner;
@@ -144,7 +146,8 @@ def overhead_pairs(name: str, cfg: dict[str, Any], data: Path, work: Path, pairs
                    extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """``pairs`` launches each of mode open and of mode plan with steer = false, alternating; with
     ``extra`` arms: ``uncounted``, watched with ``HPCSTAGGER_STEER_COUNT=0`` (no reads counted in
-    flight), and ``steered``, mode plan steered as usual.
+    flight), ``steered``, mode plan steered as usual, ``unrecorded``, steered without the run's
+    history, and ``fixed``, mode fixed at the delays the first open launch was planned.
     A real-file-system configuration puts the dataset on its throttled loop device first."""
     work.mkdir(parents=True)
     with contextlib.ExitStack() as stack:
@@ -170,15 +173,18 @@ def _overhead_rounds(name: str, cfg: dict[str, Any], data: Path, work: Path, pai
     unrecorded.write_text(spec.read_text().replace('mode = "plan"', 'mode = "plan"\nhistory = false'))
     rows: list[dict[str, Any]] = []
     arms = [("open", spec, "open"), ("watched", watch, "plan")]
-    arms += [a for a in (("uncounted", watch, "plan"), ("steered", spec, "plan"), ("unrecorded", unrecorded, "plan"))
-             if a[0] in extra]
+    arms += [a for a in (("uncounted", watch, "plan"), ("steered", spec, "plan"), ("unrecorded", unrecorded, "plan"),
+                         ("fixed", spec, "fixed")) if a[0] in extra]
+    planned: dict[str, float] = {}  # the first open launch's delays: the fixed arm's
     for k in range(pairs):
         for label, path, mode in arms[k % len(arms):] + arms[:k % len(arms)]:  # each arm in turn goes first
             stamp = f"overhead-{k}-{label}"
+            how = (["--delays", ",".join(f"{n}={d!r}" for n, d in planned.items())] if mode == "fixed"
+                   else ["--mode", mode])
             before = resource.getrusage(resource.RUSAGE_CHILDREN)
             os.environ["HPCSTAGGER_STEER_COUNT"] = "0" if label == "uncounted" else "1"
             try:
-                U._run(hs + ["launch", str(path), "--mode", mode, "--cold-cache", "--no-history", "--json"], log,
+                U._run(hs + ["launch", str(path), *how, "--cold-cache", "--no-history", "--json"], log,
                        cgroup=cg)
             finally:
                 del os.environ["HPCSTAGGER_STEER_COUNT"]
@@ -189,6 +195,7 @@ def _overhead_rounds(name: str, cfg: dict[str, Any], data: Path, work: Path, pai
             runs[-1].rename(runs[-1].with_name(stamp))
             run_dir = runs[-1].with_name(stamp)
             delays = result["delays"]
+            planned = planned or (dict(delays) if label == "open" else {})
             first, late = min(delays, key=lambda n: delays[n]), max(delays, key=lambda n: delays[n])
             status = json.loads((run_dir / f"{late}.0.json").read_text())
             wait_end = status["t0"] + status["timings"]["started_at"]  # wall time the late job started
@@ -261,6 +268,9 @@ def main() -> int:
     p.add_argument("--unrecorded", action="store_true",
                    help="with --overhead: a launch each round steered as usual but with [plan] history = false "
                         "(the run is not recorded, so nothing is fitted after the last release)")
+    p.add_argument("--fixed", action="store_true",
+                   help="with --overhead: a launch each round in mode fixed at the delays the first open launch was "
+                        "planned (launched with --delays: no planning, nothing waits for a plan)")
     p.add_argument("--out", default=str(HERE / "out" / "bench_steer.json"))
     p.add_argument("--keep", action="store_true", help="keep the work directory (specs, scenarios, logs)")
     args = p.parse_args()
@@ -280,7 +290,7 @@ def main() -> int:
     with U.workspace("bench-steer", args.samples, args.keep) as (root, data):
         for name in names:
             if args.overhead:
-                arms = tuple(a for a in ("uncounted", "steered", "unrecorded") if getattr(args, a))
+                arms = tuple(a for a in ("uncounted", "steered", "unrecorded", "fixed") if getattr(args, a))
                 results.append(overhead_pairs(name, configs[name], data, root / name, args.overhead, args.budget,
                                               arms))
             else:
