@@ -270,7 +270,7 @@ def main() -> int:
                         "(the run is not recorded, so nothing is fitted after the last release)")
     p.add_argument("--fixed", action="store_true",
                    help="with --overhead: a launch each round in mode fixed at the delays the first open launch was "
-                        "planned (launched with --delays: no planning, nothing waits for a plan)")
+                        "planned (launched with --delays: no search for a plan)")
     p.add_argument("--out", default=str(HERE / "out" / "bench_steer.json"))
     p.add_argument("--keep", action="store_true", help="keep the work directory (specs, scenarios, logs)")
     args = p.parse_args()
