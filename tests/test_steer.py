@@ -14,6 +14,7 @@ from hpcstagger.spec.records import fraction_done, read_progress, throughput
 from hpcstagger.colocated.watcher import set_host
 from hpcstagger.stagger.steering import release_groups, steer_record
 from hpcstagger.stagger.steering import Look, SteerLimits, Steering
+from hpcstagger.stagger.latefit import LateFits
 from hpcstagger.errors import ModelError
 from hpcstagger.model import Scenario, optimal_plan, predict
 from hpcstagger.model.runfit import (best_release, counted_factor, fit_scale, progress_at, progress_series,
@@ -355,7 +356,7 @@ def _run_slow_fits(fit_seconds, measured=True, slowed="_refit", blind=False, **k
     """Steer on a clock that a re-fit advances by ``fit_seconds`` (a fit at a lowered priority on a
     busy node); looks come when :meth:`Steering.until_next_look` says. The watcher measures the
     fits' wall time on that clock, or (``measured=False``) sees them take none. ``slowed`` names
-    the step that takes the time (``"_fit_jobs"``: only fits that reach the jobs); ``blind`` looks
+    the step that takes the time (``"fit_jobs"``: only fits that reach the jobs); ``blind`` looks
     count reads but see none (the source gives no evidence). Returns the steering, the planned
     delay, the release and the clock when the release was sent."""
     clock = [0.0]
@@ -395,7 +396,7 @@ def test_without_the_sources_evidence_the_planned_delay_is_kept_on_time():
     cache serving every read gives the device fit nothing). A fit of the jobs alone takes 0.5 s of
     wall time here (at a lowered priority on a busy node); the look before the delay costs little.
     No fit can say more than the plan then, so the group goes at its delay, not a fit later."""
-    st, planned, d, sent = _run_slow_fits(0.5, slowed="_fit_jobs", blind=True)
+    st, planned, d, sent = _run_slow_fits(0.5, slowed="fit_jobs", blind=True)
     assert sent == pytest.approx(planned, abs=0.02), "the release was sent a fit late"
     assert d.at == pytest.approx(planned, abs=0.02) and st.decisions == [d]
     assert d.reason == "the plan's delay (no evidence from the source yet)"
@@ -495,6 +496,64 @@ def test_after_releases_that_came_before_any_evidence_the_run_is_still_fitted():
         t += 0.25
         done = st.observe(replace(look(t), flight=None), 1000.0)
     assert done and st.source_seen["estimator"] == "mean in flight" and st.fits[-1]["after_release"]
+
+
+def test_a_job_that_follows_through_the_cache_is_fitted_after_the_releases_on_its_own_costs():
+    # j0 reads the source (1 ms a sample alone); j1 computes 0.3 ms a sample (0.24 ms in truth),
+    # starts 0.3 s later and catches j0 up: until the cache is full its progress is j0's, whatever
+    # its costs, and only later, reading what is cached, does it show them
+    sc = scenario(1500, ((0.0002, 2), (0.0003, 4)), (B, 0.55 * B), 1.0, "minio", 20 * B)
+    truth, starts, order, per, epochs = with_cost(sc, "j1", 0.8), [0.0, 0.3], ["j0", "j1"], 100, [2, 4]
+    epochs_of = {"j0": 2, "j1": 4}
+
+    def build(beta, alpha):
+        out = with_source(sc, beta)
+        for name, a in alpha.items():
+            out = with_cost(out, name, a)
+        return out
+
+    st = Steering(build, sc.storage.bandwidth, order, {"j0": 0.0, "j1": 0.3}, epochs_of,
+                  SteerLimits(interval=0.5), wall_clock=lambda: 0.0)
+    st.released = {"j0": 0.0, "j1": 0.3}
+    late = LateFits(st)
+
+    def look(t):  # each job's record ends where it finished; the source reads j0's first epoch
+        stamps = [0.05 * k for k in range(int(t / 0.05) + 1)]
+        series = progress_series(truth, starts, stamps)
+        progress, state = {}, {}
+        for i, n in enumerate(order):
+            hist = [[x - starts[i], p[i] * epochs[i] * per] for x, p in zip(stamps, series, strict=True)
+                    if x >= starts[i]]
+            ended = [k for k, h in enumerate(hist) if h[1] >= epochs[i] * per - 1e-9]
+            progress[n] = {"loop_start": 1000.0 + starts[i], "per_epoch": per, "history": hist[:ended[0] + 1]
+                           if ended else hist}
+            state[n] = "done" if ended else "started"
+        read = min(1.0, 2.0 * series[-1][0]) * sc.dataset.samples * sc.dataset.sample_bytes
+        return Look(t=t, read_bytes=read, read_seconds=0.0, progress=progress, state=state)
+
+    t, tried, stopped = 0.5, [], None
+    while "j1" not in st.costs_seen and t < 6.0:
+        t += 0.25
+        before, seen = st.cpu_seconds, look(t)
+        stopped = stopped or (t if seen.read_bytes >= sc.dataset.samples * sc.dataset.sample_bytes else None)
+        done = late.observe(seen, 1000.0)
+        tried += [t] if st.cpu_seconds > before else []
+        assert done == ("j1" in st.costs_seen)
+    # no fit while the source reads (j1 follows j0 then), the first one half a second after it stopped
+    assert stopped and tried == [pytest.approx(stopped + 0.5, abs=0.26)], (stopped, tried)
+    assert st.alpha == {"j1": pytest.approx(0.8, rel=0.05)}, st.alpha  # j0 did not wait: not fitted
+    assert st.fits[-1]["after_release"] and st.fits[-1]["late"] == ["j1"]
+    before = st.cpu_seconds
+    assert late.observe(look(t + 1.0), 1000.0) and st.cpu_seconds == before  # nothing left to fit
+    # the same run seen only until j1 ended, 0.25 s after the reads stopped: too short a window, no
+    # factor, and nothing left to do; a run without a cache has nothing to fit
+    short = Steering(build, sc.storage.bandwidth, order, {"j0": 0.0, "j1": 0.3}, epochs_of,
+                     SteerLimits(interval=0.5), wall_clock=lambda: 0.0)
+    short.released, short_late = dict(st.released), LateFits(short)
+    for x in (stopped - 0.25, stopped):
+        assert not short_late.observe(look(x), 1000.0)
+    assert short_late.observe(replace(look(stopped + 0.25), state={"j0": "done", "j1": "done"}), 1000.0)
+    assert not short.alpha and LateFits(short).observe(replace(look(t), read_bytes=None), 1000.0)
 
 
 def test_a_compute_bound_job_off_by_30_percent_is_fitted():

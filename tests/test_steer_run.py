@@ -36,7 +36,7 @@ def test_a_steered_launch_fits_releases_and_records(tmp_path, shm_root):
     steer = result["steer"]
     assert steer["decisions"][0]["jobs"] == [late] and steer["failed"] is None
     assert steer["fits"], "the watcher never fitted the model"
-    fit = steer["fits"][-1]
+    fit = [f for f in steer["fits"] if not f.get("after_release")][-1]  # the last fit that decided
     assert fit["seen"]["readers"] > 0 and 0.25 <= fit["source"] <= 4.0
     # both jobs load in their main process: their reads are not counted in flight, before the release
     # either (counting would cost their loops), and the source is fitted to the mean in flight
@@ -86,3 +86,28 @@ def test_releases_that_come_before_any_evidence_are_still_learned_from(tmp_path,
     hist = json.loads(run_cli("history", spec, "--json", cwd=tmp_path, env=env).stdout)
     assert len(hist["records"]) == 1
     assert hist["records"][0]["source"] == pytest.approx(steer["fit"]["source"])
+
+
+def test_the_job_released_last_is_fitted_on_its_whole_run_and_recorded(tmp_path, shm_root):
+    # jobs of 12 epochs: the one that waits follows the other through the cache in its first epoch,
+    # then runs on its own costs; its leader hosts the watcher, which fits it once more when it
+    # has finished (the host's finish waits for that fit) and rewrites the run's record with it
+    text = SCENARIO.replace("epochs = 2", "epochs = 12")
+    (tmp_path / "s.toml").write_text(text)
+    spec = Path(write_run(tmp_path, shm_root, name="late", plan='mode = "plan"\nscenario = "s.toml"'))
+    spec.write_text(spec.read_text().replace("epochs = 2", "epochs = 12"))
+    env = cli_env(HPCSTAGGER_SHM_ROOT=shm_root)
+    out = run_cli("launch", str(spec), "--cold-cache", "--json", cwd=tmp_path, env=env, timeout=200)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    late = [n for n, d in result["delays"].items() if d > 0]
+    assert len(late) == 1, result["delays"]
+    steer = result["steer"]
+    assert steer["failed"] is None and steer["host"]["job"] == late[0], steer["host"]
+    fitted = [f for f in steer["fits"] if late[0] in (f.get("late") or [])]
+    assert fitted, steer["fits"]
+    factor = fitted[-1]["jobs"][late[0]]
+    assert 0.5 < factor < 2.0
+    hist = json.loads(run_cli("history", str(spec), "--json", cwd=tmp_path, env=env).stdout)
+    assert len(hist["records"]) == 1 and hist["records"][0]["jobs"][late[0]] == pytest.approx(factor)
+    assert hist["next_plan"]["jobs"][late[0]] == pytest.approx(factor)

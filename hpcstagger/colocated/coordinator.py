@@ -16,9 +16,8 @@ holds every job's ranks (MPMD ``mpiexec -n 2 python a.py : -n 2 python b.py``, `
    parallel backend on its own communicator: Horovod (``hvd.init(comm=...)``) or torch.distributed
    with gloo, the rendezvous address sent over MPI.
 
-Every step records its time; :attr:`Session.overhead` is the coordinator's own cost. Each rank writes
-a status file (``<workdir>/status``) at every stage, for ``hpcstagger launch`` and ``status``.
-"""
+Every step records its time (:attr:`Session.overhead`: the coordinator's own cost); each rank writes a
+status file (``<workdir>/status``) at every stage, for ``hpcstagger launch`` and ``status``."""
 
 from __future__ import annotations
 
@@ -42,7 +41,7 @@ from hpcstagger.colocated.jobmeter import calibration_dir, calibration_spec, no_
 from hpcstagger.colocated.prefetch import prefetcher_for
 from hpcstagger.colocated.progress import ProgressMeter, plain_metrics
 from hpcstagger.colocated.startcache import describe_start, run_partition
-from hpcstagger.colocated.watcher import set_host, wait_for_release
+from hpcstagger.colocated.watcher import set_host, settle, wait_for_release
 from hpcstagger.comm import Comm, as_comm
 from hpcstagger.errors import CollectiveError, CollectiveTimeout, ConfigError
 from hpcstagger.integrations.horovod import init as init_horovod
@@ -109,9 +108,8 @@ class Session:
 
     @property
     def overhead(self) -> float:
-        """Seconds this rank spent in the coordinator (rendezvous, split, plan exchange), including
-        any wait for slower ranks; ``hpcstagger launch`` reports the run's own cost as the time the
-        last rank to arrive spent there."""
+        """Seconds this rank spent in the coordinator (rendezvous, split, plan exchange), waits for slower
+        ranks included; ``hpcstagger launch`` reports as the run's own cost the last rank's time there."""
         return sum(self.timings.get(k, 0.0) for k in ("rendezvous", "split", "plan_exchange"))
 
     def elapsed(self) -> float:
@@ -251,6 +249,7 @@ class Session:
         self.timings["finished_at"] = self.elapsed()
         self.write_status("done", metrics=plain_metrics(metrics))
         self.say(f"finished after {self.elapsed():.1f} s")
+        settle()  # the host: the watcher's last fit, of this job's whole record (the history's)
 
 
 # ---------------------------------------------------------------------------- init
@@ -314,6 +313,7 @@ def _record_exit(session: Session) -> None:
     if not session._closed:
         session.write_status("exited", error="the process exited without calling Session.finish() "
                                              "(sys.exit, or the script ended early)")
+        settle()
 
 
 def init(spec: Spec | str | os.PathLike[str] | None = None, *, job: str | None = None,

@@ -42,8 +42,9 @@ from hpcstagger.stagger import history as H
 from hpcstagger.stagger.delays import scenario_for
 from hpcstagger.stagger.runplan import RunPlan
 from hpcstagger.stagger.steering import Decision, Look, SteerLimits, Steering
+from hpcstagger.stagger.latefit import LateFits
 
-__all__ = ["TAG", "set_host", "wait_for_release"]
+__all__ = ["TAG", "set_host", "settle", "wait_for_release"]
 
 log = logging.getLogger(__name__)
 
@@ -203,10 +204,16 @@ def _lower_priority() -> None:
             log.debug("cannot lower the watcher thread's priority: %s", exc)
 
 
+SETTLE_S = 5.0  # seconds the host's finish waits, at most, for the watcher's last fit and record
+_AFTER: list[threading.Thread] = []  # this process's watcher thread after the releases (the host's)
+
+
 class _Afterwards(threading.Thread):
-    """After the last release, when nothing was fitted before it: keep looking until the run gives
-    evidence (:meth:`Steering.observe`) or every job has ended; then write the log and record the
-    run in the history. The host's own job trains meanwhile (the thread dies with its process)."""
+    """After the last release: keep looking until the run gives evidence (:meth:`Steering.observe`,
+    when nothing was fitted before the releases) and every running job's costs have been fitted
+    (:class:`~hpcstagger.stagger.latefit.LateFits`), or every job has ended; then write the log and the run's record
+    in the history. The record is written as soon as the first fit stands and rewritten when a
+    later fit adds to it: the host's own job trains meanwhile, and the thread dies with its process."""
 
     def __init__(self, session: Any, steering: Steering, watcher: Watcher, log_path: str, failed: str):
         super().__init__(name="hpcstagger-watch-after", daemon=True)
@@ -216,24 +223,42 @@ class _Afterwards(threading.Thread):
     def run(self) -> None:
         _lower_priority()
         st, session = self.steering, self.session
+        first = bool(st.source_seen or st.alpha)  # fitted before the releases
+        record = _finish(session, st, self.log_path, self.failed) if first else ""
+        fitted, fits = dict(st.alpha), LateFits(st)
         try:
             while True:
                 look = self.watcher.look(session.elapsed(), list(st.released))
-                if st.observe(look, session.t0) or all(look.state.get(n) in ("done", "exited") for n in st.released):
+                if not first and st.observe(look, session.t0):
+                    first, fitted = True, dict(st.alpha)
+                    record = _finish(session, st, self.log_path, self.failed, record)
+                late = fits.observe(look, session.t0)
+                # the host's own job has ended: its process is about to, and the thread with it
+                if (first and late) or all(look.state.get(n) in ("done", "exited") for n in st.released) \
+                        or look.state.get(session.job) in ("done", "exited"):
                     break
                 time.sleep(st.look)
         except Exception as exc:  # nothing depends on it but the history: say so, record what there is
             log.warning("fitting the run after the last release failed: %s: %s", type(exc).__name__, exc)
         finally:
             self.watcher.close()
-        _finish(self.session, self.steering, self.log_path, self.failed)
+        if not record or st.alpha != fitted:
+            _finish(session, st, self.log_path, self.failed, record)
 
 
-def _finish(session: Any, steering: Steering, log_path: str, failed: str) -> None:
-    """The host's last word on the run: the log of the watcher's fits and decisions, and the history."""
+def settle(timeout: float = SETTLE_S) -> None:
+    """At the host's finish: give the watcher's thread after the releases (:class:`_Afterwards`) up to
+    ``timeout`` seconds to fit the host's own job on its whole record and write the history."""
+    while _AFTER:
+        _AFTER.pop().join(timeout)
+
+
+def _finish(session: Any, steering: Steering, log_path: str, failed: str, record: str = "") -> str:
+    """The host's last word on the run: the log of the watcher's fits and decisions, and the history
+    (the record at ``record`` replaced, if given); returns the record's path ('' for none)."""
     if log_path:
         _write_log(log_path, session, steering, failed)
-    _record_history(session, steering)
+    return _record_history(session, steering, record)
 
 
 def _host(session: Any, idle: list[Callable[[float], bool]]) -> dict[str, Any]:
@@ -281,13 +306,12 @@ def _host(session: Any, idle: list[Callable[[float], bool]]) -> dict[str, Any]:
     finally:
         watch.stop.set()
         watch.join(timeout=30)
-        after = done and not watch.failed and _wants_evidence(session, steering)
+        after = done and not watch.failed and _wants_evidence(session)
         if not after:
             watcher.close()
-    if after:  # nothing fitted before the releases: look on while the jobs train (a daemon thread)
-        if log_path:
-            _write_log(log_path, session, steering, watch.failed)
-        _Afterwards(session, steering, watcher, log_path, watch.failed).start()
+    if after:  # look on while the jobs train, for the history (a daemon thread)
+        _AFTER.append(_Afterwards(session, steering, watcher, log_path, watch.failed))
+        _AFTER[-1].start()
     else:
         _finish(session, steering, log_path, watch.failed)
     return mine
@@ -306,17 +330,19 @@ def _main_loading(session: Any) -> bool:
     return bool(sc) and any(j.workers == 0 for j in Scenario.from_dict(sc).jobs)
 
 
-def _wants_evidence(session: Any, steering: Steering) -> bool:
-    """Whether the run is to be recorded in a history (``[plan] history``) and nothing was fitted yet."""
+def _wants_evidence(session: Any) -> bool:
+    """Whether the run is to be recorded in a history (``[plan] history``): then the watcher looks on
+    after the last release, for evidence and for the costs of the jobs it released last."""
     spec = session.spec
-    return spec is not None and bool(spec.plan.history) and not (steering.source_seen or steering.alpha)
+    return spec is not None and bool(spec.plan.history)
 
 
-def _record_history(session: Any, steering: Steering) -> None:
-    """Add what this run's watcher fitted to the spec's history (nothing without evidence)."""
+def _record_history(session: Any, steering: Steering, path: str = "") -> str:
+    """Add what this run's watcher fitted to the spec's history (nothing without evidence), or
+    replace the record at ``path`` with it; returns the record's path ('' for none)."""
     spec, plan = session.spec, session.plan
     if spec is None or not spec.plan.history or not (steering.source_seen or steering.alpha):
-        return
+        return path
 
     h_source, h_jobs = _history_factors(plan)
     record = {"time": time.time(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "spec": spec.run.name,
@@ -328,9 +354,10 @@ def _record_history(session: Any, steering: Steering) -> None:
               "run_jobs": list(steering.order),
               "startup": startups(session.run_dir, steering.order) if session.run_dir else {}}
     try:
-        H.write_record(spec.run.workdir, record)
+        return H.write_record(spec.run.workdir, record, path=path or None)
     except OSError as exc:
         log.warning("cannot record this run in the history of %r: %s", spec.run.name, exc)
+        return path
 
 
 def _write_log(path: str, session: Any, steering: Steering, failed: str) -> None:

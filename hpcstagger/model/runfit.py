@@ -33,7 +33,7 @@ from hpcstagger.model._search import CUTOFF, Evaluator, grid
 from hpcstagger.model._spread import OFFSETS_TWO
 from hpcstagger.model.scenario import Scenario
 
-__all__ = ["Release", "progress_at", "progress_series", "fit_scale", "best_release", "source_factor",
+__all__ = ["Release", "progress_at", "progress_series", "passage_time", "fit_scale", "best_release", "source_factor",
            "counted_factor"]
 
 
@@ -76,17 +76,38 @@ def progress_series(sc: Scenario, starts: Sequence[float], times: Sequence[float
     return out
 
 
+def passage_time(sc: Scenario, starts: Sequence[float], index: int, lo: float, hi: float, horizon: float, *,
+                 points: int = 400, quality: _quality.Quality = _quality.SEARCH) -> float:
+    """Seconds job ``index`` takes in the model to go from the fraction ``lo`` of its samples done to
+    ``hi`` (starts as in :func:`progress_series`), read on ``points`` times up to ``horizon`` seconds
+    after time zero (linear between them); ``inf`` when it is not at ``hi`` by then."""
+    if not 0 <= lo < hi <= 1:
+        raise ModelError(f"passage_time needs 0 <= lo < hi <= 1, got lo={lo}, hi={hi}")
+    times = [horizon * k / (points - 1) for k in range(points)]
+    done = [p[index] for p in progress_series(sc, starts, times, quality=quality)]
+
+    def reach(f: float) -> float:
+        k = bisect.bisect_left(done, f)  # progress never falls
+        if k >= len(done):
+            return math.inf
+        if k == 0 or done[k] <= done[k - 1]:
+            return times[k]
+        return times[k - 1] + (times[k] - times[k - 1]) * (f - done[k - 1]) / (done[k] - done[k - 1])
+
+    return reach(hi) - reach(lo)
+
+
 def fit_scale(make: Callable[[float], Scenario], measure: Callable[[Scenario], float], observed: float, *,
               lo: float = 0.25, hi: float = 4.0, iterations: int = 8, flat: float = 0.02,
-              probes: int = 0) -> float | None:
+              probes: int = 0, flat_value: float | None = 1.0) -> float | None:
     """The factor ``a`` in [lo, hi] under which ``measure(make(a))`` equals ``observed``, assuming
     the measure (a job's progress, over a window or since its start) falls as ``a`` grows (``a``
     scales the job's costs).
 
-    Bisection in log space, ``iterations`` halvings (8 give about 1% on [0.25, 4]). Returns 1.0
-    when the measure hardly depends on ``a`` (it changes by less than ``flat`` of itself over
-    [lo, hi]: the job is bound by something else), and ``lo`` or ``hi`` when the observation is
-    beyond what the range can explain.
+    Bisection in log space, ``iterations`` halvings (8 give about 1% on [0.25, 4]). Returns
+    ``flat_value`` (1.0) when the measure hardly depends on ``a`` (it changes by less than ``flat``
+    of itself over [lo, hi]: the job is bound by something else), and ``lo`` or ``hi`` when the
+    observation is beyond what the range can explain.
 
     With ``probes`` the measure is first evaluated at that many more factors, spread evenly in log
     space, and None is returned when it does not fall (by more than ``flat / 2`` of the fastest
@@ -98,7 +119,7 @@ def fit_scale(make: Callable[[float], Scenario], measure: Callable[[Scenario], f
         raise ModelError(f"fit_scale needs 0 < lo <= 1 <= hi, got lo={lo}, hi={hi}")
     fast, slow = measure(make(lo)), measure(make(hi))
     if fast - slow <= flat * max(fast, 1e-12):
-        return 1.0
+        return flat_value
     a_lo, a_hi = math.log(lo), math.log(hi)
     # the measure by log factor: the probes fall on the bisection's first midpoints, run once
     seen = {round(a_lo, 12): fast, round(a_hi, 12): slow}

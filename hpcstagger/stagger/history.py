@@ -93,12 +93,14 @@ def history_dir(workdir: str) -> str:
     return os.path.join(workdir, "history")
 
 
-def write_record(workdir: str, record: Mapping[str, Any]) -> str:
-    """Write one run's record (see the module docstring); returns its path."""
+def write_record(workdir: str, record: Mapping[str, Any], *, path: str | None = None) -> str:
+    """Write one run's record (see the module docstring), or replace the record at ``path`` (a run
+    whose watcher fitted more after its first record); returns its path."""
     directory = history_dir(workdir)
     os.makedirs(directory, exist_ok=True)
     # the nanoseconds keep two records of one process in one second apart
-    path = os.path.join(directory, f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{time.time_ns() % 10**9:09d}.json")
+    path = path or os.path.join(directory, f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-"
+                                           f"{time.time_ns() % 10**9:09d}.json")
     _io.atomic_write_json(path, _io.json_safe({"version": VERSION, **record}), durable=False)
     return path
 

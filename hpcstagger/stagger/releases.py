@@ -1,14 +1,17 @@
 """The closed loop's records: release groups, the plan's ``steer`` entry, the watcher's looks at a
-run and its release decisions (plain data, shared by the planner, the watcher and the waiting ranks;
-re-exported by :mod:`hpcstagger.stagger.steering`)."""
+run, its release decisions, and the bounds and pace of steering (plain data, shared by the planner,
+the watcher and the waiting ranks; re-exported by :mod:`hpcstagger.stagger.steering`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Mapping, Sequence
 
-__all__ = ["Decision", "Look", "release_groups", "steer_record"]
+__all__ = ["Decision", "Look", "SteerLimits", "release_groups", "steer_record"]
+
+LOOK = 0.25  # seconds between the watcher's looks at the run
 
 
 def release_groups(delays: Mapping[str, float], order: Sequence[str]) -> list[list[str]]:
@@ -44,6 +47,27 @@ def steer_record(delays: Mapping[str, float], order: Sequence[str], *, lo: float
             "interval": interval, "latest": latest, "observe_only": bool(observe_only),
             "min_gain": float(min_gain),
             **({"prior": {n: float(prior[n]) for n in order}, "guard": guard} if prior is not None else {})}
+
+
+@dataclass(frozen=True)
+class SteerLimits:
+    """The bounds and the pace of steering: every release falls in [``lo``, ``hi``] seconds after time
+    zero and no later than ``horizon`` after its planned delay (default: twice the plan's span, at
+    least 10 s); the watcher re-fits every ``interval`` seconds and looks every ``look``; with
+    ``observe_only`` it fits and records but releases at the planned delays; ``min_gain`` is the
+    least predicted gain (fraction of the makespan) that moves a release off the plan; ``duty``,
+    when > 0, is the most of one core the re-fits take on average: after a re-fit that cost ``c``
+    CPU seconds the next comes ``c / duty`` seconds later at the soonest (a slow model re-fits
+    less often; on a node whose cores the jobs keep busy, the watcher's CPU time is theirs)."""
+
+    lo: float = 0.0
+    hi: float = math.inf
+    interval: float = 1.0
+    horizon: float | None = None
+    look: float = LOOK
+    observe_only: bool = False
+    min_gain: float = 0.0
+    duty: float = 0.0
 
 
 @dataclass

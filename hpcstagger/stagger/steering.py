@@ -22,7 +22,8 @@ progress (:mod:`~hpcstagger.colocated.progress`) and state. :meth:`Steering.deci
    ``handoff``) under which the model, with the source fitted and the job's loop started when it
    really did, predicts the progress the job has made (:func:`~hpcstagger.model.runfit.fit_scale`).
    A job whose predicted progress does not fall as its costs grow (it follows another job through
-   the cache: slowed down, it hits more) keeps its factor: the window cannot tell its costs;
+   the cache: slowed down, it hits more) keeps its factor: the window cannot tell its costs (for the
+   history, :mod:`~hpcstagger.stagger.latefit` fits the jobs that waited over later windows);
 3. **decides**: with the fitted model, the predicted makespan as a function of when the next group
    of waiting jobs starts (:func:`~hpcstagger.model.runfit.best_release`); the group is released
    when starting now is best. Later groups keep their planned gaps behind it in that prediction.
@@ -50,14 +51,15 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
 from hpcstagger.model import Scenario
-from hpcstagger.model.runfit import best_release, counted_factor, fit_scale, progress_series, source_factor
+from hpcstagger.model.runfit import (best_release, counted_factor, fit_scale, passage_time, progress_series,
+                                     source_factor)
 from hpcstagger.spec.records import fraction_done, throughput
-from hpcstagger.stagger.releases import Decision, Look, release_groups, steer_record
+from hpcstagger.stagger.releases import Decision, Look, SteerLimits, release_groups, steer_record
 
 __all__ = ["Look", "Decision", "Steering", "SteerLimits", "release_groups", "steer_record"]
 
@@ -75,31 +77,11 @@ DEVICE_SHARE = 0.5
 MOVED = 0.05     # relative change of a fitted factor that asks for a new release curve
 MATCH = 0.03     # a job's progress predicted this close needs no new factor
 FIT_WINDOW = 2.0  # seconds of a job's recent progress its factor is fitted to
-LOOK = 0.25      # seconds between the watcher's looks at the run
+OBSERVE_MIN = 1.0  # seconds of reads, at least, that the source's fit after the last release takes
 WARMUP = 0.5     # seconds of a job's loop before its progress and reads count as evidence
 PROBES = 3       # factors a job's fit tries first, to see that its progress falls as its costs grow
 ALPHA = (0.5, 2.0)  # the range of a job's fitted factor (a calibration off by more is not steered but redone)
-
-
-@dataclass(frozen=True)
-class SteerLimits:
-    """The bounds and the pace of steering: every release falls in [``lo``, ``hi``] seconds after time
-    zero and no later than ``horizon`` after its planned delay (default: twice the plan's span, at
-    least 10 s); the watcher re-fits every ``interval`` seconds and looks every ``look``; with
-    ``observe_only`` it fits and records but releases at the planned delays; ``min_gain`` is the
-    least predicted gain (fraction of the makespan) that moves a release off the plan; ``duty``,
-    when > 0, is the most of one core the re-fits take on average: after a re-fit that cost ``c``
-    CPU seconds the next comes ``c / duty`` seconds later at the soonest (a slow model re-fits
-    less often; on a node whose cores the jobs keep busy, the watcher's CPU time is theirs)."""
-
-    lo: float = 0.0
-    hi: float = math.inf
-    interval: float = 1.0
-    horizon: float | None = None
-    look: float = LOOK
-    observe_only: bool = False
-    min_gain: float = 0.0
-    duty: float = 0.0
+_FLAT = 0.0  # fit_scale's answer where a job's progress hardly depends on its costs (no fit gives it)
 
 
 class Steering:
@@ -143,7 +125,7 @@ class Steering:
         self.jitter = float(jitter) if math.isfinite(jitter) and jitter > 0 else 0.0  # the plan's start spread
         self.look = min(float(look), self.interval)  # seconds between looks (a look is cheap, a re-fit is not)
         self.duty = max(0.0, float(lim.duty))
-        self._cpu = cpu_clock  # the re-fits' cost, for ``duty``
+        self.cpu_clock = cpu_clock  # the re-fits' cost, for ``duty``
         self.gap = self.interval  # seconds from one re-fit to the next: the interval, or more for a slow model
         self._wall = wall_clock
         self.fit_wall = 0.0  # the last re-fit's wall time: a re-fit that would end past a due release waits
@@ -157,6 +139,7 @@ class Steering:
         self.prefetched: Callable[[], float] | None = None  # the share a waiting job prefetched (.prefetch)
         self.beta = 1.0
         self.alpha: dict[str, float] = {}
+        self.costs_seen: set[str] = set()  # jobs whose fitted factor came from progress that tells their costs
         self._curve_at: tuple[float, dict[str, float]] | None = None
         self.target: float | None = None
         self._best = math.nan  # the predicted makespan at the target
@@ -202,8 +185,9 @@ class Steering:
         """Reads the started jobs can have in flight (their ranks times their workers)."""
         return max(1, sum(self._fetch.get(n, 1) for n in self.released))
 
-    def _fit_source(self, since: float) -> bool:
-        """Fit the source from the read counters of the looks since ``since`` (the loops warmed up)."""
+    def _fit_source(self, since: float, min_window: float = 0.0) -> bool:
+        """Fit the source from the read counters of the looks since ``since`` (the loops warmed up),
+        over ``min_window`` seconds at least."""
         looks = [lk for lk in self.looks if lk.read_bytes is not None and lk.read_seconds is not None
                  and lk.t >= since]
         # the window ends at the last look that saw new reads: once the jobs stop reading (the cache
@@ -221,7 +205,7 @@ class Steering:
         nbytes = last.read_bytes - first.read_bytes
         secs = last.read_seconds - first.read_seconds
         size = self._sample_bytes
-        if size > 0 and nbytes / size < MIN_READS:
+        if (size > 0 and nbytes / size < MIN_READS) or last.t - first.t < min_window:
             return False
         device = self._device_delta(first, last)
         if device is not None and (last.t - first.t < DEVICE_WINDOW or (size > 0 and device / size < MIN_READS)
@@ -263,7 +247,7 @@ class Steering:
             return None
         return max(0.0, last.device_bytes - first.device_bytes)
 
-    def _loop_starts(self, look: Look, t0_wall: float) -> dict[str, float]:
+    def loop_starts_at(self, look: Look, t0_wall: float) -> dict[str, float]:
         out = {}
         for n in self.released:
             rec = look.progress.get(n)
@@ -287,19 +271,24 @@ class Steering:
                 starts.append(self.released.get(job.name, math.inf))
         return replace(sc, jobs=tuple(jobs)), starts
 
-    def _fit_jobs(self, look: Look, loop_starts: Mapping[str, float]) -> None:
-        """Each running job's factor, from its progress over the last ``FIT_WINDOW`` seconds of its
-        record's history (a window, so that how its loop began does not bias it); kept when the
-        model with the current factor already predicts that progress within ``MATCH``."""
+    def fit_jobs(self, look: Look, loop_starts: Mapping[str, float], only: Sequence[str] | None = None,
+                  min_window: float = WARMUP, since: float = -math.inf) -> None:
+        """Each running job's factor (of ``only``, when given), from its progress over the last
+        ``FIT_WINDOW`` seconds of its record's history, from ``since`` (seconds after time zero) on,
+        ``min_window`` at least (a window: how its loop began does not bias it); kept when the model
+        with the current factor predicts that progress within ``MATCH`` (``only``'s jobs are always
+        fitted). A job whose fit told its costs joins :attr:`costs_seen`."""
         for name, start in loop_starts.items():
+            if only is not None and name not in only:
+                continue
             rec = look.progress.get(name) or {}
             hist = rec.get("history") or []
             per = (rec.get("per_epoch") or 0) * self.epochs.get(name, 1)
             if len(hist) < 2 or per <= 0:
                 continue
             tb = float(hist[-1][0])
-            ta = max(WARMUP, tb - FIT_WINDOW)
-            if tb - ta < WARMUP:
+            ta = max(WARMUP, tb - FIT_WINDOW, since - start)
+            if tb - ta < min_window:
                 continue
             observed = (throughput(rec, ta, tb) or 0.0) * (tb - ta) / per  # fraction done in the window
             if observed <= 0:
@@ -312,19 +301,33 @@ class Steering:
             index = sc0.job_index(name)
             window = [start + ta, start + tb]
 
-            def measure(sc: Scenario, index: int = index, starts: list[float] = starts,
-                        window: list[float] = window) -> float:
+            def progress(sc: Scenario, index: int = index, starts: list[float] = starts,
+                         window: list[float] = window) -> float:
                 pa, pb = progress_series(sc, starts, window)
                 return pb[index] - pa[index]
 
-            if abs(measure(sc0) - observed) <= MATCH * observed:
+            # after the releases, the rate over the window's fractions: near a job's end the model's
+            # progress over a fixed window saturates (a faster job finishes and shows less of it)
+            fa = ((throughput(rec, float(hist[0][0]), ta) or 0.0) * (ta - float(hist[0][0])) + hist[0][1]) / per
+            span = min(1.0, fa + observed) - fa
+
+            def rate(sc: Scenario, index: int = index, starts: list[float] = starts, fa: float = fa,
+                     span: float = span, horizon: float = start + 4.0 * tb) -> float:
+                took = passage_time(sc, starts, index, fa, fa + span, horizon)
+                return span / took if took > 0 else math.inf
+
+            measure, observed = (progress, observed) if only is None else (rate, observed / (tb - ta))
+            if only is None and abs(measure(sc0) - observed) <= MATCH * observed:
                 continue
-            a = fit_scale(make, measure, observed, lo=ALPHA[0], hi=ALPHA[1], iterations=6, flat=0.1, probes=PROBES)
-            # None: its progress is not one-to-one with its speed here (it follows another job
-            # through the cache), so the window says nothing about its costs; at a bound the model
-            # cannot explain the progress this way. Either way: keep what there was
-            if a is not None and ALPHA[0] < a < ALPHA[1]:
+            a = fit_scale(make, measure, observed, lo=ALPHA[0], hi=ALPHA[1], iterations=6, flat=0.1, probes=PROBES,
+                          flat_value=_FLAT)
+            if a == _FLAT and only is None:  # something else bounds it: its costs as calibrated (not seen)
+                self.alpha[name] = 1.0
+            # None: its progress is not one-to-one with its speed (it follows another job through the cache),
+            # so the window says nothing of its costs; at a bound the model cannot explain it. Keep what there was
+            elif a is not None and ALPHA[0] < a < ALPHA[1]:
                 self.alpha[name] = a
+                self.costs_seen.add(name)
 
     # ---- deciding ------------------------------------------------------------------------------
     def decide(self, look: Look, t0_wall: float) -> list[Decision]:
@@ -342,23 +345,24 @@ class Steering:
     def observe(self, look: Look, t0_wall: float) -> bool:
         """After the last release, fit without deciding: the source, then each running job, once
         the loops give evidence: one fit, over a full window (``WINDOW`` seconds) after the last loop
-        has warmed up, or over what there was once the source reads have stopped. A run whose
-        releases all came before any evidence (a plan's delay shorter than the jobs' start-up) thus
-        still measures what the history needs. True once done: the source fitted, or, when the run
-        has no read counters, the jobs."""
+        has warmed up, or over what there was once the source reads have stopped, if that is
+        ``OBSERVE_MIN`` at least (a quarter second of reads put a source at x1.89, and the next
+        plan with it). A run whose releases all came before any evidence (a plan's delay shorter
+        than the jobs' start-up) thus still measures what the history needs. True once done: the
+        source fitted, or, when the run has no read counters, the jobs."""
         cpu = time.thread_time()
         try:
             self._keep(look)
-            loop_starts = self._loop_starts(look, t0_wall)
+            loop_starts = self.loop_starts_at(look, t0_wall)
             if not loop_starts or look.t < max(loop_starts.values()) + WARMUP:
                 return False
             counted = [lk.read_bytes for lk in self.looks[-3:]]
             stopped = len(counted) == 3 and counted[0] is not None and counted[0] == counted[1] == counted[2]
             if look.t < max(loop_starts.values()) + WARMUP + WINDOW and not stopped:
                 return False
-            if not self._fit_source(max(loop_starts.values()) + WARMUP) and look.read_bytes is not None:
+            if not self._fit_source(max(loop_starts.values()) + WARMUP, OBSERVE_MIN) and look.read_bytes is not None:
                 return False
-            self._fit_jobs(look, loop_starts)
+            self.fit_jobs(look, loop_starts)
             self.fits.append({"t": look.t, "loops": dict(loop_starts), "seen": dict(self.source_seen),
                               "source": self.beta, "jobs": dict(self.alpha), "after_release": True})
             return True
@@ -387,7 +391,7 @@ class Steering:
         started = [n for n in self.released]
         if started and not self.observe_only and all(look.state.get(n) in ("done", "exited") for n in started):
             return self.release(group, now, "every job started before it has finished")
-        loop_starts = self._loop_starts(look, t0_wall)
+        loop_starts = self.loop_starts_at(look, t0_wall)
         evidence = any(look.t - s >= WARMUP for s in loop_starts.values())
         if not evidence:
             if now >= planned:
@@ -405,14 +409,14 @@ class Steering:
             if self.target is not None:
                 return self.release(group, now, self._why_target(), self._best)
             return self.release(group, now, f"the plan's delay (a re-fit, {self.fit_wall:.2f} s, would end past it)")
-        cpu = self._cpu() if self.duty > 0 else 0.0
+        cpu = self.cpu_clock() if self.duty > 0 else 0.0
         wall = self._wall()
         try:
             return self._refit(group, look, planned, loop_starts)
         finally:
             self.fit_wall = max(0.0, self._wall() - wall)
             if self.duty > 0:
-                self.gap = max(self.interval, (self._cpu() - cpu) / self.duty)
+                self.gap = max(self.interval, (self.cpu_clock() - cpu) / self.duty)
 
     def _hold_to_confirm(self, planned: float, now: float) -> bool:
         """Whether the planned delay has come while the standing fit, made before it, holds the group
@@ -438,7 +442,7 @@ class Steering:
             if now < planned:
                 return None
             return self.release(group, now, "the plan's delay (no evidence from the source yet)")
-        self._fit_jobs(look, loop_starts)
+        self.fit_jobs(look, loop_starts)
         extra = min(1.0, max(0.0, self.prefetched())) if self.prefetched is not None else 0.0
         fitted = {"source": self.beta, "prefetch": 1.0 + extra, **{f"job:{k}": v for k, v in self.alpha.items()}}
         moved = (self._curve_at is None

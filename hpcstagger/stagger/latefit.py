@@ -1,0 +1,71 @@
+"""The closed loop's fits after the last release, for the history (pure, like :mod:`.steering`).
+
+A job that waited for its release was never fitted before its loop began, and its first windows
+often cannot tell its costs: it follows another job through the cache in its first epoch (slowed
+down, it hits more), or something else bounds it. Yet its costs decide where it catches its leader
+up, and with it the best stagger: on an emulated pair of 0-worker jobs, a CNN calibrated 15 to 25%
+slower than it then ran was planned on the edge of that cliff. Once the source reads stop (a cache
+that holds the dataset is full), every job reads what is cached on its own costs, so
+:class:`LateFits` fits each such job over its progress since then (:meth:`Steering.fit_jobs`: the
+rate at which it went through those samples, which near its end a fixed window's progress cannot
+tell, as a faster job finishes and shows less of it), and once more over its whole record when it
+has ended. The watcher's thread after the releases (:mod:`~hpcstagger.colocated.watcher`) calls it
+at every look and rewrites the run's history record with what it fits.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from hpcstagger.stagger.releases import Look
+from hpcstagger.stagger.steering import FIT_WINDOW, WARMUP, Steering
+
+__all__ = ["LATE_WINDOW", "LateFits"]
+
+LATE_WINDOW = 0.5  # seconds of progress since the source reads stopped, at least, that a fit takes
+
+
+class LateFits:
+    """Fits, for ``steering`` (its factors and :attr:`Steering.costs_seen`), each running job that
+    waited for its release and whose costs no fit has seen, over its progress since the source reads
+    stopped, ``LATE_WINDOW`` seconds at least and ``FIT_WINDOW`` at most; every ``interval`` seconds
+    at most (and as ``duty`` paces the re-fits), and once more when the job has ended."""
+
+    def __init__(self, steering: Steering):
+        self.st = steering
+        self.at, self.gap = -math.inf, steering.interval  # the last fit, and the time until the next
+        self.ended: set[str] = set()  # jobs seen to end (fitted one last time)
+        self.bytes: tuple[float | None, float] = (None, math.inf)  # the source's read bytes, and since when
+
+    def observe(self, look: Look, t0_wall: float) -> bool:
+        """Fit what is due at ``look``; True when no job is left to fit (or the run has no cache)."""
+        st = self.st
+        loop_starts = st.loop_starts_at(look, t0_wall)
+        waited = [n for n in st.released if n not in st.costs_seen | self.ended and n not in st.groups[0]]
+        ended = [n for n in waited if look.state.get(n) in ("done", "exited")]
+        self.ended.update(ended)  # an ended job's whole record: one last fit, whatever the pace
+        todo = [n for n in waited if n in loop_starts]  # a job whose loop has not begun yet: later
+        if look.read_bytes is None:
+            return True
+        if look.read_bytes != self.bytes[0]:  # the source still reads: the window starts later
+            self.bytes = (look.read_bytes, look.t)
+        since = self.bytes[1]
+
+        def window(n: str) -> float:
+            tb = float(((look.progress.get(n) or {}).get("history") or [[0.0]])[-1][0])
+            return tb - max(WARMUP, tb - FIT_WINDOW, since - loop_starts[n])
+
+        ready = [n for n in todo if window(n) >= LATE_WINDOW]
+        if ready and (ended or look.t >= self.at + self.gap):
+            cpu, spent, before = time.thread_time(), st.cpu_clock() if st.duty > 0 else 0.0, dict(st.alpha)
+            self.at = look.t
+            st.fit_jobs(look, loop_starts, only=ready, min_window=LATE_WINDOW, since=since)
+            if st.alpha != before:
+                st.fits.append({"t": look.t, "loops": dict(loop_starts), "seen": dict(st.source_seen),
+                                "source": st.beta, "jobs": dict(st.alpha), "after_release": True,
+                                "late": sorted(n for n in ready if n in st.costs_seen), "since": since})
+            st.cpu_seconds += time.thread_time() - cpu
+            if st.duty > 0:  # the jobs' cores: fits that cost c CPU-s come c / duty apart at the soonest
+                self.gap = max(st.interval, (st.cpu_clock() - spent) / st.duty)
+        return all(n in st.costs_seen | self.ended for n in waited)
