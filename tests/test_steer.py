@@ -17,8 +17,8 @@ from hpcstagger.stagger.steering import Look, SteerLimits, Steering
 from hpcstagger.stagger.latefit import LateFits
 from hpcstagger.errors import ModelError
 from hpcstagger.model import Scenario, optimal_plan, predict
-from hpcstagger.model.runfit import (best_release, counted_factor, fit_scale, progress_at, progress_series,
-                                    source_factor)
+from hpcstagger.model.runfit import (best_release, counted_factor, fit_scale, passage_time, progress_at,
+                                    progress_series, source_factor)
 
 from support.model_scenarios import B, scenario
 
@@ -95,6 +95,16 @@ def test_fit_scale_recovers_a_known_factor_and_says_when_it_cannot():
     calls.clear()
     assert fit_scale(lambda a: a, falling, 1 / 1.3, iterations=6, probes=3) == pytest.approx(plain, rel=1e-12)
     assert len(calls) == 2 + 3 + 6 - 2 and len({round(math.log(a), 9) for a in calls}) == len(calls)
+
+
+def test_passage_time_reads_the_models_progress_between_two_fractions():
+    sc = scenario(1000, ((0.002, 1),))  # one job alone, compute-bound: 2 s, at a steady rate
+    took = passage_time(sc, [0.5], 0, 0.25, 0.75, 4.0)
+    assert took == pytest.approx(1.0, rel=0.02)
+    assert passage_time(with_cost(sc, "j0", 1.5), [0.5], 0, 0.25, 0.75, 4.0) == pytest.approx(1.5, rel=0.02)
+    assert passage_time(sc, [0.5], 0, 0.25, 0.75, 1.5) == math.inf  # not there by the horizon
+    with pytest.raises(ModelError, match="lo < hi"):
+        passage_time(sc, [0.5], 0, 0.75, 0.25, 4.0)
 
 
 def test_best_release_matches_the_plan_and_moves_with_the_source():

@@ -205,6 +205,7 @@ def _lower_priority() -> None:
 
 
 SETTLE_S = 5.0  # seconds the host's finish waits, at most, for the watcher's last fit and record
+AFTER_LOOK = 0.5  # seconds between the looks after the releases once the run was fitted (the jobs' cores)
 _AFTER: list[threading.Thread] = []  # this process's watcher thread after the releases (the host's)
 
 
@@ -237,7 +238,7 @@ class _Afterwards(threading.Thread):
                 if (first and late) or all(look.state.get(n) in ("done", "exited") for n in st.released) \
                         or look.state.get(session.job) in ("done", "exited"):
                     break
-                time.sleep(st.look)
+                time.sleep(st.look if not first else AFTER_LOOK)
         except Exception as exc:  # nothing depends on it but the history: say so, record what there is
             log.warning("fitting the run after the last release failed: %s: %s", type(exc).__name__, exc)
         finally:
