@@ -29,8 +29,8 @@ LATE_WINDOW = 0.5  # seconds of progress since the source reads stopped, at leas
 class LateFits:
     """Fits, for ``steering`` (its factors and :attr:`Steering.costs_seen`), each running job that
     waited for its release and whose costs no fit has seen, over its progress since the source reads
-    stopped, ``LATE_WINDOW`` seconds at least and ``FIT_WINDOW`` at most; every ``interval`` seconds
-    at most (and as ``duty`` paces the re-fits), and once more when the job has ended."""
+    stopped: its latest ``FIT_WINDOW`` seconds once it has them, every ``interval`` seconds at most
+    (and as ``duty`` paces the re-fits), or all it has, ``LATE_WINDOW`` at least, when it has ended."""
 
     def __init__(self, steering: Steering):
         self.st = steering
@@ -56,7 +56,8 @@ class LateFits:
             tb = float(((look.progress.get(n) or {}).get("history") or [[0.0]])[-1][0])
             return tb - max(WARMUP, tb - FIT_WINDOW, since - loop_starts[n])
 
-        ready = [n for n in todo if window(n) >= LATE_WINDOW]
+        # a full window, or all there was once the job ended (a half-second window fitted cnn at x0.59 once)
+        ready = [n for n in todo if window(n) >= (LATE_WINDOW if n in ended else FIT_WINDOW - 1e-9)]
         if ready and (ended or look.t >= self.at + self.gap):
             cpu, spent, before = time.thread_time(), st.cpu_clock() if st.duty > 0 else 0.0, dict(st.alpha)
             self.at = look.t
