@@ -211,10 +211,11 @@ _AFTER: list[threading.Thread] = []  # this process's watcher thread after the r
 
 class _Afterwards(threading.Thread):
     """After the last release: keep looking until the run gives evidence (:meth:`Steering.observe`,
-    when nothing was fitted before the releases) and every running job's costs have been fitted
-    (:class:`~hpcstagger.stagger.latefit.LateFits`), or every job has ended; then write the log and the run's record
-    in the history. The record is written as soon as the first fit stands and rewritten when a
-    later fit adds to it: the host's own job trains meanwhile, and the thread dies with its process."""
+    when nothing was fitted before the releases) and the costs of the jobs that waited have been
+    fitted (:class:`~hpcstagger.stagger.latefit.LateFits`), or the host's job or every job has ended;
+    then write the log and the run's record in the history. The record is written as soon as the
+    first fit stands and rewritten when a later fit adds to it. The host's own job trains meanwhile;
+    its ``finish()`` waits for this thread a little (:func:`settle`), and the thread dies with it."""
 
     def __init__(self, session: Any, steering: Steering, watcher: Watcher, log_path: str, failed: str):
         super().__init__(name="hpcstagger-watch-after", daemon=True)
@@ -307,7 +308,7 @@ def _host(session: Any, idle: list[Callable[[float], bool]]) -> dict[str, Any]:
     finally:
         watch.stop.set()
         watch.join(timeout=30)
-        after = done and not watch.failed and _wants_evidence(session)
+        after = done and not watch.failed and _records_history(session)
         if not after:
             watcher.close()
     if after:  # look on while the jobs train, for the history (a daemon thread)
@@ -331,7 +332,7 @@ def _main_loading(session: Any) -> bool:
     return bool(sc) and any(j.workers == 0 for j in Scenario.from_dict(sc).jobs)
 
 
-def _wants_evidence(session: Any) -> bool:
+def _records_history(session: Any) -> bool:
     """Whether the run is to be recorded in a history (``[plan] history``): then the watcher looks on
     after the last release, for evidence and for the costs of the jobs it released last."""
     spec = session.spec

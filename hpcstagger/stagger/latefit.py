@@ -27,22 +27,24 @@ LATE_WINDOW = 0.5  # seconds of progress since the source reads stopped, at leas
 
 
 class LateFits:
-    """Fits, for ``steering`` (its factors and :attr:`Steering.costs_seen`), each running job that
-    waited for its release and whose costs no fit has seen, over its progress since the source reads
-    stopped: its latest ``FIT_WINDOW`` seconds once it has them, every ``interval`` seconds at most
-    (and as ``duty`` paces the re-fits), or all it has, ``LATE_WINDOW`` at least, when it has ended."""
+    """Fits, for ``steering`` (its factors), each running job that waited for its release until a fit
+    tells its costs (:attr:`seen`; it replaces what earlier windows fitted), over its progress since
+    the source reads stopped: its latest ``FIT_WINDOW`` seconds once it has them, every ``interval``
+    seconds at most (and as ``duty`` paces re-fits), or all it has, ``LATE_WINDOW`` at least, when it
+    has ended."""
 
     def __init__(self, steering: Steering):
         self.st = steering
         self.at, self.gap = -math.inf, steering.interval  # the last fit, and the time until the next
         self.ended: set[str] = set()  # jobs seen to end (fitted one last time)
+        self.seen: set[str] = set()  # jobs whose costs a fit here has told
         self.bytes: tuple[float | None, float] = (None, math.inf)  # the source's read bytes, and since when
 
     def observe(self, look: Look, t0_wall: float) -> bool:
         """Fit what is due at ``look``; True when no job is left to fit (or the run has no cache)."""
         st = self.st
         loop_starts = st.loop_starts_at(look, t0_wall)
-        waited = [n for n in st.released if n not in st.costs_seen | self.ended and n not in st.groups[0]]
+        waited = [n for n in st.released if n not in self.seen | self.ended and n not in st.groups[0]]
         ended = [n for n in waited if look.state.get(n) in ("done", "exited")]
         self.ended.update(ended)  # an ended job's whole record: one last fit, whatever the pace
         todo = [n for n in waited if n in loop_starts]  # a job whose loop has not begun yet: later
@@ -61,12 +63,12 @@ class LateFits:
         if ready and (ended or look.t >= self.at + self.gap):
             cpu, spent, before = time.thread_time(), st.cpu_clock() if st.duty > 0 else 0.0, dict(st.alpha)
             self.at = look.t
-            st.fit_jobs(look, loop_starts, only=ready, min_window=LATE_WINDOW, since=since)
+            self.seen |= st.fit_jobs(look, loop_starts, only=ready, min_window=LATE_WINDOW, since=since)
             if st.alpha != before:
                 st.fits.append({"t": look.t, "loops": dict(loop_starts), "seen": dict(st.source_seen),
                                 "source": st.beta, "jobs": dict(st.alpha), "after_release": True,
-                                "late": sorted(n for n in ready if n in st.costs_seen), "since": since})
+                                "late": sorted(n for n in ready if n in self.seen), "since": since})
             st.cpu_seconds += time.thread_time() - cpu
             if st.duty > 0:  # the jobs' cores: fits that cost c CPU-s come c / duty apart at the soonest
                 self.gap = max(st.interval, (st.cpu_clock() - spent) / st.duty)
-        return all(n in st.costs_seen | self.ended for n in waited)
+        return all(n in self.seen | self.ended for n in waited)

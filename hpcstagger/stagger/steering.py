@@ -139,7 +139,6 @@ class Steering:
         self.prefetched: Callable[[], float] | None = None  # the share a waiting job prefetched (.prefetch)
         self.beta = 1.0
         self.alpha: dict[str, float] = {}
-        self.costs_seen: set[str] = set()  # jobs whose fitted factor came from progress that tells their costs
         self._curve_at: tuple[float, dict[str, float]] | None = None
         self.target: float | None = None
         self._best = math.nan  # the predicted makespan at the target
@@ -272,12 +271,13 @@ class Steering:
         return replace(sc, jobs=tuple(jobs)), starts
 
     def fit_jobs(self, look: Look, loop_starts: Mapping[str, float], only: Sequence[str] | None = None,
-                  min_window: float = WARMUP, since: float = -math.inf) -> None:
+                  min_window: float = WARMUP, since: float = -math.inf) -> set[str]:
         """Each running job's factor (of ``only``, when given), from its progress over the last
         ``FIT_WINDOW`` seconds of its record's history, from ``since`` (seconds after time zero) on,
         ``min_window`` at least (a window: how its loop began does not bias it); kept when the model
         with the current factor predicts that progress within ``MATCH`` (``only``'s jobs are always
-        fitted). A job whose fit told its costs joins :attr:`costs_seen`."""
+        fitted). Returns the jobs whose fit told their costs (a factor within the bounds)."""
+        told: set[str] = set()
         for name, start in loop_starts.items():
             if only is not None and name not in only:
                 continue
@@ -329,7 +329,8 @@ class Steering:
             # so the window says nothing of its costs; at a bound the model cannot explain it. Keep what there was
             elif a is not None and ALPHA[0] < a < ALPHA[1]:
                 self.alpha[name] = a
-                self.costs_seen.add(name)
+                told.add(name)
+        return told
 
     # ---- deciding ------------------------------------------------------------------------------
     def decide(self, look: Look, t0_wall: float) -> list[Decision]:
