@@ -294,8 +294,9 @@ class Steering:
             if observed <= 0:
                 continue
 
-            def make(a: float, name: str = name) -> Scenario:
-                return self.scenario(loop_starts, {**self.alpha, name: a})[0]
+            def make(a: float, name: str = name, full: bool = False) -> Scenario:
+                sc = self.scenario(loop_starts, {**self.alpha, name: a})[0]
+                return replace(sc, cache=replace(sc.cache, initial=1.0)) if full else sc
 
             sc0, starts = self.scenario(loop_starts)
             index = sc0.job_index(name)
@@ -306,8 +307,8 @@ class Steering:
                 pa, pb = progress_series(sc, starts, window)
                 return pb[index] - pa[index]
 
-            # after the releases, the rate over the window's fractions: near a job's end the model's
-            # progress over a fixed window saturates (a faster job finishes and shows less of it)
+            # after the releases, the rate over the window's fractions: near a job's end the model's progress
+            # over a fixed window saturates (a faster job finishes and shows less of it)
             fa = ((throughput(rec, float(hist[0][0]), ta) or 0.0) * (ta - float(hist[0][0])) + hist[0][1]) / per
             span = min(1.0 - 1e-6, fa + observed) - fa  # a job the model finishes is at 1 - ulp, or at 1
 
@@ -323,6 +324,10 @@ class Steering:
                 continue
             a = fit_scale(make, measure, observed, lo=ALPHA[0], hi=ALPHA[1], iterations=6, flat=0.1, probes=PROBES,
                           flat_value=_FLAT)
+            if only is not None and a in (None, _FLAT):  # after the releases the window has every sample cached:
+                # so may the model, where a faster job would otherwise catch its leader up and go no faster
+                a = fit_scale(lambda x: make(x, full=True), measure, observed, lo=ALPHA[0], hi=ALPHA[1],
+                              iterations=6, flat=0.1, probes=PROBES, flat_value=_FLAT)
             if a == _FLAT and only is None:  # something else bounds it: its costs as calibrated (not seen)
                 self.alpha[name] = 1.0
             # None: its progress is not one-to-one with its speed (it follows another job through the cache),
