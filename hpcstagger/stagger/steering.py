@@ -307,20 +307,21 @@ class Steering:
                 pa, pb = progress_series(sc, starts, window)
                 return pb[index] - pa[index]
 
-            # after the releases, the rate over the window's fractions: near a job's end the model's progress
-            # over a fixed window saturates (a faster job finishes and shows less of it)
-            fa = ((throughput(rec, float(hist[0][0]), ta) or 0.0) * (ta - float(hist[0][0])) + hist[0][1]) / per
-            span = min(1.0 - 1e-6, fa + observed) - fa  # a job the model finishes is at 1 - ulp, or at 1
+            measure: Callable[[Scenario], float] = progress
+            if only is not None:  # after the releases, the rate over the window's fractions: near a job's end
+                # the model's progress over a fixed window saturates (a faster job finishes and shows less of it)
+                fa = ((throughput(rec, float(hist[0][0]), ta) or 0.0) * (ta - float(hist[0][0])) + hist[0][1]) / per
+                span = min(1.0 - 1e-6, fa + observed) - fa  # a job the model finishes is at 1 - ulp, or at 1
+                if span <= 0:
+                    continue
 
-            def rate(sc: Scenario, index: int = index, starts: list[float] = starts, fa: float = fa,
-                     span: float = span, horizon: float = start + 2.5 * tb) -> float:
-                took = passage_time(sc, starts, index, fa, fa + span, horizon, points=200)
-                return span / took if took > 0 else math.inf
+                def rate(sc: Scenario, index: int = index, starts: list[float] = starts, fa: float = fa,
+                         span: float = span, horizon: float = start + 2.5 * tb) -> float:
+                    took = passage_time(sc, starts, index, fa, fa + span, horizon, points=200)
+                    return span / took if took > 0 else math.inf
 
-            if only is not None and span <= 0:
-                continue
-            measure, observed = (progress, observed) if only is None else (rate, observed / (tb - ta))
-            if only is None and abs(measure(sc0) - observed) <= MATCH * observed:
+                measure, observed = rate, observed / (tb - ta)
+            elif abs(measure(sc0) - observed) <= MATCH * observed:
                 continue
             a = fit_scale(make, measure, observed, lo=ALPHA[0], hi=ALPHA[1], iterations=6, flat=0.1, probes=PROBES,
                           flat_value=_FLAT)
