@@ -19,7 +19,7 @@ import math
 import time
 
 from hpcstagger.stagger.releases import Look
-from hpcstagger.stagger.steering import FIT_WINDOW, WARMUP, Steering
+from hpcstagger.stagger.steering import FIT_WINDOW, Steering, window_start
 
 __all__ = ["LATE_WINDOW", "LateFits"]
 
@@ -56,7 +56,7 @@ class LateFits:
 
         def window(n: str) -> float:
             tb = float(((look.progress.get(n) or {}).get("history") or [[0.0]])[-1][0])
-            return tb - max(WARMUP, tb - FIT_WINDOW, since - loop_starts[n])
+            return tb - window_start(tb, loop_starts[n], since)
 
         # a full window, or all there was once the job ended (a half-second window fitted cnn at x0.59 once)
         ready = [n for n in todo if window(n) >= (LATE_WINDOW if n in ended else FIT_WINDOW - 1e-9)]

@@ -84,6 +84,11 @@ ALPHA = (0.5, 2.0)  # the range of a job's fitted factor (a calibration off by m
 _FLAT = 0.0  # fit_scale's answer where a job's progress hardly depends on its costs (no fit gives it)
 
 
+def window_start(tb: float, loop_start: float, since: float = -math.inf) -> float:
+    """Start of a job's fit window ending at ``tb`` (loop seconds): FIT_WINDOW back, past warm-up, from ``since``."""
+    return max(WARMUP, tb - FIT_WINDOW, since - loop_start)
+
+
 class Steering:
     """Decides when each waiting group is released (see the module docstring).
 
@@ -287,7 +292,7 @@ class Steering:
             if len(hist) < 2 or per <= 0:
                 continue
             tb = float(hist[-1][0])
-            ta = max(WARMUP, tb - FIT_WINDOW, since - start)
+            ta = window_start(tb, start, since)
             if tb - ta < min_window:
                 continue
             observed = (throughput(rec, ta, tb) or 0.0) * (tb - ta) / per  # fraction done in the window
