@@ -121,8 +121,20 @@ def test_calibration_writes_a_partitioned_cache_with_the_default_it_did_not_meas
         cache, notes = scenario_cache(meas, _spec(tmp_path), None, None)
     assert cache.partitioned and cache.nodes == 1 and cache.remote_bandwidth == 1.5e9
     assert "NOT MEASURED" in notes["cache.remote_bandwidth"]
+    assert not cache.coalesce  # each node reads its own misses
     cache, notes = scenario_cache(meas, _spec(tmp_path, partitioned=False), None, None)
     assert not cache.partitioned and "cache.remote_bandwidth" not in notes
+
+
+def test_calibration_says_a_shm_cache_reads_a_sample_once_where_it_holds_the_dataset(tmp_path):
+    meas = {"samples": 100, "sample_bytes": 5000.0, "hits": {"hit_bandwidth": 1.0e9, "how": "64 reads"},
+            "page_cache": {"holds": False, "source": "other", "emulated": False}}
+    cache, notes = scenario_cache(meas, _spec(tmp_path, partitioned=False), None, None)  # 1 MB: all 500 kB
+    assert cache.coalesce and "waits for that read" in notes["cache.coalesce"]
+    cache, notes = scenario_cache(meas, _spec(tmp_path, partitioned=False, capacity="250kB"), None, None)
+    assert cache.capacity == 250e3 and not cache.coalesce and "cache.coalesce" not in notes  # half of it
+    cache, _ = scenario_cache(meas, _spec(tmp_path, partitioned=False), None, "none")
+    assert not cache.coalesce
 
 
 def test_plan_header_gives_a_partitioned_cache_per_node_and_in_all(tmp_path):

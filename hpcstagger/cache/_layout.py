@@ -11,10 +11,11 @@ from __future__ import annotations
 import struct
 
 __all__ = ["ALIGN", "COUNTERS", "ENTRY", "ENTRY_HDR", "ENTRY_MAGIC", "HEADER_BYTES", "H_ARENA_BYTES",
-           "H_CAPACITY", "H_CREATED", "H_DIRTY", "H_ENTRIES", "H_GEN", "H_HOLES", "H_FLIGHT_N",
+           "H_CAPACITY", "H_CLAIMS", "H_COALESCED",
+           "H_CREATED", "H_DIRTY", "H_ENTRIES", "H_GEN", "H_HOLES", "H_FLIGHT_N",
            "H_FLIGHT_NS", "H_FLIGHT_T", "H_WATCHED", "H_INDEX_SLOTS", "H_INDEX_USED", "H_MAGIC", "H_MAX_ENTRIES",
            "H_NHOLES", "H_NSLOTS", "H_POLICY", "H_RESERVED", "H_RESERVED_ENTRIES", "H_TOP", "H_USED",
-           "H_VERSION", "H_WASTED", "LEDGER_BYTES", "LEN_MASK", "LIVE", "MAGIC", "MAX_HOLES", "NSLOTS",
+           "H_VERSION", "H_WASTED", "LEDGER_BYTES", "LEN_MASK", "LIVE", "MAGIC", "MAX_CLAIMS", "MAX_HOLES", "NSLOTS",
            "SLOT", "SLOT_WORDS", "S_CORRUPT", "S_DUPLICATES", "S_FLIGHT", "S_HITS", "S_INSERTS",
            "S_INSERT_BYTES", "S_MISSES", "S_PID", "S_READ_BYTES", "S_READ_NS", "S_REFUSED", "S_RES_GEN",
            "S_RES_OFF", "S_RES_PAYLOAD", "S_RES_SIZE", "S_START", "TOMB", "VERSION", "align", "sizes_for"]
@@ -42,6 +43,11 @@ H_HOLES = 32  # MAX_HOLES (offset, size) pairs
 H_FLIGHT_N, H_FLIGHT_T, H_FLIGHT_NS = 19, 20, H_HOLES + 2 * MAX_HOLES
 # until when (CLOCK_MONOTONIC ns) a watcher wants the reads in flight counted (spare in version 1 too)
 H_WATCHED = 21
+# misses served by another process's read, and the claims of samples being read (see _claims; the
+# words after the reads-in-flight levels, to the header's end: spare in version 1 too)
+H_COALESCED = 22
+H_CLAIMS = H_FLIGHT_NS + 32
+MAX_CLAIMS = (HEADER_BYTES // 8 - H_CLAIMS) // 3
 # process slot words
 (S_PID, S_START, S_HITS, S_MISSES, S_INSERTS, S_REFUSED, S_DUPLICATES, S_CORRUPT,
  S_RES_OFF, S_RES_SIZE, S_RES_PAYLOAD, S_RES_GEN, S_INSERT_BYTES, S_READ_BYTES, S_READ_NS, S_FLIGHT) = range(16)

@@ -51,7 +51,9 @@ class CachedDataset(torch.utils.data.Dataset):
     """Sample ``i`` of ``source``, through ``cache`` under ``source.key(i)``, as ``transform(data)``.
 
     A hit returns the cached sample; a miss reads ``source[i]`` (between ``source_read_hook.enter()``
-    and ``.exit()`` if a hook is given) and inserts it if the cache's policy allows. ``transform``
+    and ``.exit()`` if a hook is given) and inserts it if the cache's policy allows. A miss of a
+    sample that another process on the node is reading already (jobs with the same sample order, in
+    step) waits for that read's insert instead of reading it again (``ShmCache.read_through``). ``transform``
     receives a read-only bytes-like object (``bytes`` or a ``memoryview``); without a transform the
     dataset returns ``bytes``. Works with ``DataLoader(num_workers>0)`` under fork and spawn: the
     cache reattaches by name and the source reopens its files in each worker.
@@ -96,10 +98,7 @@ class CachedDataset(torch.utils.data.Dataset):
         t = time.perf_counter()
         data: Any = self.cache.get(key)
         if data is None:
-            data = self._read(i)
-            if not self.cache.put(key, data):
-                self._refused()
-            self._count_miss(data, time.perf_counter() - t)
+            data = self._miss(i, key, t)
         return self._finish(data, i)
 
     def __getitems__(self, indices: list[int]) -> list[Any]:
@@ -118,13 +117,26 @@ class CachedDataset(torch.utils.data.Dataset):
         out = []
         for i, key, data in zip(indices, keys, found, strict=True):
             if data is None:
-                t = time.perf_counter()
-                data = self._read(i)
-                if not self.cache.put(key, data):
-                    self._refused()
-                self._count_miss(data, time.perf_counter() - t)
+                data = self._miss(i, key, time.perf_counter())
             out.append(self._finish(data, i))
         return out
+
+    def _miss(self, i: int, key: str | int, t: float) -> Any:
+        """Sample ``i`` after its lookup (begun at ``t``, ``time.perf_counter``) missed: read from the
+        source and inserted, or, where another process is reading it already, that read's entry
+        (``cache.read_through``: one read for the node). A read here is counted
+        (:meth:`_count_miss`); a wait for another's read is not, as it took nothing from the source."""
+        through = getattr(self.cache, "read_through", None)
+        if through is None:
+            data = self._read(i)
+            stored, here = self.cache.put(key, data), True
+        else:
+            data, stored, here = through(key, lambda: self._read(i))
+        if here:
+            if not stored:
+                self._refused()
+            self._count_miss(data, time.perf_counter() - t)
+        return data
 
     def _refused(self) -> None:
         """Log once per process that the cache refuses inserts while it stores: the samples it does

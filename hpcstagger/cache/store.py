@@ -12,6 +12,7 @@ import errno
 import logging
 import os
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import xxhash
@@ -20,14 +21,15 @@ from hpcstagger import config
 from hpcstagger._io import CHECKSUM_ALGORITHM
 from hpcstagger.errors import CacheError
 from hpcstagger.nodeload import MemoryGuard
-from hpcstagger.cache import _flight, _fs
-from hpcstagger.cache._layout import (ENTRY, ENTRY_HDR, ENTRY_MAGIC, H_ENTRIES, H_GEN, H_INDEX_USED, H_MAX_ENTRIES,
-                                      H_POLICY, H_RESERVED, H_RESERVED_ENTRIES, H_TOP, H_USED, H_WASTED, LIVE, SLOT,
+from hpcstagger.cache import _claims, _flight, _fs
+from hpcstagger.cache._layout import (ENTRY, ENTRY_HDR, ENTRY_MAGIC, H_COALESCED, H_ENTRIES, H_GEN, H_INDEX_USED,
+                                      H_MAX_ENTRIES, H_POLICY, H_RESERVED, H_RESERVED_ENTRIES, H_TOP, H_USED, H_WASTED,
+                                      LIVE, SLOT,
                                       S_DUPLICATES, S_INSERTS, S_INSERT_BYTES, S_READ_BYTES, S_READ_NS, S_REFUSED,
                                       S_RES_GEN, S_RES_OFF, S_RES_PAYLOAD, S_RES_SIZE, align)
 from hpcstagger.cache._base import LoadThrough
 from hpcstagger.cache._ledger import Ledger
-from hpcstagger.cache._reads import Reads, key_hash
+from hpcstagger.cache._reads import Reads, _digest, _split, key_hash
 from hpcstagger.cache.policy import Policy, Space, get_policy
 
 __all__ = ["ShmCache", "key_hash", "default_max_entries"]
@@ -128,6 +130,64 @@ class ShmCache(Reads, LoadThrough):
         self._count(S_READ_BYTES, max(0, int(nbytes)), S_READ_NS, max(0, int(seconds * 1e9)))
 
     # ---- source reads ----------------------------------------------------------------------------
+
+    def get_or_load(self, key: str | int, loader: Callable[[], Any]) -> Any:
+        """The cached sample for ``key``, or ``loader()``'s bytes-like result, inserted if the policy
+        allows; a sample that another process is loading already is waited for, not loaded again
+        (:meth:`read_through`)."""
+        view = self.get(key)
+        if view is not None:
+            return view
+        return self.read_through(key, loader)[0]
+
+    def read_through(self, key: str | int, read: Callable[[], Any]) -> tuple[Any, bool, bool]:
+        """A miss of ``key``, read once on the node: ``(data, cached, read_here)``.
+
+        Call it after ``get(key)`` missed. If no other process is reading the sample, this one claims
+        it, calls ``read()`` and inserts the result (``cached``: :meth:`put`'s answer; ``read_here``
+        True). If another process is reading it, this one waits for that insert and returns the
+        cached view (``read_here`` False) without touching the source; it reads the sample itself
+        when the other's insert was refused, the other process died, or after 30 s (see
+        :mod:`hpcstagger.cache._claims`). Exceptions from ``read`` propagate, the claim released.
+        """
+        led = self._led
+        if not self._stores:
+            data = read()
+            return data, self.put(key, data), True
+        d = _digest(key)
+        hi, lo = _split(d)
+        base = led.base if led.base >= 0 else led.claim_slot()
+        for _ in range(8):  # a claim that ends without an entry lets the next waiter claim: a few turns at most
+            how, i = _claims.claim(led, hi, lo, base, os.getpid())
+            if how == _claims.NONE:
+                break
+            if how == _claims.OWN:
+                try:
+                    view = self._find(d)  # inserted between the caller's miss and the claim
+                    if view is not None:
+                        _claims.count_coalesced(led)
+                        return view, True, False
+                    data = read()
+                    return data, self.put(key, data), True
+                finally:
+                    _claims.release(led, i, hi, lo)
+            wait = _claims.Waiter()
+            while _claims.state(led, i, hi, lo, wait.owner_check_due()) and not wait.expired():
+                wait.pause()
+                view = self._find(d)
+                if view is not None:
+                    break
+            else:
+                view = self._find(d)
+            if view is not None:
+                _claims.count_coalesced(led)
+                return view, True, False
+            if wait.expired():
+                log.warning("cache %s: waited %.0f s for another process's read of a sample; reading it here",
+                            self.name, _claims.WAIT_LIMIT)
+                break
+        data = read()
+        return data, self.put(key, data), True
 
     def read_counters(self) -> tuple[int, float]:
         """:meth:`stats`' ``read_bytes`` and ``read_seconds`` alone, cheap enough to poll often."""
@@ -291,7 +351,8 @@ class ShmCache(Reads, LoadThrough):
 
         Keys: lookups (= hits + misses: every get() is exactly one of them), hits, misses, inserts,
         refused, duplicates (puts of keys already cached), corrupt, insert_bytes, read_bytes and
-        read_seconds (source reads reported by :meth:`count_read`), hit_rate, bytes_used, entries,
+        read_seconds (source reads reported by :meth:`count_read`), coalesced (misses served by
+        another process's read: :meth:`read_through`), hit_rate, bytes_used, entries,
         reserved_bytes, wasted_bytes, capacity_bytes, max_entries, processes (live attached),
         generation, name, policy, path.
         """
@@ -300,6 +361,7 @@ class ShmCache(Reads, LoadThrough):
         out: dict[str, Any] = led.totals()
         out["read_seconds"] = out.pop("read_ns") / 1e9
         out["hit_rate"] = out["hits"] / out["lookups"] if out["lookups"] else 0.0
+        out["coalesced"] = int(w[H_COALESCED])
         out.update(bytes_used=int(w[H_USED]), entries=int(w[H_ENTRIES]), reserved_bytes=int(w[H_RESERVED]),
                    wasted_bytes=int(w[H_WASTED]), arena_top=int(w[H_TOP]), capacity_bytes=self.capacity_bytes,
                    max_entries=self.max_entries, generation=int(w[H_GEN]), name=self.name,

@@ -188,9 +188,11 @@ def run(args: argparse.Namespace) -> int:
                           f"worker(s), batch {j.batch})" for j in sc.jobs)
               + (f"; {sc.node.cores:g} cores shared" if sc.node.cores else ""))
         for order, names in _shared_orders(sc).items():
-            print(f"jobs {', '.join(names)} read the same sample order ({order}): started together they read "
-                  "every sample from the source twice, and a follower hits what its leader read; the model "
-                  "accounts for both")
+            together = ("a job that catches another up waits for the samples the other is reading, which the "
+                        "cache reads once" if sc.cache.coalesce else
+                        "started together they read every sample from the source twice")
+            print(f"jobs {', '.join(names)} read the same sample order ({order}): {together}, and a follower hits "
+                  "what its leader read; the model accounts for both")
         for line in _calibration_notes(cal.measurements):
             print(line)
     return 0

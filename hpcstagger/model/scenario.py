@@ -14,7 +14,7 @@ valid keys with their defaults. The format::
     policy = "minio"           # minio | lru | none
     hit_bandwidth = 5.0e9      # bytes/s per reader; optional, default unlimited
     initial = 0.0              # fraction of the dataset cached when the run starts (default 0: cold)
-    coalesce = false           # concurrent misses of one sample are one read (the page cache); default false
+    coalesce = false           # concurrent misses of one sample are one read (page cache, ShmCache); default false
     readahead = 1.0            # samples' worth of bytes a miss reads (the page cache's readahead); default 1
     partitioned = false        # one cache over the nodes' caches, each sample owned by one node; default false
     nodes = 1                  # nodes the jobs and the partitioned cache span (> 1 needs partitioned)
@@ -92,7 +92,8 @@ class Cache:
     """The node-local cache: ``capacity`` bytes, a policy, per-reader hit bandwidth, the fraction
     of the dataset it holds when the run starts (``initial``; at most what it can hold), and
     whether concurrent misses of one sample are one read (``coalesce``: the page cache, whose
-    readers wait for a page being read; a ShmCache does not, and each reader reads it).
+    readers wait for a page being read, and a ShmCache, whose readers wait for a sample being read
+    where it can insert it: calibration sets it where the cache holds the whole dataset).
     ``readahead`` (at least 1; more only for the page cache, ``coalesce`` with policy minio): a
     miss reads that many samples' worth of bytes, and the rest of them are other uncached samples,
     at random in the jobs' order (the file neighbours readahead brings in), inserted with it.

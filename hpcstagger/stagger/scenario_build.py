@@ -97,7 +97,14 @@ def scenario_cache(meas: Mapping[str, Any], spec: Spec, capacity: float | str | 
     elif not pc["holds"] and pc["source"] != "other":
         notes["cache.capacity"] = ("the spec's [cache] (the source is emulated: no page cache)" if pc["emulated"] else
                                    "the spec's [cache]: the dataset is too large for the page cache to keep")
-    return _partitioned(spec, Cache(capacity=cap, policy=pol, hit_bandwidth=_finite(shm)), notes), notes
+    # A ShmCache reads a sample once for the node: a reader missing a sample being read waits for
+    # that read (ShmCache.read_through). It can only for the samples it inserts, so the scenario says
+    # so where it holds the whole dataset; a partitioned cache reads its misses on each node.
+    coalesce = pol != "none" and cap >= n * size and not spec.cache_partitioned()
+    if coalesce:
+        notes["cache.coalesce"] = "the ShmCache: a reader of a sample being read waits for that read"
+    return _partitioned(spec, Cache(capacity=cap, policy=pol, hit_bandwidth=_finite(shm), coalesce=coalesce),
+                        notes), notes
 
 
 def _page_cache_beside_jobs(pc: Mapping[str, Any], n: int, size: float) -> tuple[Cache, dict[str, str]]:
