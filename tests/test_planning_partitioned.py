@@ -126,11 +126,24 @@ def test_calibration_writes_a_partitioned_cache_with_the_default_it_did_not_meas
     assert not cache.partitioned and "cache.remote_bandwidth" not in notes
 
 
+@pytest.mark.parametrize("shm", [True, False])
+def test_a_coalescing_cache_is_the_page_cache_only_without_shm(tmp_path, shm):
+    """A ShmCache that reads each sample once (coalesce, shm) is partitioned when the run's spec is,
+    and reads its misses on each node; the page cache (coalesce alone) stays node-local."""
+    sc = scenario_for(_spec(tmp_path, extra="coalesce = true" + ("\nshm = true" if shm else "")), ["a", "b"], {},
+                      partition=RUN)
+    assert sc.cache.partitioned is shm and sc.cache.coalesce is not shm and sc.cache.page_cache is not shm
+    sc = scenario_for(_spec(tmp_path, partitioned=False, extra="coalesce = true" + ("\nshm = true" if shm else "")),
+                      ["a", "b"], {})
+    assert (sc.cache.coalesce, sc.cache.shm, sc.cache.page_cache) == (True, shm, not shm)
+    assert Scenario.from_dict(sc.to_dict()) == sc
+
+
 def test_calibration_says_a_shm_cache_reads_a_sample_once_where_it_holds_the_dataset(tmp_path):
     meas = {"samples": 100, "sample_bytes": 5000.0, "hits": {"hit_bandwidth": 1.0e9, "how": "64 reads"},
             "page_cache": {"holds": False, "source": "other", "emulated": False}}
     cache, notes = scenario_cache(meas, _spec(tmp_path, partitioned=False), None, None)  # 1 MB: all 500 kB
-    assert cache.coalesce and "waits for that read" in notes["cache.coalesce"]
+    assert cache.coalesce and cache.shm and not cache.page_cache and "waits for that read" in notes["cache.coalesce"]
     cache, notes = scenario_cache(meas, _spec(tmp_path, partitioned=False, capacity="250kB"), None, None)
     assert cache.capacity == 250e3 and not cache.coalesce and "cache.coalesce" not in notes  # half of it
     cache, _ = scenario_cache(meas, _spec(tmp_path, partitioned=False), None, "none")

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 OWN, BUSY, NONE = 1, 2, 0
 WAIT_LIMIT = 30.0  # seconds a waiter waits for a live owner before reading the sample itself
 _FIRST_SLOT = HEADER_BYTES // 8
+_END = H_CLAIMS + 3 * MAX_CLAIMS
 assert H_CLAIMS >= H_FLIGHT_NS + _flight.LEVELS  # the table begins after the reads-in-flight levels
 
 
@@ -51,25 +52,29 @@ def claim(led: Any, hi: int, lo: int, base: int, pid: int) -> tuple[int, int]:
     me = (pid << 16) | ((base - _FIRST_SLOT) // SLOT_WORDS)
     with led.lock():
         w = led.w
-        free = -1
-        for k in range(MAX_CLAIMS):
+        los = w[H_CLAIMS:_END:3].tolist()  # one slice each, not a Python loop over the table's words
+        owners = w[H_CLAIMS + 2:_END:3].tolist()
+        k = -1
+        while True:
+            try:
+                k = los.index(lo, k + 1)
+            except ValueError:
+                break
             i = H_CLAIMS + 3 * k
-            owner = int(w[i + 2])
-            if owner == 0:
-                if free < 0:
-                    free = i
-                continue
-            if int(w[i]) == lo and int(w[i + 1]) == hi:
-                if owner != me and _owner_alive(w, owner):
+            if owners[k] and int(w[i + 1]) == hi:
+                if owners[k] != me and _owner_alive(w, owners[k]):
                     return BUSY, i
                 w[i + 2] = me  # its owner died (or is us, from a read that never released it): take it over
                 return OWN, i
-            if free < 0 and not _owner_alive(w, owner):
-                free = i  # a dead owner's claim of another sample
-        if free < 0:
-            return NONE, -1
-        w[free], w[free + 1], w[free + 2] = lo, hi, me
-        return OWN, free
+        try:
+            k = owners.index(0)
+        except ValueError:  # full: take a dead owner's claim of another sample, if there is one
+            k = next((k for k, owner in enumerate(owners) if not _owner_alive(w, owner)), -1)
+            if k < 0:
+                return NONE, -1
+        i = H_CLAIMS + 3 * k
+        w[i], w[i + 1], w[i + 2] = lo, hi, me
+        return OWN, i
 
 
 def release(led: Any, i: int, hi: int, lo: int) -> None:

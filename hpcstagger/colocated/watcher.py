@@ -156,7 +156,7 @@ def _steering(session: Any) -> Steering:
                          duty=float(config.get("steer_duty")))
     return Steering(build, bandwidth, order, plan.delays, {n: spec.job(n).epochs for n in order}, limits,
                     baseline=storage.fit_baseline, jitter=float(plan.jitter or 0.0), priors=steer.get("prior"),
-                    device=prior.cache.coalesce)
+                    device=prior.cache.page_cache)
 
 
 def _send(session: Any, jobs: Sequence[str], message: dict[str, Any]) -> None:

@@ -387,7 +387,7 @@ def _say_memory(meas: dict[str, Any], spec: Spec, scenario: Any, capacity: Any, 
     if capacity is None and spec.cache.auto:
         line = f'calibrate: [cache] capacity "auto": {sized.why}'
     elif meas["jobs_memory"] and sized.room is not None and spec.cache.capacity > max(0, sized.room) \
-            and scenario.cache.capacity > 0 and not scenario.cache.coalesce:
+            and scenario.cache.capacity > 0 and not scenario.cache.page_cache:
         line = (f"calibrate: the [cache] capacity ({spec.cache.capacity / 1e6:.0f} MB) is more than the "
                 f"{max(0, sized.room) / 1e6:.0f} MB the memory leaves beside the jobs' measured "
                 f"{meas['jobs_memory'] / 1e6:.0f} MB: the kernel may kill jobs as the cache fills; set "

@@ -25,7 +25,7 @@ Semantics (followed by the model and the simulator alike; docs/model.md has them
 - A miss is inserted when its read completes. minio inserts until the cache is full and never
   changes after; lru inserts and evicts the least recently used sample (a hit makes a sample
   most recently used); none never caches. Two readers missing the same sample at once both read it,
-  unless ``cache.coalesce`` (the page cache): the second waits for the first's read.
+  unless ``cache.coalesce`` (the page cache, a ShmCache): the second waits for the first's read.
 - ``cache.readahead = a`` (the page cache's; 1 by default): a miss reads ``a`` samples' worth of
   bytes, the sample and ``a - 1`` other uncached samples not being read, at random, inserted with it.
 - The cache holds ``floor(capacity / sample_bytes)`` samples; it starts with ``cache.initial`` of

@@ -19,6 +19,7 @@ valid keys with their defaults. The format::
     partitioned = false        # one cache over the nodes' caches, each sample owned by one node; default false
     nodes = 1                  # nodes the jobs and the partitioned cache span (> 1 needs partitioned)
     remote_bandwidth = 1.0e9   # bytes/s per reader of a hit owned by another node (partitioned, nodes > 1)
+    shm = false                # the cache is a ShmCache (coalesce without it: the page cache); default false
     [loader]                   # optional
     prefetch = 2               # default prefetch of the jobs' loaders (a job's own value wins)
     [node]                     # optional
@@ -93,7 +94,8 @@ class Cache:
     of the dataset it holds when the run starts (``initial``; at most what it can hold), and
     whether concurrent misses of one sample are one read (``coalesce``: the page cache, whose
     readers wait for a page being read, and a ShmCache, whose readers wait for a sample being read
-    where it can insert it: calibration sets it where the cache holds the whole dataset).
+    where it can insert it: calibration sets it where the cache holds the whole dataset). ``shm``:
+    the cache is a ShmCache; ``coalesce`` without it is the page cache (:attr:`page_cache`).
     ``readahead`` (at least 1; more only for the page cache, ``coalesce`` with policy minio): a
     miss reads that many samples' worth of bytes, and the rest of them are other uncached samples,
     at random in the jobs' order (the file neighbours readahead brings in), inserted with it.
@@ -114,6 +116,13 @@ class Cache:
     partitioned: bool = False
     nodes: int = 1
     remote_bandwidth: float | None = None
+    shm: bool = False
+
+    @property
+    def page_cache(self) -> bool:
+        """Whether the cache is the node's page cache (``coalesce`` without ``shm``), which keeps the
+        dataset's files for every process and is not partitioned or sized by a spec."""
+        return self.coalesce and not self.shm
 
 
 @dataclass(frozen=True)
@@ -199,6 +208,7 @@ _CACHE = S.Table("cache", [
     S.Field("nodes", S.integer(minimum=1, maximum=1 << 16), 1),
     S.Field("remote_bandwidth", S.optional(S.number(minimum=0, exclusive=True, allow_inf=True)), None,
             shown="unset; required when partitioned over nodes > 1"),
+    S.Field("shm", S.boolean(), False),
 ])
 _LOADER = S.Table("loader", [S.Field("prefetch", S.integer(minimum=1), 2)])
 _NODE = S.Table("node", [S.Field("cores", S.number(minimum=0), 0.0, shown="0 (CPU not shared)"),
@@ -376,6 +386,8 @@ class Scenario:
             cache["initial"] = self.cache.initial
         if self.cache.coalesce:
             cache["coalesce"] = True
+        if self.cache.shm:
+            cache["shm"] = True
         if self.cache.readahead != 1.0:
             cache["readahead"] = self.cache.readahead
         if self.cache.partitioned:

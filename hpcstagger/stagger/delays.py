@@ -376,7 +376,7 @@ def scenario_for(spec: Spec | None, order: Sequence[str], calibrations: Mapping[
             entry["startup"] = float((startups or {})[name])
         jobs.append(entry)
     base["job"] = jobs
-    if spec.cache.auto and base.get("cache") and not base["cache"].get("coalesce"):  # not the page cache
+    if spec.cache.auto and base.get("cache") and not _page_cache(base["cache"]):
         base["cache"]["capacity"] = min(float(base["cache"].get("capacity", 0)), float(spec.cache.capacity))
     if (spec.cache.partitioned or partition is not None) and base.get("cache"):
         base["cache"] = partition_cache(base["cache"], partition, calibrations)
@@ -395,6 +395,11 @@ def scenario_for(spec: Spec | None, order: Sequence[str], calibrations: Mapping[
     return Scenario.from_dict(base)
 
 
+def _page_cache(cache: Mapping[str, Any]) -> bool:
+    """Whether a scenario's ``[cache]`` (as a dict) is the page cache (:attr:`Cache.page_cache`)."""
+    return bool(cache.get("coalesce")) and not cache.get("shm")
+
+
 def partition_cache(cache: Mapping[str, Any], partition: Mapping[str, Any] | None,
                     calibrations: Mapping[str, Mapping[str, float]]) -> dict[str, Any]:
     """A scenario's ``[cache]`` (as a dict) for a run whose cache is partitioned.
@@ -403,11 +408,14 @@ def partition_cache(cache: Mapping[str, Any], partition: Mapping[str, Any] | Non
     ``partition["nodes"]`` (the nodes the run spans) when given, else the file's (default 1).
     ``remote_bandwidth`` is a measured one when a job's calibration reports it (the lowest of
     them), else the file's, else ``partition["remote_bandwidth"]`` (the ``cache_remote_bandwidth``
-    knob's default, which the coordinator passes). A cache that is the page cache (``coalesce``,
-    the whole dataset on every node) is left node-local: the model does not partition it."""
+    knob's default, which the coordinator passes). A cache that is the page cache (``coalesce``
+    without ``shm``, the whole dataset on every node) is left node-local: the model does not
+    partition it."""
     out = dict(cache)
-    if out.get("coalesce"):
+    if _page_cache(out):
         return out
+    out.pop("coalesce", None)  # a ShmCache's claims are per node: a partitioned cache reads its misses itself
+    out.pop("shm", None)
     p = partition or {}
     out["partitioned"] = True
     out["nodes"] = int(p.get("nodes") or out.get("nodes") or 1)

@@ -103,8 +103,8 @@ def scenario_cache(meas: Mapping[str, Any], spec: Spec, capacity: float | str | 
     coalesce = pol != "none" and cap >= n * size and not spec.cache_partitioned()
     if coalesce:
         notes["cache.coalesce"] = "the ShmCache: a reader of a sample being read waits for that read"
-    return _partitioned(spec, Cache(capacity=cap, policy=pol, hit_bandwidth=_finite(shm), coalesce=coalesce),
-                        notes), notes
+    return _partitioned(spec, Cache(capacity=cap, policy=pol, hit_bandwidth=_finite(shm), coalesce=coalesce,
+                                    shm=coalesce), notes), notes
 
 
 def _page_cache_beside_jobs(pc: Mapping[str, Any], n: int, size: float) -> tuple[Cache, dict[str, str]]:
