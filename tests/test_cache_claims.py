@@ -174,3 +174,35 @@ def test_two_jobs_of_one_order_started_together_read_each_sample_once(shm_root, 
     assert s["duplicates"] == 0 and s["inserts"] == 512
     assert s["coalesced"] > 100  # level with each other, the jobs missed the same samples
     assert s["coalesced"] + s["inserts"] == s["misses"]
+
+
+def _read_file_slowly(name: str, path: str, started, out) -> None:
+    from hpcstagger.cache import wholefile
+    plain = wholefile._read_whole
+
+    def slow(p):
+        started.set()
+        time.sleep(0.5)
+        return plain(p)
+    wholefile._read_whole = slow  # this process only: it reads the file in 0.5 s
+    out.put(bytes(ShmCache(name, None).read_file(path)))
+
+
+@pytest.mark.timeout(60)
+def test_a_whole_file_being_read_by_another_process_is_waited_for(shm_root, tmp_path, monkeypatch):
+    from hpcstagger.cache import wholefile
+
+    path = tmp_path / "img.jpg"
+    path.write_bytes(b"jpeg" * 1000)
+    cache = ShmCache("files", 1 << 20)
+    started, out = FORK.Event(), FORK.Queue()
+    proc = FORK.Process(target=_read_file_slowly, args=("files", str(path), started, out))
+    proc.start()
+    assert started.wait(30)
+    plain, calls = wholefile._read_whole, []
+    monkeypatch.setattr(wholefile, "_read_whole", lambda p: calls.append(p) or plain(p))
+    assert bytes(cache.read_file(path)) == b"jpeg" * 1000
+    assert out.get(timeout=30) == b"jpeg" * 1000
+    proc.join(30)
+    s = cache.stats()
+    assert calls == [] and (s["coalesced"], s["inserts"], s["read_bytes"]) == (1, 1, 4000)

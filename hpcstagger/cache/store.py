@@ -140,7 +140,8 @@ class ShmCache(Reads, LoadThrough):
             return view
         return self.read_through(key, loader)[0]
 
-    def read_through(self, key: str | int, read: Callable[[], Any]) -> tuple[Any, bool, bool]:
+    def read_through(self, key: str | int, read: Callable[[], Any], *,
+                     insert: bool = True) -> tuple[Any, bool, bool]:
         """A miss of ``key``, read once on the node: ``(data, cached, read_here)``.
 
         Call it after ``get(key)`` missed. If no other process is reading the sample, this one claims
@@ -149,11 +150,12 @@ class ShmCache(Reads, LoadThrough):
         cached view (``read_here`` False) without touching the source; it reads the sample itself
         when the other's insert was refused, the other process died, or after 30 s (see
         :mod:`hpcstagger.cache._claims`). Exceptions from ``read`` propagate, the claim released.
+        ``insert=False``: ``read()`` inserts what it read itself (under ``key`` for the waiters to
+        find it), and ``cached`` is False for a read here.
         """
         led = self._led
         if not self._stores:
-            data = read()
-            return data, self.put(key, data), True
+            return self._read_here(key, read, insert)
         d = _digest(key)
         hi, lo = _split(d)
         base = led.base if led.base >= 0 else led.claim_slot()
@@ -167,8 +169,7 @@ class ShmCache(Reads, LoadThrough):
                     if view is not None:
                         _claims.count_coalesced(led)
                         return view, True, False
-                    data = read()
-                    return data, self.put(key, data), True
+                    return self._read_here(key, read, insert)
                 finally:
                     _claims.release(led, i, hi, lo)
             wait = _claims.Waiter()
@@ -186,8 +187,11 @@ class ShmCache(Reads, LoadThrough):
                 log.warning("cache %s: waited %.0f s for another process's read of a sample; reading it here",
                             self.name, _claims.WAIT_LIMIT)
                 break
+        return self._read_here(key, read, insert)
+
+    def _read_here(self, key: str | int, read: Callable[[], Any], insert: bool) -> tuple[Any, bool, bool]:
         data = read()
-        return data, self.put(key, data), True
+        return data, self.put(key, data) if insert else False, True
 
     def read_counters(self) -> tuple[int, float]:
         """:meth:`stats`' ``read_bytes`` and ``read_seconds`` alone, cheap enough to poll often."""

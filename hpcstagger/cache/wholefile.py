@@ -22,6 +22,7 @@ Nothing here imports PIL, torch or webdataset until a function needs it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import os
@@ -101,9 +102,22 @@ def _through(cache: ByteCache, path: str, kpath: str, token: int | None, listed_
     now when None: one stat), else a read of the file, inserted under the identity it was read at."""
     if token is None:
         token = stat_token(os.stat(path))
-    view = cache.get(f"file:{kpath}@{token:016x}")
+    key = f"file:{kpath}@{token:016x}"
+    view = cache.get(key)
     if view is not None:
         return view
+    through = getattr(cache, "read_through", None)
+    if through is None:
+        return _read_in(cache, path, kpath, token, listed_root)
+    # a file another process is reading already is waited for, not read again; the read inserts
+    # under the identity it read the file at, which the waiters find when it is the one they looked up
+    got, _, _ = through(key, functools.partial(_read_in, cache, path, kpath, token, listed_root), insert=False)
+    return memoryview(got)
+
+
+def _read_in(cache: ByteCache, path: str, kpath: str, token: int, listed_root: str) -> memoryview:
+    """A read of the whole file ``path`` (looked up under identity ``token``), inserted under the
+    identity it was read at, and counted as a source read."""
     t0 = time.perf_counter()
     reading = getattr(cache, "reading", None)
     with reading() if reading is not None else contextlib.nullcontext():

@@ -109,7 +109,7 @@ def run_stats(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
     order = ["name", "path", "policy", "capacity_bytes", "bytes_used", "entries", "max_entries", "lookups",
-             "hits", "misses", "hit_rate", "inserts", "refused", "duplicates", "corrupt", "read_bytes",
+             "hits", "misses", "hit_rate", "inserts", "refused", "duplicates", "coalesced", "corrupt", "read_bytes",
              "read_seconds", "partition_node", "partition_nodes", "local_hits", "remote_hits", "remote_misses",
              "remote_failures", "source_reads", "source_bytes", "reserved_bytes",
              "wasted_bytes", "processes", "generation"]

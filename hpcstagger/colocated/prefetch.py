@@ -22,6 +22,7 @@ status records what was prefetched (``timings``: ``prefetch_samples``, ``prefetc
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
@@ -116,8 +117,9 @@ class Prefetcher:
             key = self.source.key(i)
             if self.cache.contains(key):
                 continue
-            data = self.source[i]
-            if self.cache.put(key, data):
+            # another process reading the sample already is waited for, not read again
+            data, cached, here = self.cache.read_through(key, functools.partial(self.source.__getitem__, i))
+            if cached and here:
                 self.samples += 1
                 self.bytes += len(data)
         self.read_s += time.monotonic() - t0

@@ -137,6 +137,7 @@ class Engine(CacheState, OrderState):
         self.finish = [math.inf] * J
         self.b = [0.0] * J              # warm start of the bandwidth fixed point
         self.m2: dict[int, float] = {}  # second moment of each reader's miss time (warm start)
+        self.swap_state = {}  # OrderState.hold's warm start
         self.last_m2: list[float] = []
         self.starting: dict[int, float] = {}  # jobs starting up (status 4): start-up work left
         self.speed = [[1.0, 1.0, 1.0] for _ in range(J)]  # CPU speed of each job's steps, workers, start-up
@@ -160,6 +161,7 @@ class Engine(CacheState, OrderState):
         (self.t, status, epoch, Nu, Nb, done, finish, b, self.step_frac, self.fresh, x, m, self.hist, self.full,
          m2, resume, starting, speed) = snap.state
         self.m2 = dict(m2)
+        self.swap_state = {}
         self.starting = dict(starting)
         self.speed = [list(v) for v in speed]
         self.resume = dict(resume)

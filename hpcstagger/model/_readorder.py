@@ -49,6 +49,7 @@ class OrderState:
     speed: list[list[float]]
     last_m2: list[float]
     rates: Any  # Engine.rates
+    swap_state: dict[Any, tuple[Any, Any, Any, Any]]  # hold's warm start, by the swapped roles
 
     def leads(self, U: list[float]) -> dict[int, tuple[int, float]]:
         """Each running follower's leader and how much it races (0: reads the leader's samples,
@@ -94,7 +95,15 @@ class OrderState:
             swapped = {j: lead[j] for j in lead if j not in held}
             for j in held:
                 swapped.setdefault(lead[j][0], (j, 1.0))
+            # the swapped fixed point starts where the last one for the same roles ended: it moves
+            # little from step to step, and far from the held one's
+            key = tuple(sorted(swapped.items()))
+            warm = self.swap_state.get(key)
+            if warm is not None and len(warm[3]) == len(self.last_m2):
+                self.b, self.m2 = list(warm[0]), dict(warm[1])
+                self.speed, self.last_m2 = [list(sp) for sp in warm[2]], list(warm[3])
             xa, ma = self.rates(*self.rate_counts(U, v, Nu, Nb, swapped))
+            self.swap_state = {key: (self.b, self.m2, self.speed, self.last_m2)}
             self.b, self.m2, self.speed, self.last_m2 = saved
             for j in held:
                 if xa[j] > PASS * x[lead[j][0]]:
