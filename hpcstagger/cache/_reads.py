@@ -30,7 +30,7 @@ from hpcstagger.cache._layout import (ENTRY_HDR, ENTRY_MAGIC, H_GEN, H_TOP, LEN_
                                       S_MISSES, TOMB)
 from hpcstagger.cache._wire import verify_entry
 
-__all__ = ["Reads", "key_hash", "FAST_PROBES"]
+__all__ = ["Reads", "key_hash", "key_digest", "FAST_PROBES"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,12 @@ def _digest(key: str | int) -> bytes:
 def _split(d: bytes) -> tuple[int, int]:
     hi, lo = _unpack_hash(d)
     return hi, lo if (hi or lo) else 1  # (0, 0) marks an empty slot: that one hash is stored as (0, 1)
+
+
+def key_digest(key: str | int) -> tuple[bytes, int, int]:
+    """A key's 16-byte digest as the index holds it, and its hash (hi, lo) (:func:`key_hash`)."""
+    d = _digest(key)
+    return (d, *_split(d))
 
 
 def key_hash(key: str | int) -> tuple[int, int]:

@@ -29,7 +29,7 @@ from hpcstagger.cache._layout import (ENTRY, ENTRY_HDR, ENTRY_MAGIC, H_COALESCED
                                       S_RES_GEN, S_RES_OFF, S_RES_PAYLOAD, S_RES_SIZE, align)
 from hpcstagger.cache._base import LoadThrough
 from hpcstagger.cache._ledger import Ledger
-from hpcstagger.cache._reads import Reads, _digest, _split, key_hash
+from hpcstagger.cache._reads import Reads, key_digest, key_hash
 from hpcstagger.cache.policy import Policy, Space, get_policy
 
 __all__ = ["ShmCache", "key_hash", "default_max_entries"]
@@ -156,8 +156,7 @@ class ShmCache(Reads, LoadThrough):
         led = self._led
         if not self._stores:
             return self._read_here(key, read, insert)
-        d = _digest(key)
-        hi, lo = _split(d)
+        d, hi, lo = key_digest(key)
         base = led.base if led.base >= 0 else led.claim_slot()
         for _ in range(8):  # a claim that ends without an entry lets the next waiter claim: a few turns at most
             how, i = _claims.claim(led, hi, lo, base, os.getpid())

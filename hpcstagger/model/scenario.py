@@ -2,7 +2,8 @@
 
 A scenario is read from TOML (or a dict) and validated field by field; a bad or missing field is
 reported by its dotted path (``job[1].sample_time must be > 0``) and an unknown key lists the
-valid keys with their defaults. The format::
+valid keys with their defaults. Every field, with its default, is in docs/model.md ("Scenario
+format"); ``hpcstagger calibrate`` writes them all. In short::
 
     [dataset]
     samples = 10000            # n
@@ -13,32 +14,17 @@ valid keys with their defaults. The format::
     capacity = 6.0e8           # bytes (per node when partitioned); 0 = no cache
     policy = "minio"           # minio | lru | none
     hit_bandwidth = 5.0e9      # bytes/s per reader; optional, default unlimited
-    initial = 0.0              # fraction of the dataset cached when the run starts (default 0: cold)
-    coalesce = false           # concurrent misses of one sample are one read (page cache, ShmCache); default false
-    readahead = 1.0            # samples' worth of bytes a miss reads (the page cache's readahead); default 1
-    partitioned = false        # one cache over the nodes' caches, each sample owned by one node; default false
-    nodes = 1                  # nodes the jobs and the partitioned cache span (> 1 needs partitioned)
-    remote_bandwidth = 1.0e9   # bytes/s per reader of a hit owned by another node (partitioned, nodes > 1)
-    shm = false                # the cache is a ShmCache (coalesce without it: the page cache); default false
-    [loader]                   # optional
-    prefetch = 2               # default prefetch of the jobs' loaders (a job's own value wins)
+    coalesce = false           # concurrent misses of one sample are one read (page cache, ShmCache)
+    shm = false                # the cache is a ShmCache (coalesce without it: the page cache)
     [node]                     # optional
     cores = 2                  # CPU cores the jobs share; 0 (the default): CPU time is not shared
-    jobs_memory = 1.2e9        # bytes the jobs hold together (measured); sizes a cache of capacity "auto"
     [[job]]
     name = "resnet"
     sample_time = 0.002        # seconds per sample of the training loop with data in memory (whole job)
     epochs = 3
-    ranks = 1                  # data-parallel ranks; each has its own loader (DistributedSampler)
     workers = 2                # DataLoader worker processes per rank (0: the main process loads)
     batch = 64                 # samples per batch per rank
-    prefetch = 2               # batches per worker in flight (PyTorch's prefetch_factor)
-    handoff = 0.0005           # seconds per batch the main process spends receiving it
-    prep_time = 0.0001         # seconds per sample a worker spends besides reading (decode, augment)
-    startup = 1.5              # seconds from the job's start to its loop's first batch request
-    epoch_start = 0.0          # seconds each later epoch's loader takes to start (workers not persistent)
     order = ""                 # jobs with the same order read the same permutation each epoch ("": its own)
-    loader_seen = true         # false: the loader was not measured (a step factory); no job is planned to wait
 
 The semantics every model of a scenario follows are stated in :mod:`hpcstagger.model`.
 """
