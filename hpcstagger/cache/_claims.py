@@ -9,10 +9,11 @@ stands waits for the claimant's insert instead of reading it (the page cache tre
 reads of one page the same way).
 
 The table holds :data:`MAX_CLAIMS` claims of three words from ``H_CLAIMS`` on: the key hash (lo,
-hi) and the owner, ``pid << 16 | process slot``. A claim ends when its owner has inserted the
-sample (or had the insert refused). A waiter polls lock-free with a growing sleep, and reads the
-sample itself when the claim ends without an entry (a full cache), when the owner died (its slot no
-longer holds its pid, or the pid is not alive), or after :data:`WAIT_LIMIT` seconds. A full table
+hi) and the owner, ``pid << 16 | process slot``, taken under the ledger's lock and released
+without it. A claim ends when its owner has inserted the sample (or had the insert refused). A
+waiter polls lock-free with a growing sleep, and reads the sample itself when the claim ends
+without an entry (a full cache), when the owner died (its slot no longer holds its pid, or the pid
+is not alive), or after :data:`WAIT_LIMIT` seconds. A full table
 means no claim: the miss is read as before. ``H_COALESCED`` counts the misses served by another
 process's read. These header words were spare (zero) in ledgers made before them, so the format
 version stays 1; a process that does not know them reads its misses itself, as before.
@@ -78,14 +79,17 @@ def claim(led: Any, hi: int, lo: int, base: int, pid: int) -> tuple[int, int]:
 
 
 def release(led: Any, i: int, hi: int, lo: int) -> None:
-    """End claim ``i`` of the sample (``hi``, ``lo``) (under the lock), if it is still that sample's."""
+    """End claim ``i`` of the sample (``hi``, ``lo``), if it is still that sample's. Without the lock:
+    the key's words are zeroed before the owner's, and an entry is free only once its owner is zero,
+    so a claim made meanwhile is never overwritten (claims only spare reads; what a reader gets is
+    always the verified entry)."""
     if led.lmap is None:
         return
-    with led.lock():
-        w = led.w
-        if int(w[i]) == lo and int(w[i + 1]) == hi:
-            w[i + 2] = 0
-            w[i] = w[i + 1] = 0
+    w = led.w
+    if int(w[i]) == lo and int(w[i + 1]) == hi and int(w[i + 2]):
+        w[i] = 0
+        w[i + 1] = 0
+        w[i + 2] = 0
 
 
 def state(led: Any, i: int, hi: int, lo: int, check_owner: bool) -> bool:
