@@ -53,8 +53,8 @@ class CachedDataset(torch.utils.data.Dataset):
     A hit returns the cached sample; a miss reads ``source[i]`` (between ``source_read_hook.enter()``
     and ``.exit()`` if a hook is given) and inserts it if the cache's policy allows. A miss of a
     sample that another process on the node is reading already (jobs with the same sample order, in
-    step) waits for that read's insert instead of reading it again (``ShmCache.read_through``). ``transform``
-    receives a read-only bytes-like object (``bytes`` or a ``memoryview``); without a transform the
+    step) waits for that read's insert instead of reading it again (``ShmCache.read_through``).
+    ``transform`` receives a read-only bytes-like object (``bytes`` or a ``memoryview``); without a transform the
     dataset returns ``bytes``. Works with ``DataLoader(num_workers>0)`` under fork and spawn: the
     cache reattaches by name and the source reopens its files in each worker.
 

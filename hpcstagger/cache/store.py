@@ -24,9 +24,8 @@ from hpcstagger.nodeload import MemoryGuard
 from hpcstagger.cache import _claims, _flight, _fs
 from hpcstagger.cache._layout import (ENTRY, ENTRY_HDR, ENTRY_MAGIC, H_COALESCED, H_ENTRIES, H_GEN, H_INDEX_USED,
                                       H_MAX_ENTRIES, H_POLICY, H_RESERVED, H_RESERVED_ENTRIES, H_TOP, H_USED, H_WASTED,
-                                      LIVE, SLOT,
-                                      S_DUPLICATES, S_INSERTS, S_INSERT_BYTES, S_READ_BYTES, S_READ_NS, S_REFUSED,
-                                      S_RES_GEN, S_RES_OFF, S_RES_PAYLOAD, S_RES_SIZE, align)
+                                      LIVE, SLOT, S_DUPLICATES, S_INSERTS, S_INSERT_BYTES, S_READ_BYTES, S_READ_NS,
+                                      S_REFUSED, S_RES_GEN, S_RES_OFF, S_RES_PAYLOAD, S_RES_SIZE, align)
 from hpcstagger.cache._base import LoadThrough
 from hpcstagger.cache._ledger import Ledger
 from hpcstagger.cache._reads import Reads, key_digest, key_hash
