@@ -29,7 +29,7 @@ from hpcstagger.cache import _flight, _fs
 from hpcstagger.cache._layout import (H_CLAIMS, H_COALESCED, H_FLIGHT_NS, HEADER_BYTES, MAX_CLAIMS, SLOT_WORDS, S_PID,
                                       S_START)
 
-__all__ = ["OWN", "BUSY", "NONE", "claim", "release", "state", "count_coalesced", "WAIT_LIMIT"]
+__all__ = ["OWN", "BUSY", "NONE", "claim", "release", "state", "count_coalesced", "Waiter", "WAIT_LIMIT"]
 
 log = logging.getLogger(__name__)
 
