@@ -31,7 +31,8 @@ class LoadThrough:
         return [get(k) for k in keys]
 
     def get_or_load(self, key: str | int, loader: Callable[[], Any]) -> Any:
-        """The cached sample for ``key``, or ``loader()``'s bytes-like result, inserted if the policy allows.
+        """The cached sample for ``key``, or ``loader()``'s bytes-like result, inserted if the policy allows
+        (through :meth:`read_through`: a ShmCache waits for a sample another process is loading).
 
         The caller always gets its bytes: a refused insert (full cache, full /dev/shm) only means
         the next reader loads it again.
@@ -39,9 +40,14 @@ class LoadThrough:
         view = self.get(key)
         if view is not None:
             return view
-        data = loader()
-        self.put(key, data)
-        return data
+        return self.read_through(key, loader)[0]
+
+    def read_through(self, key: str | int, read: Callable[[], Any], *,
+                     insert: bool = True) -> tuple[Any, bool, bool]:
+        """A miss of ``key``: ``(read(), cached, True)``, inserted unless ``insert`` is False
+        (``cached``: :meth:`put`'s answer). :class:`ShmCache` reads it once for the node."""
+        data = read()
+        return data, self.put(key, data) if insert else False, True
 
     def file_loader(self, decode: Callable[[memoryview], Any] | None = wholefile.pil_rgb, *,
                     listed_root: str | os.PathLike[str] | None = None) -> wholefile.FileLoader:

@@ -130,15 +130,6 @@ class ShmCache(Reads, LoadThrough):
 
     # ---- source reads ----------------------------------------------------------------------------
 
-    def get_or_load(self, key: str | int, loader: Callable[[], Any]) -> Any:
-        """The cached sample for ``key``, or ``loader()``'s bytes-like result, inserted if the policy
-        allows; a sample that another process is loading already is waited for, not loaded again
-        (:meth:`read_through`)."""
-        view = self.get(key)
-        if view is not None:
-            return view
-        return self.read_through(key, loader)[0]
-
     def read_through(self, key: str | int, read: Callable[[], Any], *,
                      insert: bool = True) -> tuple[Any, bool, bool]:
         """A miss of ``key``, read once on the node: ``(data, cached, read_here)``.
@@ -154,7 +145,7 @@ class ShmCache(Reads, LoadThrough):
         """
         led = self._led
         if not self._stores:
-            return self._read_here(key, read, insert)
+            return super().read_through(key, read, insert=insert)
         d, hi, lo = key_digest(key)
         base = led.base if led.base >= 0 else led.claim_slot()
         for _ in range(8):  # a claim that ends without an entry lets the next waiter claim: a few turns at most
@@ -167,7 +158,7 @@ class ShmCache(Reads, LoadThrough):
                     if view is not None:
                         _claims.count_coalesced(led)
                         return view, True, False
-                    return self._read_here(key, read, insert)
+                    return super().read_through(key, read, insert=insert)
                 finally:
                     _claims.release(led, i, hi, lo)
             wait = _claims.Waiter()
@@ -185,11 +176,7 @@ class ShmCache(Reads, LoadThrough):
                 log.warning("cache %s: waited %.0f s for another process's read of a sample; reading it here",
                             self.name, _claims.WAIT_LIMIT)
                 break
-        return self._read_here(key, read, insert)
-
-    def _read_here(self, key: str | int, read: Callable[[], Any], insert: bool) -> tuple[Any, bool, bool]:
-        data = read()
-        return data, self.put(key, data) if insert else False, True
+        return super().read_through(key, read, insert=insert)
 
     def read_counters(self) -> tuple[int, float]:
         """:meth:`stats`' ``read_bytes`` and ``read_seconds`` alone, cheap enough to poll often."""
