@@ -99,6 +99,30 @@ def test_a_refused_insert_sends_the_waiter_to_the_source(shm_root):
     proc.join(30)
 
 
+@pytest.mark.timeout(60)
+def test_a_full_cache_reads_its_misses_unclaimed_until_cleared(shm_root):
+    cache = ShmCache("full", 152)
+    assert cache.put("a", b"x" * 150) and not cache.put("b", b"y" * 100)  # full for samples of this size
+    started, out = FORK.Event(), FORK.Queue()
+    proc = FORK.Process(target=_reader, args=("full", "c", b"theirs", 2.0, started, out))
+    proc.start()
+    calls: list = []
+    got, cached, here, waited = _second(cache, "c", started, calls)
+    assert (got, cached, here, calls) == (b"mine", False, True, [1])
+    assert waited < 1.5  # did not wait for the other process's read, whose insert would be refused
+    assert out.get(timeout=30) == (b"theirs", True)  # read there too, and refused
+    proc.join(30)
+    assert cache.get("c") is None and cache.stats()["coalesced"] == 0
+    cache.clear()  # room again: misses are claimed, and a second process waits for the first's read
+    started, out = FORK.Event(), FORK.Queue()
+    proc = FORK.Process(target=_reader, args=("full", "c", b"theirs", 0.5, started, out))
+    proc.start()
+    got, cached, here, waited = _second(cache, "c", started, calls)
+    assert (got, cached, here, calls) == (b"theirs", True, False, [1])
+    assert out.get(timeout=30) == (b"theirs", True)
+    proc.join(30)
+
+
 def test_a_failed_read_releases_its_claim(shm_root):
     cache = ShmCache("f", 1 << 20)
 

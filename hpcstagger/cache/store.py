@@ -95,6 +95,7 @@ class ShmCache(Reads, LoadThrough):
         self._stores = self.policy.stores
         self._guard: MemoryGuard | None = None  # made at the first insert, when the cache_memory_guard knob is on
         self._guard_said = False
+        self._full_at = -1  # the bytes used when the policy last refused an insert for room (-1: never)
 
     # ---- pickling: reattach by name in the other process ----------------------------------------
 
@@ -139,12 +140,16 @@ class ShmCache(Reads, LoadThrough):
         True). If another process is reading it, this one waits for that insert and returns the
         cached view (``read_here`` False) without touching the source; it reads the sample itself
         when the other's insert was refused, the other process died, or after 30 s (see
-        :mod:`hpcstagger.cache._claims`). Exceptions from ``read`` propagate, the claim released.
+        :mod:`hpcstagger.cache._claims`). Once this process has seen the policy refuse an insert for
+        room, a full cache's misses are read here unclaimed until :meth:`clear` frees the room.
+        Exceptions from ``read`` propagate, the claim released.
         ``insert=False``: ``read()`` inserts what it read itself (under ``key`` for the waiters to
         find it), and ``cached`` is False for a read here.
         """
         led = self._led
-        if not self._stores:
+        if not self._stores or 0 <= self._full_at <= led.w[H_USED]:
+            # full (the policy refuses inserts until clear() lowers the bytes used): a waiter would
+            # only wait for a read whose insert is refused, then read the sample itself
             return super().read_through(key, read, insert=insert)
         d, hi, lo = key_digest(key)
         base = led.base if led.base >= 0 else led.claim_slot()
@@ -227,6 +232,8 @@ class ShmCache(Reads, LoadThrough):
             self._count(S_DUPLICATES)
             return True
         if n > self.capacity_bytes or self.policy.refuse_fast(int(w[H_USED]), self.capacity_bytes, n):
+            if n <= self.capacity_bytes:
+                self._full_at = int(w[H_USED])
             self._count(S_REFUSED)
             return False
         if self._guard is None and config.get("cache_memory_guard"):
