@@ -10,7 +10,8 @@ e.g. ``/tmp/bench-steer-XXXX/rising-source``, with ``spec.toml`` and ``scenario.
 runs ``--rounds`` rounds of three launches from a cold cache, each planned from the history so far:
 mode ``plan`` (steered; it records the run), mode ``open``, and the fixed delays ``--fixed`` (the
 baseline: the best fixed stagger measured in that setting). It prints each launch and the medians,
-and the history table at the end.
+and the history table at the end. The launches keep their caches under a private shm root, removed
+at the end.
 
 ``explain`` compares a sweep's measured makespans (medians per stagger) with the model's
 predictions for the same staggers, once with the scenario's jobs as calibrated and once with each
@@ -25,9 +26,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -40,11 +43,21 @@ import bench_steer as B  # noqa: E402  (the cases and write_case)
 HS = [sys.executable, "-m", "hpcstagger"]
 
 
-def _env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(HERE.parent))
+def _env(shm: str | None = None) -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(HERE.parent), **({"HPCSTAGGER_SHM_ROOT": shm} if shm else {}))
 
 
 def learn(root: Path, case: str, rounds: int, fixed: str) -> dict[str, Any]:
+    """The launches run with a private shm root (their caches and the emulated source's state),
+    removed at the end."""
+    shm = tempfile.mkdtemp(prefix="bench-steer-learn-", dir="/dev/shm")
+    try:
+        return _learn(root, case, rounds, fixed, shm)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def _learn(root: Path, case: str, rounds: int, fixed: str, shm: str) -> dict[str, Any]:
     spec = B.write_case(root, case)
     subprocess.run(HS + ["history", str(spec), "--clear"], check=True, capture_output=True, env=_env())
     variants = (("plan", ["--mode", "plan"]), ("open", ["--mode", "open"]), (f"fixed {fixed}", ["--delays", fixed]))
@@ -52,7 +65,7 @@ def learn(root: Path, case: str, rounds: int, fixed: str) -> dict[str, Any]:
     for k in range(rounds):
         for label, extra in variants:
             out = subprocess.run(HS + ["launch", str(spec), "--cold-cache", "--json", *extra], capture_output=True,
-                                 text=True, env=_env(), timeout=600)
+                                 text=True, env=_env(shm), timeout=600)
             if out.returncode != 0:
                 print(f"[bench_steer_learn] round {k} {label}: exit {out.returncode}: {out.stderr[-400:]}",
                       file=sys.stderr)
