@@ -188,7 +188,13 @@ class _CountMisses:
 
 ONE_ORDER = "together, one order"
 STARTS = ("together", "at half", "after first", ONE_ORDER)
-ARMS = {False: "no cache", True: "cache", None: "cache, own reads"}
+ARMS = {False: "no cache", True: "cache", None: "cache, own reads"}  # cached: no, yes, yes without coalescing
+SHORT = {False: "no", True: "yes", None: "own"}
+
+
+def _arms(start: str) -> tuple[bool | None, ...]:
+    """The cache arms a start is measured with: the own-reads arm only for one order together."""
+    return (False, True, None) if start == ONE_ORDER else (False, True)
 
 
 def _epoch(dataset_args, seed: int, wait_for, halfway, done, q, coalesce: bool = True, role: int = 1) -> None:
@@ -225,7 +231,7 @@ def colocated(n: int, size: int, bw: float, reps: int, shm: str, file_dir: str) 
     results: dict = {"n": n, "sample_bytes": size, "dataset_bytes": total, "bandwidth_bytes_per_s": [bw, bw],
                      "reps": reps, "scenarios": {}}
     for start in STARTS:
-        for cached in (False, True, None) if start == ONE_ORDER else (False, True):
+        for cached in _arms(start):
             runs = []
             for r in range(reps):
                 tag = "".join(ch for ch in start if ch.isalnum())
@@ -268,9 +274,9 @@ def colocated(n: int, size: int, bw: float, reps: int, shm: str, file_dir: str) 
     print(f"  {'second process starts':22s} {'cache':>6s} {'1st wall s':>10s} {'1st hits':>8s} "
           f"{'2nd wall s':>10s} {'2nd hits':>8s}")
     for start in STARTS:
-        for cached in (False, True, None) if start == ONE_ORDER else (False, True):
+        for cached in _arms(start):
             s = results["scenarios"][f"{start}, {ARMS[cached]}"]
-            print(f"  {start:22s} {('no', 'yes', 'own')[1 if cached else 2 if cached is None else 0]:>6s} "
+            print(f"  {start:22s} {SHORT[cached]:>6s} "
                   f"{s['first_wall_s']:10.2f} {100 * s['first_hit_rate']:7.1f}% {s['second_wall_s']:10.2f} "
                   f"{100 * s['second_hit_rate']:7.1f}%")
         no, yes = (results["scenarios"][f"{start}, {c}"] for c in ("no cache", "cache"))
