@@ -15,6 +15,8 @@ from .train import build
 
 def _factory(model_name: str) -> Callable[[list[bytes]], None]:
     torch.set_num_threads(1)
+    torch.manual_seed(0)
+    torch.set_flush_denormal(True)  # as train.py does: a fitted model's denormal gradients would slow its steps
     state: dict[str, object] = {}
 
     def step(samples: list[bytes]) -> None:
