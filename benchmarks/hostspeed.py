@@ -7,8 +7,9 @@ Counts the 256 x 256 float32 matrix products one thread of PyTorch completes in 
 the slowest. Run it on an otherwise idle machine, before or between benchmarks: on a shared
 virtual machine the host's other tenants can change the speed of a vCPU from one second to the
 next, and a benchmark whose runs spread by more than its target resolves nothing. A ratio near 1
-means a steady machine; on the 2-core VM, an hour whose benchmark runs of one point spread by 20
-to 30% gave 1.67.
+means a steady CPU (the 2-core VM gave 1.05 to 1.77 from hour to hour). It says nothing of the
+benchmark's own jobs: runs of one point there spread by 20 to 30% at 1.1, until the jobs stopped
+computing on denormal floats (see benchmarks/userjobs/train.py).
 """
 
 from __future__ import annotations
