@@ -401,6 +401,31 @@ def test_job_fields_from_reports():
         F.job_fields("j", job, [_loop(0, [(0.1, 0.1, 8, 1, 0)])], [])
 
 
+def _steps_loop(ms):
+    """One rank's loop records: a warm-up batch, then one measured batch per step time in ``ms``."""
+    return _loop(0, [(0.5, 0.2, 8, 1, 0)] + [(0.001, t / 1e3, 8, 0, 0) for t in ms])
+
+
+def test_a_job_whose_steps_slow_while_measured_is_flagged_and_a_steady_one_is_not():
+    job = {"shape": {"ranks": 1, "workers": 2, "batch": 8, "prefetch": 2}, "setup_s": 1.0, "iter_s": [0.0],
+           "stopped": "64 batches measured"}
+    # a model that fits its data and computes on denormal floats from then on: 10 ms steps, then 30 ms
+    slowed = F.job_fields("cnn", job, [_steps_loop([10.0] * 24 + [30.0] * 24)], [])
+    assert slowed["step_first_s"] == pytest.approx(0.010) and slowed["step_last_s"] == pytest.approx(0.030)
+    assert slowed["step_drift"] == pytest.approx(3.0)
+    line = S.describe_job(slowed)
+    assert "its steps slowed while measured" in line and "3.0x" in line and "torch.set_flush_denormal(True)" in line
+    # steady steps with noise, and steps that got faster (a warm-up), say nothing
+    rng = np.random.default_rng(0)
+    steady = F.job_fields("cnn", job, [_steps_loop(list(10.0 * rng.uniform(0.8, 1.25, 48)))], [])
+    assert steady["step_drift"] < F.STEP_DRIFT_WARN and "slowed" not in S.describe_job(steady)
+    faster = F.job_fields("cnn", job, [_steps_loop([30.0] * 24 + [10.0] * 24)], [])
+    assert faster["step_drift"] == pytest.approx(1 / 3) and "slowed" not in S.describe_job(faster)
+    # too few batches to split in thirds: no drift
+    short = F.job_fields("cnn", job, [_steps_loop([10.0] * 5 + [40.0] * 5)], [])
+    assert short["step_drift"] == 1.0 and "slowed" not in S.describe_job(short)
+
+
 def test_job_fields_take_full_speed_times_from_cpu_records():
     # records with CPU seconds: a step whose process had the core for less than its wall time
     # counts its CPU time (the job's own workers took the core); a multi-threaded step (CPU above

@@ -16,10 +16,13 @@ from collections.abc import Mapping, Sequence
 from hpcstagger import _io
 from hpcstagger.errors import ModelError
 
-__all__ = ["SAMPLE_FIELDS", "HANDOFF_QUANTILE", "PROBE_EVERY", "read_reports", "job_fields", "quantile"]
+__all__ = ["SAMPLE_FIELDS", "HANDOFF_QUANTILE", "PROBE_EVERY", "STEP_DRIFT_WARN", "read_reports", "job_fields",
+           "quantile"]
 
 PROBE_EVERY = 4         # every 4th measured batch is fetched when it is surely ready: a pure handoff
 HANDOFF_QUANTILE = 0.10
+STEP_DRIFT_WARN = 1.5   # the last third's median step over the first third's from which the output warns
+DRIFT_MIN_BATCHES = 12  # fewer measured batches than this: no drift is computed
 SAMPLE_FIELDS = ("hits", "hit_bytes", "hit_get_s", "hit_transform_s", "misses", "miss_bytes", "miss_get_s",
                  "miss_read_s", "miss_insert_s", "miss_transform_s", "collates", "collate_samples", "collate_s",
                  "cpu_s")
@@ -66,6 +69,16 @@ def _full_speed(record: Sequence[float]) -> float:
     return wall
 
 
+def _thirds(steps: Sequence[float]) -> tuple[float, float]:
+    """The median step of the first and of the last third of the measured batches (both the overall
+    median with fewer than DRIFT_MIN_BATCHES)."""
+    if len(steps) < DRIFT_MIN_BATCHES:
+        mid = quantile(list(steps), 0.5)
+        return mid, mid
+    k = len(steps) // 3
+    return quantile(list(steps[:k]), 0.5), quantile(list(steps[-k:]), 0.5)
+
+
 def job_fields(name: str, job: Mapping[str, Any], loops: Sequence[Mapping[str, Any]],
                samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The scenario's fields for job ``name`` from its calibration files (see :func:`read_reports`).
@@ -92,7 +105,10 @@ def job_fields(name: str, job: Mapping[str, Any], loops: Sequence[Mapping[str, A
     - ``epoch_start``: a later epoch's ``iter``: the first one's when the workers are not
       persistent (they are spawned again every epoch), else nothing;
     - ``order``: the sampler's order (:func:`sampler_order`): jobs with the same one read the
-      same permutation each epoch.
+      same permutation each epoch;
+    - ``step_drift``: the median step of the last third of the measured batches over that of the
+      first third (``step_first_s``, ``step_last_s``): well above 1 when the job's steps slowed while
+      it was measured, which ``sample_time`` (their mean) does not say.
 
     Raises ModelError when no batch was measured after the warm-up.
     """
@@ -122,6 +138,7 @@ def job_fields(name: str, job: Mapping[str, Any], loops: Sequence[Mapping[str, A
         worker_cpu = prep = float(counted["cpu_s"]) / float(counted["samples"])
     batch = shape.get("batch") or max(1, round(sum(per_batch) / len(per_batch)))
     first_iter = float((job.get("iter_s") or [0.0])[0])
+    first, last = _thirds(steps)
     return {
         "sample_time": sum(steps) / (max(1, sum(per_batch)) * ranks),
         "ranks": ranks, "workers": workers, "batch": int(batch), "prefetch": shape.get("prefetch"),
@@ -133,6 +150,7 @@ def job_fields(name: str, job: Mapping[str, Any], loops: Sequence[Mapping[str, A
         "epoch_start": first_iter if workers > 0 and not shape.get("persistent") else 0.0,
         "order": str(shape.get("order") or ""),
         "batches": len(rows), "step_s": sum(steps) / len(steps), "wait_median_s": quantile(waits, 0.5),
+        "step_first_s": first, "step_last_s": last, "step_drift": last / first if first > 0 else 1.0,
         "probes": sum(1 for i in rows if loops[0]["records"][i][4]),
         "hits": int(c["hits"]), "misses": int(c["misses"]), "samples_seen": bool(done),
         "prep_from_workers": from_workers,

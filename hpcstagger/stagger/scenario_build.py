@@ -25,6 +25,7 @@ from hpcstagger.spec.cachesize import size_cache
 from hpcstagger.spec.jobspec import Spec
 from hpcstagger.model.runfit import counted_factor
 from hpcstagger.stagger.steering import MIN_READS
+from hpcstagger.stagger.jobfields import STEP_DRIFT_WARN
 
 __all__ = ["BASELINE_RANGE", "build_scenario", "describe_job", "fit_baseline", "jobs_memory", "scenario_cache",
            "scenario_job", "source_note", "fold_miss_overhead"]
@@ -50,7 +51,20 @@ def describe_job(f: Mapping[str, Any]) -> str:
                "; no CachedDataset sample costs seen: prep is its DataLoader workers' CPU per sample, reads and "
                "decode included, and the miss overhead is not measured" if f.get("prep_from_workers") else
                "; no CachedDataset sample costs seen (a loader that is no DataLoader over a CachedDataset, or "
-               "workers started before session.loader): prep and miss overhead not measured"))
+               "workers started before session.loader): prep and miss overhead not measured")
+            + _drift_note(f))
+
+
+def _drift_note(f: Mapping[str, Any]) -> str:
+    """A warning when the job's steps slowed while it was measured ('' otherwise)."""
+    drift = float(f.get("step_drift") or 1.0)
+    if drift < STEP_DRIFT_WARN:
+        return ""
+    return (f"; WARNING: its steps slowed while measured, the last third of the batches {drift:.1f}x as long as the "
+            f"first (median {f['step_last_s'] * 1e3:.1f} against {f['step_first_s'] * 1e3:.1f} ms), and the scenario "
+            "takes their mean, so its runs may differ from the plan: a model computing on denormal floats once it "
+            "fits its data is one cause (torch.set_flush_denormal(True) in the script removes it), other work "
+            "starting on the node another")
 
 
 def _finite(bw: float) -> float:
