@@ -73,10 +73,10 @@ def _thirds(steps: Sequence[float]) -> tuple[float, float]:
     """The median step of the first and of the last third of the measured batches (both the overall
     median with fewer than DRIFT_MIN_BATCHES)."""
     if len(steps) < DRIFT_MIN_BATCHES:
-        mid = quantile(list(steps), 0.5)
+        mid = quantile(steps, 0.5)
         return mid, mid
     k = len(steps) // 3
-    return quantile(list(steps[:k]), 0.5), quantile(list(steps[-k:]), 0.5)
+    return quantile(steps[:k], 0.5), quantile(steps[-k:], 0.5)
 
 
 def job_fields(name: str, job: Mapping[str, Any], loops: Sequence[Mapping[str, Any]],
