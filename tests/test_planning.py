@@ -352,6 +352,66 @@ def test_a_barely_simultaneous_plan_holds_the_stagger_and_lets_the_closed_loop_d
     assert off["simultaneous_reason"].startswith("a simultaneous start: the model predicts no stagger gains")
 
 
+SHORT_SCENARIO = textwrap.dedent("""
+    [dataset]
+    samples = 500
+    sample_bytes = 100000
+    [storage]
+    bandwidth = [2.0e7, 1.7e7]
+    [cache]
+    capacity = 2.0e9
+    [[job]]
+    name = "a"
+    sample_time = SAMPLE_A
+    startup = STARTUP
+    [[job]]
+    name = "b"
+    sample_time = SAMPLE_B
+    startup = STARTUP
+""")
+
+
+def test_a_stagger_shorter_than_the_first_evidence_is_held_until_the_run_shows_it(tmp_path, monkeypatch):
+    """The model plans a stagger that ends before the run can show whether it was right (the first
+    job's start-up, the watcher's warm-up and one re-fit): the closed loop would have nothing to
+    act on. Where the model's curve is flat out to the first evidence (within plan_guard), mode
+    plan holds the late job until then, with the model's delay as the watcher's prior; where the
+    curve rises past plan_guard, or in mode open, with steer = false or plan_guard 0, the plan's
+    own delays stand."""
+    monkeypatch.setenv("HPCSTAGGER_PLAN_JITTER", "0")
+    monkeypatch.setenv("HPCSTAGGER_PLAN_REPLAY", "0")
+    monkeypatch.delenv("HPCSTAGGER_PLAN_GUARD", raising=False)
+    jobs = [{"name": n, "command": "x", "epochs": 2} for n in ("a", "b")]
+
+    def plan(a, b, startup, mode="plan", **pl):
+        text = SHORT_SCENARIO.replace("SAMPLE_A", a).replace("SAMPLE_B", b).replace("STARTUP", startup)
+        (tmp_path / "io.toml").write_text(text)
+        spec = Spec.from_dict({"plan": {"mode": "plan", "scenario": "io.toml", **pl}, "job": jobs},
+                              base_dir=tmp_path)
+        return plan_run(spec, ["a", "b"], {}, mode, PlanInputs(cache_state={"entries": 0, "bytes": 0})).to_dict()
+
+    evidence = 2.0 + 0.5 + 1.0  # a's start-up, the watcher's warm-up, one re-fit (steer_interval)
+    guarded = plan("0.003", "0.0005", "2.0")
+    planned = guarded["steer"]["prior"]
+    assert planned["a"] == 0.0 and 0.0 < planned["b"] < evidence
+    assert guarded["delays"] == {"a": 0.0, "b": pytest.approx(evidence)}
+    sc = Scenario.from_dict(guarded["scenario"])
+    own, held = predict(sc, planned).makespan, predict(sc, guarded["delays"]).makespan
+    assert guarded["predicted"]["plan"] == pytest.approx(own, rel=1e-6)  # the model's choice is what is predicted
+    assert own <= held <= own * 1.02
+    assert guarded["steer"]["groups"] == [["a"], ["b"]] and "simultaneous_reason" not in guarded
+    assert guarded["steer"]["guard"].startswith("a short stagger, guarded: ")
+    assert f"b up to +{evidence:.1f} s (planned +{planned['b']:.1f} s)" in guarded["steer"]["guard"]
+    assert plan("0.003", "0.0005", "2.0", "open")["delays"] == planned
+    assert plan("0.003", "0.0005", "2.0", steer=False)["delays"] == planned
+    bounded = plan("0.003", "0.0005", "2.0", max_delay=3.0)  # the first evidence lies past max_delay: no hold
+    assert 0.0 < bounded["delays"]["b"] <= 3.0 and "prior" not in bounded["steer"]
+    steep = plan("0.006", "0.005", "1.0")  # holding b to 2.5 s costs more than plan_guard here
+    assert 0.0 < steep["delays"]["b"] < 2.5 and "prior" not in steep["steer"]
+    monkeypatch.setenv("HPCSTAGGER_PLAN_GUARD", "0")
+    assert plan("0.003", "0.0005", "2.0")["delays"] == planned
+
+
 def test_a_flat_curve_the_simulator_also_finds_flat_is_still_guarded(tmp_path, monkeypatch):
     """With the simulator's replay on: one DataLoader worker per job, batches of 8. The simulator
     replays the flat curve's points around a simultaneous start and picks none, so the plan is a

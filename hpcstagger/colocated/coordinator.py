@@ -491,7 +491,7 @@ def _announce(session: Session, decided: RunPlan) -> None:
     extra = ("; predicted makespan " + ", ".join(f"{k} {v:.1f}s" for k, v in p.items())) if p else ""
     start = describe_start(decided.cache)
     extra += f"; {start}" if start else ""
-    extra += f"; {decided.simultaneous_reason}" if decided.simultaneous_reason else ""
+    extra += f"; {why}" if (why := decided.simultaneous_reason or (decided.steer or {}).get("guard")) else ""
     if decided.learn:
         extra += f"; {decided.learn.get('why', '')}"
     if h := decided.history:

@@ -136,9 +136,9 @@ def _plan(spec: Spec | None, order: Sequence[str], calibrations: Mapping[str, Ma
     order = full_order
     guard = _guard(spec, p, out["delays"], rep, scenario, steer_interval) if mode == "plan" else None
     prior, why = None, None
-    if guard is not None:  # the model's choice (zeros) is the watcher's prior; the held delays bound the wait
+    if guard is not None:  # the model's choice is the watcher's prior; the held delays bound the wait
+        prior = {n: float(out["delays"][n]) for n in order}
         out["delays"], why = guard
-        prior = {n: 0.0 for n in order}
     if mode == "plan":
         # a stagger the simulator chose where the fluid model's curve is flat: the watcher, which
         # re-fits that model, moves its release only for a gain the model can tell (FLAT more)
@@ -150,46 +150,82 @@ def _plan(spec: Spec | None, order: Sequence[str], calibrations: Mapping[str, Ma
     out["jitter"] = float(p.jitter)  # the start-time spread the plan was made for (seconds)
     if p.simulated:
         out["simulated"] = dict(p.simulated)
-    if why is not None:
+    if why is not None and not any(prior.values()):
         return {**out, "simultaneous_reason": why}
     return _with_reason(out, spec, unseen_loaders(scenario))
 
 
 def _guard(spec: Spec, p: Any, delays: Mapping[str, float], rep: Mapping[str, str], scenario: Scenario,
            interval: float) -> tuple[dict[str, float], str] | None:
-    """A steered simultaneous plan that the model barely chose: the held delays and why, else None.
+    """A plan the closed loop could not correct: the held delays and why, else None.
 
-    When the model plans a simultaneous start but predicts its best stagger within the
-    ``plan_guard`` knob of it, the model cannot tell them apart, and an error in a calibrated term
-    (a source slower than measured, CPU contention it does not see) is enough to make the stagger
-    the better one by far. Nothing would wait, so the closed loop could not act. The guard holds
-    that stagger's waiting jobs (never past ``[plan] max_delay``); the watcher keeps to the model's
-    choice, a simultaneous start, and releases them as soon as the run's evidence confirms it, or
-    holds them while the fitted model says a later start is better. Not for mode ``open``, for
-    ``[plan] steer = false``, when a loader was not measured, or for a stagger shorter than the
-    first evidence can come (the first jobs' start-up, the watcher's warm-up and one re-fit), nor
-    where the sample-level simulator refuted a stagger the fluid model planned (``Plan.simulated``
-    is set): the two models then disagree about that stagger's gain, and holding a job for it would
-    only cost. A curve the simulator also finds flat (with two jobs it replays the flat points
-    around a simultaneous start, and picks none) is still guarded: both models rest on the same
-    calibrated terms, and the guard is for an error in those."""
+    The closed loop moves only jobs that wait, and only once the run gives evidence (the first
+    jobs' start-up, the watcher's warm-up and one re-fit). A plan whose every delay is shorter
+    than that gives it nothing to act on, and an error in a calibrated term (a source slower or
+    faster than measured, CPU contention the model does not see) then stands. Two such plans
+    are guarded, where the model's own curve says holding costs at most the ``plan_guard`` knob:
+
+    - **a simultaneous start the model barely chose**: it predicts its best stagger within
+      ``plan_guard`` of starting together, too near to tell apart. That stagger's waiting jobs are
+      held (never past ``[plan] max_delay``) as long as it is not shorter than the first evidence.
+      Not where the sample-level simulator refuted a stagger the fluid model planned
+      (``Plan.simulated`` is set): the two models then disagree about that stagger's gain, and
+      holding a job for it would only cost. A curve the simulator also finds flat (with two jobs
+      it replays the flat points around a simultaneous start, and picks none) is still guarded:
+      both models rest on the same calibrated terms, and the guard is for an error in those;
+    - **a stagger shorter than the first evidence**: the plan's delays, stretched in proportion
+      until the longest is the first evidence, when the model predicts that within ``plan_guard``
+      of the plan (a flat curve).
+
+    In both, the model's choice is the watcher's prior: it releases the held jobs as soon as the
+    run's evidence confirms that choice, or holds them while the fitted model says a later start
+    is better. Not for mode ``open`` nor ``[plan] steer = false``."""
     limit = float(config.get("plan_guard"))
-    if (limit <= 0 or not spec.plan.steer or any(float(d) > 0 for d in delays.values()) or not p.staggered
-            or p.simulated  # the simulator refuted the fluid model's stagger: nothing to hold for
-            or not math.isfinite(p.staggered_makespan) or p.simultaneous <= 0
-            or p.staggered_makespan > p.simultaneous * (1.0 + limit)):
+    if (limit <= 0 or not spec.plan.steer or p.simultaneous <= 0 or not math.isfinite(p.makespan)
+            or len(scenario.jobs) < 2):
         return None
-    hi = spec.plan.max_delay
-    hold = {n: min(float(p.staggered.get(rep[n], 0.0)), math.inf if hi is None else float(hi)) for n in delays}
-    first = [j.startup for j in scenario.jobs if float(p.staggered.get(j.name, 0.0)) <= 0]
-    evidence = min(first, default=0.0) + WARMUP + float(interval)
-    if max(hold.values()) < evidence:
+    hi = math.inf if spec.plan.max_delay is None else float(spec.plan.max_delay)
+    if any(float(d) > 0 for d in delays.values()):
+        return _guard_short(p, delays, rep, scenario, interval, limit, hi)
+    if (not p.staggered or p.simulated  # the simulator refuted the fluid model's stagger: nothing to hold for
+            or not math.isfinite(p.staggered_makespan) or p.staggered_makespan > p.simultaneous * (1.0 + limit)):
+        return None
+    hold = {n: min(float(p.staggered.get(rep[n], 0.0)), hi) for n in delays}
+    if max(hold.values()) < _evidence(scenario, p.staggered, interval):
         return None
     held = ", ".join(f"{n} up to +{d:.1f} s" for n, d in hold.items() if d > 0)
     why = (f"a simultaneous start, guarded: the model predicts {p.simultaneous:.1f} s simultaneous and "
            f"{p.staggered_makespan:.1f} s for its best stagger, within plan_guard {100 * limit:g}%, too near to tell "
            f"apart; {held} is held until the run shows whether starting at once was right (the closed loop "
            "releases it then, or later if the fitted model says so)")
+    return hold, why
+
+
+def _evidence(scenario: Scenario, delays: Mapping[str, float], interval: float) -> float:
+    """Seconds from time zero until the run can first show the watcher whether ``delays`` were right:
+    the start-up of the first jobs to start, the watcher's warm-up and one re-fit."""
+    first = [j.startup for j in scenario.jobs if float(delays.get(j.name, 0.0)) <= 0]
+    return min(first, default=0.0) + WARMUP + float(interval)
+
+
+def _guard_short(p: Any, delays: Mapping[str, float], rep: Mapping[str, str], scenario: Scenario,
+                 interval: float, limit: float, hi: float) -> tuple[dict[str, float], str] | None:
+    """:func:`_guard`'s second case: a stagger every delay of which comes before the first evidence."""
+    own = {j.name: float(delays.get(j.name, 0.0)) for j in scenario.jobs}
+    longest = max(own.values())
+    evidence = _evidence(scenario, own, interval)
+    if longest <= 0 or longest >= evidence or evidence > hi:
+        return None
+    stretched = {n: d * evidence / longest for n, d in own.items()}
+    planned, held_at = float(predict(scenario, own).makespan), float(predict(scenario, stretched).makespan)
+    if not (math.isfinite(held_at) and math.isfinite(planned)) or held_at > planned * (1.0 + limit):
+        return None
+    hold = {n: stretched[rep[n]] for n in delays}
+    held = ", ".join(f"{n} up to +{d:.1f} s (planned +{float(delays[n]):.1f} s)" for n, d in hold.items() if d > 0)
+    why = (f"a short stagger, guarded: every planned delay comes before the run can show whether it was right "
+           f"(about {evidence:.1f} s), and the model predicts {held_at:.1f} s for a stagger that long, within "
+           f"plan_guard {100 * limit:g}% of the plan's {planned:.1f} s; {held} is held until the run shows it (the "
+           "closed loop releases it then, or later if the fitted model says so)")
     return hold, why
 
 
