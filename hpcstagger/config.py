@@ -169,7 +169,8 @@ _KNOB_LIST: list[Knob] = [
     Knob("plan_guard", float, 0.02,
          "mode plan, steered: when the model plans a simultaneous start but predicts its best stagger "
          "within this fraction of it, that stagger's waiting job is held until the run shows whether "
-         "starting it at once was right (0: never hold)"),
+         "starting it at once was right; a stagger shorter than the run's first evidence is held that "
+         "long where the model predicts that costs at most this fraction (0: never hold)"),
     Knob("steer_interval", float, 1.0,
          "seconds between the closed-loop watcher's re-fits of the model while jobs wait for release"),
     Knob("steer_min_gain", float, 0.01,
