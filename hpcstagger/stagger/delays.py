@@ -150,7 +150,7 @@ def _plan(spec: Spec | None, order: Sequence[str], calibrations: Mapping[str, Ma
     out["jitter"] = float(p.jitter)  # the start-time spread the plan was made for (seconds)
     if p.simulated:
         out["simulated"] = dict(p.simulated)
-    if why is not None and not any(prior.values()):
+    if why is not None and not any((prior or {}).values()):
         return {**out, "simultaneous_reason": why}
     return _with_reason(out, spec, unseen_loaders(scenario))
 
