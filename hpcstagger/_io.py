@@ -1,5 +1,5 @@
-"""Durable file writes and checksums shared by the cache, checkpoints and calibration files, and
-dropping a file from the kernel's page cache.
+"""Durable file writes and checksums shared by the cache, checkpoints and calibration files,
+dropping a file from the kernel's page cache, and whole-line writes to stderr.
 
 Every durable write goes: temp file in the same directory, write, flush, fsync, rename over the
 target, fsync the directory. A reader therefore sees the old file or the new one, never a part.
@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import sys
 from typing import Any, BinaryIO
 from collections.abc import Callable
 
 __all__ = ["CHECKSUM_ALGORITHM", "checksum", "fsync_dir", "atomic_write", "atomic_write_json", "read_json",
-           "json_safe", "drop_cached_pages"]
+           "json_safe", "drop_cached_pages", "say_line"]
 
 CHECKSUM_ALGORITHM = "xxh3_64"
 
@@ -124,3 +125,14 @@ def drop_cached_pages(path: str | os.PathLike[str]) -> int:
         return size
     finally:
         os.close(fd)
+
+
+def say_line(text: str) -> None:
+    """Write ``text`` and its newline to stderr in one call and flush.
+
+    ``print`` writes the text and the newline separately; under ``PYTHONUNBUFFERED`` (or ``python -u``)
+    those are two system calls, so lines from several ranks sharing one pipe can run together. One write
+    of up to PIPE_BUF (4096) bytes to a pipe is atomic.
+    """
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()

@@ -47,3 +47,44 @@ def test_atomic_write_json_rejects_nan(tmp_path):
     with pytest.raises(ValueError):
         atomic_write_json(tmp_path / "x.json", {"x": float("nan")})
     assert not list(tmp_path.iterdir())
+
+
+_WRITER = """
+import sys
+from hpcstagger._io import say_line
+tag = sys.argv[1]
+for i in range(3000):
+    {call}
+"""
+
+
+def _interleave(call: str) -> list[str]:
+    """Lines two unbuffered processes wrote at once to one shared stderr pipe."""
+    import subprocess
+    import sys
+
+    code = _WRITER.format(call=call)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    read_fd, write_fd = os.pipe()
+    procs = [subprocess.Popen([sys.executable, "-c", code, tag], stderr=write_fd, env=env) for tag in "ab"]
+    os.close(write_fd)
+    with os.fdopen(read_fd, "r") as pipe:
+        text = pipe.read()
+    for proc in procs:
+        assert proc.wait(timeout=60) == 0
+    return text.splitlines()
+
+
+@pytest.mark.parametrize("call, whole", [
+    ("say_line(f'[{tag} {i}] ' + 'x' * 200)", True),
+    ("print(f'[{tag} {i}] ' + 'x' * 200, file=sys.stderr)", False),
+])
+def test_say_line_keeps_lines_from_processes_sharing_a_pipe_whole(call, whole):
+    """Several ranks write progress lines to one pipe; say_line writes each line in one call, where
+    print under PYTHONUNBUFFERED writes text and newline apart and lets another rank's line in between."""
+    lines = _interleave(call)
+    broken = [ln for ln in lines if not (ln.startswith("[") and ln.endswith("x" * 200) and ln.count("[") == 1)]
+    if whole:
+        assert len(lines) == 6000 and not broken, broken[:3]
+    elif not broken:  # the control: print's two writes can let the other line in, but need not
+        pytest.skip("print's lines happened to stay whole in this run")

@@ -16,6 +16,7 @@ import time
 from typing import Any, NoReturn
 from collections.abc import Callable, Sequence
 
+from hpcstagger._io import say_line
 from hpcstagger._version import __version__
 from hpcstagger.cli._args import settle_spec
 from hpcstagger.errors import CollectiveError, HpcstaggerError
@@ -100,14 +101,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(func(args) or 0)
     except HpcstaggerError as exc:
-        print(f"hpcstagger {args.command}: error: {exc}", file=sys.stderr)
+        say_line(f"hpcstagger {args.command}: error: {exc}")
         # A CollectiveError was raised on every rank, so all of them exit together; anything else
         # was raised on this rank alone and would strand the others.
         if _world_size_if_mpi() > 1 and not isinstance(exc, CollectiveError):
             _abort_world(1)
         return 1
     except KeyboardInterrupt:
-        print(f"hpcstagger {args.command}: interrupted", file=sys.stderr)
+        say_line(f"hpcstagger {args.command}: interrupted")
         return 130
     except BrokenPipeError:
         return 141
@@ -116,6 +117,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             import traceback
 
             traceback.print_exc()
-            print(f"hpcstagger {args.command}: unexpected error; aborting every rank", file=sys.stderr)
+            say_line(f"hpcstagger {args.command}: unexpected error; aborting every rank")
             _abort_world(1)
         raise

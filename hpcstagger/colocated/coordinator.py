@@ -119,7 +119,7 @@ class Session:
     def say(self, message: str) -> None:
         """Print a progress line on this job's leader (when verbose)."""
         if self.verbose and self.is_leader:
-            print(f"[hpcstagger {self.job} +{self.elapsed():.1f}s] {message}", file=sys.stderr, flush=True)
+            _io.say_line(f"[hpcstagger {self.job} +{self.elapsed():.1f}s] {message}")
 
     # ---- what the spec describes ---------------------------------------------------------------
     def _need_spec(self, what: str) -> Spec:
@@ -295,8 +295,8 @@ def _install_fail_fast(session: Session) -> None:
         try:
             previous(exc_type, exc, tb)
             message = f"{exc_type.__name__}: {exc}"
-            print(f"[hpcstagger] job {session.job!r} rank {session.rank} (world rank {session.world.rank}) "
-                  f"failed: {message}; stopping the run", file=sys.stderr, flush=True)
+            _io.say_line(f"[hpcstagger] job {session.job!r} rank {session.rank} (world rank {session.world.rank}) "
+                         f"failed: {message}; stopping the run")
             session.write_status("failed", error=message)
         finally:
             sys.stdout.flush()
@@ -345,13 +345,13 @@ def init(spec: Spec | str | os.PathLike[str] | None = None, *, job: str | None =
     except CollectiveError as exc:
         if multi and isinstance(exc, CollectiveTimeout):
             # Some rank never arrived or never answered: it cannot take part in a clean exit.
-            print(f"[hpcstagger] {exc}; aborting the run", file=sys.stderr, flush=True)
+            _io.say_line(f"[hpcstagger] {exc}; aborting the run")
             world_comm.abort(1)
         raise  # raised identically on every rank: they all leave together
     except Exception as exc:
         if multi:  # raised on this rank alone: the others would wait for it
-            print(f"[hpcstagger] hpcstagger.init failed on world rank {world_comm.rank}: "
-                  f"{type(exc).__name__}: {exc}; aborting the run", file=sys.stderr, flush=True)
+            _io.say_line(f"[hpcstagger] hpcstagger.init failed on world rank {world_comm.rank}: "
+                         f"{type(exc).__name__}: {exc}; aborting the run")
             world_comm.abort(1)
         raise
 
