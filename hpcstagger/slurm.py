@@ -5,7 +5,7 @@ job's component) are pure and tested on literal strings. :func:`submit` and :fun
 are the only functions here that run Slurm commands. The batch script of a co-located run is
 rendered by :mod:`hpcstagger.colocated.batch`.
 ``sbatch --wait`` polls with a multi-second back-off, so :func:`wait_for_job` polls
-``scontrol show job`` itself.
+``scontrol show job`` itself, backing off too, but looking at a cheap end marker in between.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import time
 from itertools import product
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from hpcstagger.errors import ConfigError, LaunchError
 
@@ -241,16 +241,24 @@ def job_record(job_id: int | str, *, env: Mapping[str, str] | None = None) -> di
     return records[0] if records else None
 
 
-def wait_for_job(job_id: int | str, timeout: float, *, poll: float = 0.2,
+def wait_for_job(job_id: int | str, timeout: float, *, poll: float = 0.2, max_poll: float | None = None,
+                 ended: Callable[[], bool] | None = None,
                  env: Mapping[str, str] | None = None) -> dict[str, str]:
     """Poll ``scontrol show job`` until the job (every task of an array, every component of a
     heterogeneous job) reaches a terminal state; return its record, or the first record that did
     not complete.
 
+    The controller is asked every ``poll`` seconds at first, then less often, up to every
+    ``max_poll`` seconds (default ``poll``: no back-off), so that a long wait does not load it.
+    ``ended``, a cheap check such as a file the batch script writes last, is looked at every
+    ``poll`` seconds in between: once it is true the controller is asked every ``poll`` seconds
+    again, so the job's end is seen at once.
+
     Raises LaunchError if the job is unknown to the controller or still running after ``timeout``
     seconds (the job is left alone; cancel it with ``scancel`` if it should not go on).
     """
     deadline = time.monotonic() + timeout
+    interval, longest, seen_end = poll, max(poll, max_poll or poll), False
     while True:
         records = job_records(job_id, env=env)
         if not records:
@@ -260,8 +268,15 @@ def wait_for_job(job_id: int | str, timeout: float, *, poll: float = 0.2,
         if all(s in TERMINAL_STATES for s in states):
             bad = [r for r, s in zip(records, states, strict=True) if s != "COMPLETED"]
             return bad[0] if bad else records[0]
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        if now >= deadline:
             waiting = next(r for r, s in zip(records, states, strict=True) if s not in TERMINAL_STATES)
             raise LaunchError(f"job {job_id} is still {waiting.get('JobState', '?')} after {timeout:g} s "
                               f"(reason: {waiting.get('Reason', '?')}); cancel it with 'scancel {job_id}'")
-        time.sleep(poll)
+        ask_at = min(now + interval, deadline)
+        while not seen_end and ended is not None and time.monotonic() + poll < ask_at:
+            time.sleep(poll)
+            if ended():
+                seen_end, ask_at = True, time.monotonic()  # ask the controller now
+        time.sleep(max(0.0, ask_at - time.monotonic()))
+        interval = poll if seen_end else min(interval * 1.5, longest)

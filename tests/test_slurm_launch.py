@@ -57,6 +57,7 @@ def test_submit_runs_every_job_with_its_delay(slurm_cluster, tmp_path, launcher)
     assert status["run_dir"].endswith(f"slurm-{job_id}")
     assert all(j["state"] == "done" for j in status["jobs"].values())
     assert status["jobs"]["b"]["start"] >= 1.0
+    assert (Path(status["run_dir"]) / "batch.exit").read_text() == "0\n"  # the script's last act
 
 
 def test_sequential_batch_script_runs_jobs_one_after_another(slurm_cluster, tmp_path):
@@ -80,6 +81,8 @@ def test_failed_batch_job_exits_nonzero_and_names_the_job(slurm_cluster, tmp_pat
     assert out.returncode == 1
     assert "ended FAILED" in out.stderr
     assert re.search(rf"b\s+2\s+1\.0\s+1\.\d\s+-\s+{state}", out.stdout), out.stdout
+    run_dir = Path(json.loads(run_cli("status", str(spec), "--json").stdout)["run_dir"])
+    assert (run_dir / "batch.exit").read_text().strip() not in ("", "0")  # the step's code, written last
 
 
 def test_render_is_pure_and_golden(tmp_path):
@@ -93,6 +96,7 @@ def test_render_is_pure_and_golden(tmp_path):
     assert text.rstrip().endswith('exit "$rc"')
     # what the run leaves is cleaned after the step, before the job ends
     assert text.index("--multi-prog") < text.index("hpcstagger clean --after-run") < text.index('exit "$rc"')
+    assert text.rstrip().splitlines()[-2] == 'echo "$rc" > "$run_dir/batch.exit"'  # submit --wait's end marker
 
 
 def test_heterogeneous_job_with_hpcstagger_exec(slurm_two_nodes, batch_job_on, tmp_path):

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from hpcstagger.spec import runenv
 from hpcstagger.spec.jobspec import JobSpec, Spec
 
-__all__ = ["render_batch", "multiprog_conf", "job_wrapper"]
+__all__ = ["render_batch", "multiprog_conf", "job_wrapper", "END_MARKER"]
 
 _EOF = "HPCSTAGGER_EOF"
 
@@ -37,6 +37,10 @@ def multiprog_conf(spec: Spec, wrapper: Callable[[str], str]) -> str:
     return "\n".join(conf) + "\n"
 
 
+END_MARKER = "batch.exit"
+"""The file in the run directory to which the batch script writes its exit code as its last act."""
+
+
 def render_batch(spec: Spec, *, python_bin: str | None = None, version: str = "") -> str:
     """The sbatch script that runs every job of ``spec`` co-located on one node.
 
@@ -45,7 +49,8 @@ def render_batch(spec: Spec, *, python_bin: str | None = None, version: str = ""
     quoted arguments; with ``"mpiexec"`` as one MPMD ``mpiexec``. Mode sequential starts one step
     per job, one after another. ``python_bin`` (the directory of the Python environment to use) is
     put first on PATH. The script ends with ``hpcstagger status``, which prints each job's times, beside
-    ``hpcstagger clean --after-run`` (what the run leaves in /dev/shm, before the job's end kills it).
+    ``hpcstagger clean --after-run`` (what the run leaves in /dev/shm, before the job's end kills it),
+    then writes its exit code to :data:`END_MARKER` in the run directory.
     """
     sl = spec.slurm
     lines = ["#!/bin/bash",
@@ -107,7 +112,9 @@ def render_batch(spec: Spec, *, python_bin: str | None = None, version: str = ""
     # the step's ranks are gone: stop the shared loaders' idle producers now (the job's end would kill them,
     # leaving their files in /dev/shm) and remove what no process uses; beside the status report
     lines += ["hpcstagger clean --after-run > /dev/null &", "cleaning=$!",
-              f'hpcstagger status "${runenv.SPEC}" "$run_dir" || true', 'wait "$cleaning" || true', 'exit "$rc"']
+              f'hpcstagger status "${runenv.SPEC}" "$run_dir" || true', 'wait "$cleaning" || true',
+              # the script's last act: what `hpcstagger slurm submit --wait` looks for between its queries
+              f'echo "$rc" > "$run_dir/{END_MARKER}"', 'exit "$rc"']
     return "\n".join(lines) + "\n"
 
 
