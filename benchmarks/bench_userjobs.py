@@ -16,7 +16,7 @@ concurrency and one whose bandwidth rises, and the emulated source against a rea
 (an ext4 image on a loop device whose reads a cgroup v1 blkio throttle limits; root only).
 
     python benchmarks/bench_userjobs.py [--only NAME,...] [--staggers 0,1,2,3,4,6,8] [--repeat N] [--list]
-                                        [--perturb bandwidth=1.3,jobs=0.7] [--grid]
+                                        [--perturb bandwidth=1.3,jobs=0.7] [--grid] [--again DIR]
 
 ``--grid`` runs the grid of shapes instead of the named configurations (see ``grid_configs``):
 workers 0/2/4 x 2 or 3 jobs x a cache of 50 or 100% x the emulated source or the kernel-throttled
@@ -26,6 +26,11 @@ file system, 24 shapes; with ``--repeat 3`` about 4 hours on a 2-core machine.
 level of the source's curve, ``jobs`` every job's CPU costs (time per sample, prep, handoff). The
 measured staggers do not depend on the scenario; the plan and the closed loop start from a model
 that is off by that much, as a calibration on a noisy node can be.
+
+``--again DIR`` sweeps a configuration that ``--keep`` left (``bench-userjobs-*/NAME``) once more
+on its calibration, its ext4 image mounted and throttled again: more runs a point or other
+staggers without calibrating anew, to tell a gap that the runs' noise makes from one the
+calibration makes.
 
 Writes benchmarks/out/bench_userjobs.json and prints one row per configuration.
 """
@@ -43,7 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 from collections.abc import Callable, Iterator
@@ -199,6 +204,17 @@ def calibrate(spec: Path, work: Path, log: Path, budget: float, *, cgroup: str |
 
 
 @contextmanager
+def private_shm(tag: str) -> Iterator[str]:
+    """A shm root of the benchmark's own (``HPCSTAGGER_SHM_ROOT``), removed afterwards."""
+    shm = tempfile.mkdtemp(prefix=f"{tag}-", dir="/dev/shm")
+    os.environ["HPCSTAGGER_SHM_ROOT"] = shm
+    try:
+        yield shm
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+@contextmanager
 def workspace(tag: str, samples: int, keep: bool) -> Iterator[tuple[Path, Path]]:
     """A work directory with the dataset (``samples`` samples of 3 KiB) and a private shm root for
     the run (``HPCSTAGGER_SHM_ROOT``); yields ``(root, dataset)``. Both go afterwards, the work
@@ -206,15 +222,13 @@ def workspace(tag: str, samples: int, keep: bool) -> Iterator[tuple[Path, Path]]
     from hpcstagger.demo.data import make_dataset
 
     root = Path(tempfile.mkdtemp(prefix=f"{tag}-"))
-    shm = tempfile.mkdtemp(prefix=f"{tag}-", dir="/dev/shm")
-    os.environ["HPCSTAGGER_SHM_ROOT"] = shm
     try:
-        cache_bytecode()
-        data = root / "data.h5"
-        make_dataset(str(data), samples, (3, 32, 32))
-        yield root, data
+        with private_shm(tag):
+            cache_bytecode()
+            data = root / "data.h5"
+            make_dataset(str(data), samples, (3, 32, 32))
+            yield root, data
     finally:
-        shutil.rmtree(shm, ignore_errors=True)
         if keep:
             print(f"[{tag}] kept {root}", file=sys.stderr)
         else:
@@ -245,17 +259,31 @@ def real_fs(data: Path, bps: float, work: Path) -> Iterator[tuple[Path, str]]:
     size_mb = max(64, 4 * size // 2**20)
     subprocess.run(["truncate", "-s", f"{size_mb}M", str(image)], check=True)
     subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+    with throttled_mount(image, mnt, bps) as cg:
+        if data.is_dir():
+            shutil.copytree(data, mnt / data.name)
+        else:
+            shutil.copy(data, mnt / data.name)
+        os.sync()
+        # Only the dataset's pages go: a global drop_caches would also evict the Python and torch
+        # libraries, and calibration would then measure the first job's start-up cold (its first
+        # step faulting libtorch in from disk), which no later run repeats. Each run drops the
+        # dataset's pages again at its start.
+        drop_dataset(mnt / data.name)
+        yield mnt / data.name, cg
+
+
+@contextmanager
+def throttled_mount(image: Path, mnt: Path, bps: float) -> Iterator[str]:
+    """``image`` (ext4) mounted at ``mnt`` through a loop device whose reads a cgroup throttles to
+    ``bps`` (v1 ``blkio``, or v2 ``io.max``; writes are not throttled); yields that cgroup. Unmounted,
+    its loop device and cgroup removed, afterwards, once the cgroup's processes are killed."""
     dev = subprocess.run(["losetup", "--find", "--show", str(image)], check=True, capture_output=True,
                          text=True).stdout.strip()
     v2 = cgroup_v2()
     cg = f"/sys/fs/cgroup/{'' if v2 else 'blkio/'}hpcstagger-bench-{os.getpid()}"
     try:
         subprocess.run(["mount", dev, str(mnt)], check=True)
-        if data.is_dir():
-            shutil.copytree(data, mnt / data.name)
-        else:
-            shutil.copy(data, mnt / data.name)
-        os.sync()
         rdev = os.stat(dev).st_rdev
         if v2:  # the io controller for the group, then its limit (cgroup v2 has one hierarchy)
             with open("/sys/fs/cgroup/cgroup.subtree_control", "w") as f:
@@ -263,12 +291,7 @@ def real_fs(data: Path, bps: float, work: Path) -> Iterator[tuple[Path, str]]:
         os.makedirs(cg, exist_ok=True)
         with open(os.path.join(cg, "io.max" if v2 else "blkio.throttle.read_bps_device"), "w") as f:
             f.write(f"{os.major(rdev)}:{os.minor(rdev)} {'rbps=' if v2 else ''}{int(bps)}")
-        # Only the dataset's pages go: a global drop_caches would also evict the Python and torch
-        # libraries, and calibration would then measure the first job's start-up cold (its first
-        # step faulting libtorch in from disk), which no later run repeats. Each run drops the
-        # dataset's pages again at its start.
-        drop_dataset(mnt / data.name)
-        yield mnt / data.name, cg
+        yield cg
     finally:
         kill_members(cg)  # a run cut short leaves its jobs reading from the mount
         subprocess.run(["umount", str(mnt)], check=False)
@@ -367,6 +390,38 @@ def run_config(name: str, cfg: dict[str, Any], data: Path, work: Path, staggers:
             fs.__exit__(None, None, None)
 
 
+def resweep(kept: Path, staggers: str, repeat: int) -> dict[str, Any]:
+    """Sweep again a configuration directory that ``--keep`` left (its spec, its calibrated scenario
+    and, for the ext4 shapes, the file system's image, mounted and throttled again), without
+    calibrating: more runs a point, or other staggers, on the same calibration, which tells the
+    runs' noise from the calibration's. The sweep goes to ``kept/resweep.json``."""
+    name = kept.name
+    cfg = {**CONFIGS, **grid_configs()}.get(name)
+    spec, image = kept / "spec.toml", kept / "fs.img"
+    if not spec.exists() or not (kept / "scenario.toml").exists():
+        raise SystemExit(f"{kept}: no spec.toml and scenario.toml; give a configuration's directory under "
+                         "what --keep left (bench-userjobs-*/NAME)")
+    if image.exists() and (cfg is None or not cfg.get("real_fs")):
+        raise SystemExit(f"{kept}: an ext4 image, but {name!r} is no configuration of a real file system here")
+    if image.exists() and os.geteuid() != 0:
+        raise SystemExit("sweeping an ext4 shape again needs root (a loop device, a blkio cgroup, mount)")
+    out: dict[str, Any] = {"name": f"{name} (again)", "config": cfg, "log": str(kept / "log.txt"),
+                           "again": str(kept), "scenario": (kept / "scenario.toml").read_text()}
+    with ExitStack() as stack:
+        cg = stack.enter_context(throttled_mount(image, kept / "mnt", cfg["real_fs"])) if image.exists() else None
+        if cg is not None:
+            drop_dataset(kept / "mnt")
+        t0 = time.monotonic()
+        rc = _run([sys.executable, "-m", "hpcstagger", "sweep", str(spec), "--staggers", staggers, "--repeat",
+                   str(repeat), "--json", str(kept / "resweep.json")], kept / "log.txt", cgroup=cg)
+        out["sweep_s"] = time.monotonic() - t0
+        if rc != 0 or not (kept / "resweep.json").exists():
+            out["error"] = f"sweep exited {rc}; see {kept / 'log.txt'}"
+            return out
+        out["sweep"] = json.loads((kept / "resweep.json").read_text())
+    return out
+
+
 def summarise(res: dict[str, Any]) -> dict[str, Any]:
     """Plan gap and prediction errors, from the sweep's own summary (each point the median of its
     runs). The best counts the plan too, so the gap is never negative: plan / min(best, plan) - 1.
@@ -402,6 +457,9 @@ def main() -> int:
                    help="runs per point (sweep --repeat); points are then medians (default 1)")
     p.add_argument("--perturb", default="", help="scale the calibrated scenario before planning: "
                    "bandwidth=F (the source's curve), jobs=F (every job's CPU costs), comma-separated")
+    p.add_argument("--again", metavar="DIR", action="append", default=[],
+                   help="sweep again a configuration directory that --keep left (bench-userjobs-*/NAME), "
+                        "on its calibration, with --staggers and --repeat; repeatable")
     args = p.parse_args()
     # SIGTERM (a kill, a batch system's time limit) unwinds like Ctrl-C: the file system is unmounted,
     # its loop device and cgroup removed, the work directory deleted.
@@ -421,11 +479,17 @@ def main() -> int:
         raise SystemExit("the real file-system shapes need root (a loop device, a blkio cgroup, mount); "
                          "run as root or pick the emulated ones with --only")
     results = []
-    with workspace("bench-userjobs", args.samples, args.keep) as (root, data):
-        for name in names:
+    with ExitStack() as stack:
+        if args.again:  # the kept directories hold the rest
+            stack.enter_context(private_shm("bench-userjobs"))
+            cache_bytecode()
+        else:
+            root, data = stack.enter_context(workspace("bench-userjobs", args.samples, args.keep))
+        for name in args.again or names:
             print(f"[bench_userjobs] {name} ...", file=sys.stderr, flush=True)
-            res = run_config(name, configs[name], data, root / name, args.staggers, args.budget, args.repeat,
-                             factors)
+            res = (resweep(Path(name).resolve(), args.staggers, args.repeat) if args.again else
+                   run_config(name, configs[name], data, root / name, args.staggers, args.budget, args.repeat,
+                              factors))
             res["summary"] = summarise(res)
             results.append(res)
             s = res["summary"]
