@@ -353,6 +353,20 @@ def parse_perturb(text: str) -> dict[str, float]:
     return out
 
 
+def sweep_into(out: dict[str, Any], spec: Path, staggers: str, repeat: int, dest: Path, log: Path,
+               cgroup: str | None) -> None:
+    """``hpcstagger sweep`` of ``spec`` into ``dest`` (in ``cgroup``, if any); puts its time and its
+    results, or why there are none, into ``out``."""
+    t0 = time.monotonic()
+    rc = _run([sys.executable, "-m", "hpcstagger", "sweep", str(spec), "--staggers", staggers, "--repeat",
+               str(repeat), "--json", str(dest)], log, cgroup=cgroup)
+    out["sweep_s"] = time.monotonic() - t0
+    if rc != 0 or not dest.exists():
+        out["error"] = f"sweep exited {rc}; see {log}"
+    else:
+        out["sweep"] = json.loads(dest.read_text())
+
+
 def run_config(name: str, cfg: dict[str, Any], data: Path, work: Path, staggers: str, budget: float,
                repeat: int = 1, factors: dict[str, float] | None = None) -> dict[str, Any]:
     work.mkdir(parents=True)
@@ -365,7 +379,6 @@ def run_config(name: str, cfg: dict[str, Any], data: Path, work: Path, staggers:
         data, cg = fs.__enter__()
     try:
         write_spec(spec, name, cfg, data, data.stat().st_size)
-        hs = [sys.executable, "-m", "hpcstagger"]
         t0 = time.monotonic()
         rc = calibrate(spec, work, log, budget, cgroup=cg)
         out["calibrate_s"] = time.monotonic() - t0
@@ -376,14 +389,7 @@ def run_config(name: str, cfg: dict[str, Any], data: Path, work: Path, staggers:
             perturb(work / "scenario.toml", factors)
             out["perturb"] = factors
         out["scenario"] = (work / "scenario.toml").read_text()
-        t0 = time.monotonic()
-        rc = _run(hs + ["sweep", str(spec), "--staggers", staggers, "--repeat", str(repeat), "--json",
-                        str(work / "sweep.json")], log, cgroup=cg)
-        out["sweep_s"] = time.monotonic() - t0
-        if rc != 0 or not (work / "sweep.json").exists():
-            out["error"] = f"sweep exited {rc}; see {log}"
-            return out
-        out["sweep"] = json.loads((work / "sweep.json").read_text())
+        sweep_into(out, spec, staggers, repeat, work / "sweep.json", log, cg)
         return out
     finally:
         if fs is not None:
@@ -411,14 +417,7 @@ def resweep(kept: Path, staggers: str, repeat: int) -> dict[str, Any]:
         cg = stack.enter_context(throttled_mount(image, kept / "mnt", cfg["real_fs"])) if image.exists() else None
         if cg is not None:
             drop_dataset(kept / "mnt")
-        t0 = time.monotonic()
-        rc = _run([sys.executable, "-m", "hpcstagger", "sweep", str(spec), "--staggers", staggers, "--repeat",
-                   str(repeat), "--json", str(kept / "resweep.json")], kept / "log.txt", cgroup=cg)
-        out["sweep_s"] = time.monotonic() - t0
-        if rc != 0 or not (kept / "resweep.json").exists():
-            out["error"] = f"sweep exited {rc}; see {kept / 'log.txt'}"
-            return out
-        out["sweep"] = json.loads((kept / "resweep.json").read_text())
+        sweep_into(out, spec, staggers, repeat, kept / "resweep.json", kept / "log.txt", cg)
     return out
 
 
