@@ -463,6 +463,12 @@ def main() -> int:
     # SIGTERM (a kill, a batch system's time limit) unwinds like Ctrl-C: the file system is unmounted,
     # its loop device and cgroup removed, the work directory deleted.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    ignored = [f"--{k}" for k in ("perturb", "only", "grid", "samples", "budget", "keep", "list")
+               if getattr(args, k) != p.get_default(k)]
+    if args.again and ignored:
+        raise SystemExit(f"--again sweeps a kept configuration as it was calibrated (its perturbation, dataset and "
+                         f"budget included), so {', '.join(ignored)} would be ignored: leave them out, or run "
+                         "without --again to calibrate anew")
     factors = parse_perturb(args.perturb)
     configs = grid_configs() if args.grid else CONFIGS
     if args.list:
