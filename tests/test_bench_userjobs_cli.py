@@ -35,7 +35,8 @@ def test_corun_spec_without_one_job(tmp_path):
 
     text = ('[run]\nname = "r"\n\n[dataset]\npath = "data.h5"\nname = "samples"\n\n[plan]\nmode = "plan"\n'
             'scenario = "scenario.toml"\n\n'
-            + "".join(f'[[job]]\nname = "{n}"\ncommand = "python train.py --model {n}"\n\n' for n in ("cnn", "mlp", "wide")))
+            + "".join(f'[[job]]\nname = "{n}"\ncommand = "python train.py --model {n}"\n\n'
+                      for n in ("cnn", "mlp", "wide")))
     (tmp_path / "spec.toml").write_text(without_job(text, "mlp"))
     spec = Spec.from_toml(str(tmp_path / "spec.toml"))
     assert [j.name for j in spec.jobs] == ["cnn", "wide"]

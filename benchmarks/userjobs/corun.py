@@ -9,11 +9,11 @@ measures every job twice, in calibration mode (the measurement ``hpcstagger cali
 
 - **alone**: the job's own command, nothing else running;
 - **beside the others**: the same, started at the same moment as ``hpcstagger launch --mode
-  simultaneous`` of a copy of the spec without that job, so the others train their full epochs
-  (ranks, DataLoader workers, start-up) for the whole of its measurement.
+  simultaneous`` of a copy of the spec without that job: the others train their full epochs (ranks,
+  DataLoader workers, start-up) while it is measured.
 
 Per job it prints the step's CPU and wall milliseconds per sample, the workers' CPU per sample, the
-handoff and the start-up, alone and beside the others, and their ratio; the rounds go to
+handoff, the start-up and the batches measured, alone and beside the others, and their ratio; the rounds go to
 benchmarks/out/corun.json. The calibrated scenario models the cores as processor-shared among the
 tasks at their costs measured alone; a CPU ratio near 1 with a wall ratio well above it says that
 sharing, not costlier work, is what the jobs meet together.
@@ -45,7 +45,7 @@ from hpcstagger.spec import runenv  # noqa: E402
 from hpcstagger.spec.jobspec import Spec  # noqa: E402
 from hpcstagger.stagger.jobfields import job_fields, read_reports  # noqa: E402
 
-KEYS = ("step_cpu_ms", "step_wall_ms", "worker_cpu_ms", "handoff_ms", "startup_s")
+KEYS = ("step_cpu_ms", "step_wall_ms", "worker_cpu_ms", "handoff_ms", "startup_s", "batches")
 
 
 def without_job(text: str, name: str) -> str:
@@ -125,6 +125,9 @@ def main() -> int:
         raise SystemExit(f"{kept}: no spec.toml; give a directory that bench_userjobs.py --keep left")
     if image.exists() and os.geteuid() != 0:
         raise SystemExit("an ext4 shape needs root (a loop device, a blkio cgroup, mount)")
+    if image.exists() and not cfg.get("real_fs"):
+        raise SystemExit(f"{kept}: an ext4 image, but {kept.name!r} is no configuration of a real file system "
+                         "(bench_userjobs.py --list --grid names them); keep the directory's name")
     spec = Spec.from_toml(str(kept / "spec.toml"))
     rows: list[dict[str, Any]] = []
     with ExitStack() as stack:
