@@ -1,4 +1,4 @@
-"""benchmarks/bench_userjobs.py's command line: options that --again would ignore are refused."""
+"""bench_userjobs.py's command line refuses what --again would ignore; userjobs/corun.py's spec copy."""
 
 from __future__ import annotations
 
@@ -23,14 +23,14 @@ def test_again_refuses_what_it_would_ignore(tmp_path, extra, named):
     assert not any(tmp_path.iterdir())  # refused before anything was made
 
 
-
 def test_corun_spec_without_one_job(tmp_path):
     """benchmarks/userjobs/corun.py launches a copy of the spec without the measured job and its plan."""
+    saved = list(sys.path)
     sys.path.insert(0, str(SCRIPT.parent / "userjobs"))
     try:
-        from corun import without_job
+        from corun import without_job  # it puts the repository and benchmarks/ on sys.path as well
     finally:
-        sys.path.remove(str(SCRIPT.parent / "userjobs"))
+        sys.path[:] = saved
     from hpcstagger.spec.jobspec import Spec
 
     text = ('[run]\nname = "r"\n\n[dataset]\npath = "data.h5"\nname = "samples"\n\n[plan]\nmode = "plan"\n'
