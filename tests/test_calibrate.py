@@ -1,7 +1,9 @@
 """Calibration against a real HDF5 file behind a source that degrades under concurrency.
 
 The readers are real separate processes (multiprocessing, spawn); the source reads HDF5 rows with
-h5py and emulates a shared source of 40 MB/s with one reader and 24 MB/s with two.
+h5py and emulates a shared source of 8 MB/s with one reader and 4.8 MB/s with two. A slow source gives
+each concurrency level a window of about 0.4 s (of 48 rows): at 40 MB/s the windows were 0.08 s, and on
+a loaded host one late wake-up moved a level's figure by a fifth.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from support.calib_sources import DictCache, ThrottledH5Source, sleepy_step
 from support.cli import cli_env, run_cli
 
 ROW = 262144
-BW = [4.0e7, 2.4e7]
+BW = [8.0e6, 4.8e6]
 
 
 @pytest.fixture(autouse=True)
@@ -56,8 +58,8 @@ def test_calibrate_measures_source_hits_and_jobs(h5file, tmp_path):
     assert sc.dataset.samples == 48 and sc.dataset.sample_bytes == ROW
     bw1, bw2 = sc.storage.bandwidth
     # h5py's own read time costs a little; the window's edges may add a little (a read that straddles an
-    # edge counts in proportion to its overlap, exact only on average: 24.48 MB/s was once measured
-    # against a 24 MB/s emulated source)
+    # edge counts in proportion to its overlap, exact only on average: a level once read 2% above
+    # its emulated rate)
     assert 0.6 * BW[0] < bw1 <= 1.05 * BW[0]
     assert 0.7 * BW[1] < bw2 <= 1.05 * BW[1] and bw2 < 0.85 * bw1   # concurrency loss is measured
     assert sc.job_names == ("small", "big")
