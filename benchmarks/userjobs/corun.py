@@ -13,6 +13,8 @@ measures every job twice, in calibration mode (the measurement ``hpcstagger cali
   DataLoader workers, start-up) while it is measured.
 
 Per job it prints the step's CPU and wall milliseconds per sample, the workers' CPU per sample, the
+job's ``prep_time`` as calibration derives it (that CPU less the cache lookups), the share of the
+workers' samples that missed the cache (a miss's source read costs the worker CPU too), the
 handoff, the start-up and the batches measured, alone and beside the others, and their ratio; the rounds go to
 benchmarks/out/corun.json. The calibrated scenario models the cores as processor-shared among the
 tasks at their costs measured alone; a CPU ratio near 1 with a wall ratio well above it says that
@@ -45,7 +47,7 @@ from hpcstagger.spec import runenv  # noqa: E402
 from hpcstagger.spec.jobspec import Spec  # noqa: E402
 from hpcstagger.stagger.jobfields import job_fields, read_reports  # noqa: E402
 
-KEYS = ("step_cpu_ms", "step_wall_ms", "worker_cpu_ms", "handoff_ms", "startup_s", "batches")
+KEYS = ("step_cpu_ms", "step_wall_ms", "worker_cpu_ms", "prep_ms", "miss_pct", "handoff_ms", "startup_s", "batches")
 
 
 def without_job(text: str, name: str) -> str:
@@ -72,9 +74,11 @@ def costs(directory: Path, name: str) -> dict[str, float]:
     n = sum(r[2] for r in rows)
     workers = [s for s in rep["samples"] if s.get("worker")]
     done = sum(s.get("hits", 0) + s.get("misses", 0) for s in workers)
+    misses = sum(s.get("misses", 0) for s in workers)
     fields = job_fields(name, rep["job"], rep["loops"], rep["samples"])
     return {"step_cpu_ms": 1e3 * sum(r[6] for r in rows) / n, "step_wall_ms": 1e3 * sum(r[1] for r in rows) / n,
             "worker_cpu_ms": 1e3 * sum(s.get("cpu_s", 0.0) for s in workers) / done if done else 0.0,
+            "prep_ms": 1e3 * fields["prep_time"], "miss_pct": 100.0 * misses / done if done else 0.0,
             "handoff_ms": 1e3 * fields["handoff"], "startup_s": fields["startup"], "batches": len(rows)}
 
 
