@@ -77,7 +77,7 @@ def costs(directory: Path, name: str) -> dict[str, float]:
     misses = sum(s.get("misses", 0) for s in workers)
     fields = job_fields(name, rep["job"], rep["loops"], rep["samples"])
     return {"step_cpu_ms": 1e3 * sum(r[6] for r in rows) / n, "step_wall_ms": 1e3 * sum(r[1] for r in rows) / n,
-            "worker_cpu_ms": 1e3 * sum(s.get("cpu_s", 0.0) for s in workers) / done if done else 0.0,
+            "worker_cpu_ms": 1e3 * fields["worker_cpu_per_sample"],
             "prep_ms": 1e3 * fields["prep_time"], "miss_pct": 100.0 * misses / done if done else 0.0,
             "handoff_ms": 1e3 * fields["handoff"], "startup_s": fields["startup"], "batches": len(rows)}
 
