@@ -10,7 +10,7 @@ staggers in both orders, every run from a cold cache.
 
 Cases: ``right`` (the calibration as measured), ``source-30``/``source+30`` (the scenario's source
 bandwidth times 0.7 / 1.3), ``jobs-30``/``jobs+30`` (every job's CPU costs, ``sample_time``,
-``prep_time`` and ``handoff``, times 0.7 / 1.3).
+``prep_time``, ``read_cpu`` and ``handoff``, times 0.7 / 1.3).
 
     python benchmarks/bench_steer.py [--only NAME,...] [--cases right,source-30,...]
         [--staggers 0,1,2,3,4,6] [--repeat N] [--overhead N [--uncounted] [--steered] [--fixed]] [--keep]
@@ -72,7 +72,7 @@ def perturb(text: str, what: str, factor: float) -> str:
     def scale(m: re.Match[str]) -> str:
         return f"{m.group(1)} = {float(m.group(2)) * factor!r}"
 
-    return re.sub(r"^(sample_time|prep_time|handoff) = ([0-9.eE+-]+)", scale, text, flags=re.M)
+    return re.sub(r"^(sample_time|prep_time|read_cpu|handoff) = ([0-9.eE+-]+)", scale, text, flags=re.M)
 
 
 def _steer_of(run: dict[str, Any]) -> dict[str, Any]:

@@ -333,7 +333,7 @@ def perturb(path: Path, factors: dict[str, float]) -> None:
     b, j = factors.get("bandwidth", 1.0), factors.get("jobs", 1.0)
     sc = replace(sc, storage=replace(sc.storage, bandwidth=tuple(b * x for x in sc.storage.bandwidth)),
                  jobs=tuple(replace(job, sample_time=j * job.sample_time, prep_time=j * job.prep_time,
-                                    handoff=j * job.handoff) for job in sc.jobs))
+                                    read_cpu=j * job.read_cpu, handoff=j * job.handoff) for job in sc.jobs))
     note = f"perturbed for the benchmark: source bandwidth x{b:g}, job CPU costs x{j:g}"
     path.write_text(f"# {note}\n" + sc.to_toml())
 

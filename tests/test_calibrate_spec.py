@@ -282,6 +282,74 @@ def test_calibration_mode_in_one_process_measures_and_exits_0(monkeypatch, tmp_p
     cache.destroy(force=True)
 
 
+def _burn(ms: float) -> None:
+    end = time.thread_time() + ms / 1e3
+    while time.thread_time() < end:
+        pass
+
+
+class _BurningSource:
+    """A source whose every read costs ``ms`` of CPU (a format's decoding of its container)."""
+
+    def __init__(self, n: int, ms: float):
+        self.n, self.ms = n, ms
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        _burn(self.ms)
+        return bytes([i % 256]) * 512
+
+    def key(self, i):
+        return f"b{i}"
+
+
+def _half_ms_transform(data):
+    import torch
+
+    _burn(0.5)
+    return torch.tensor(len(data))
+
+
+@pytest.mark.timeout(120)
+def test_a_reads_cpu_is_its_own_field_and_not_charged_to_hits(monkeypatch, tmp_path, shm_root):
+    """A source that burns 4 ms of CPU per read, a transform that burns 0.5 ms, and a dataset small
+    enough that most measured samples are hits: the read's CPU is ``read_cpu``, per miss, and the
+    prep (paid by hits and misses alike) holds the transform, not the reads."""
+    import torch
+
+    import hpcstagger
+    from hpcstagger.cache import CachedDataset, ShmCache
+
+    reports = tmp_path / "reports"
+    monkeypatch.delenv("HPCSTAGGER_SPEC", raising=False)
+    monkeypatch.setenv("HPCSTAGGER_CALIBRATE", str(reports))
+    monkeypatch.setenv("HPCSTAGGER_CALIBRATE_UNTIL", str(time.time() + 60))
+    session = hpcstagger.init(backend="none", verbose=False)
+    cache = ShmCache("readcpu", 4 << 20)
+    try:
+        dataset = CachedDataset(_BurningSource(160, 4.0), cache, transform=_half_ms_transform)
+        loader = torch.utils.data.DataLoader(dataset, batch_size=8, num_workers=2, persistent_workers=True)
+        with pytest.raises(SystemExit) as stop:
+            for _ in range(100):
+                for _ in session.loader(loader):
+                    pass
+        assert stop.value.code == 0
+    finally:
+        cache.destroy(force=True)
+    report = F.read_reports(str(reports))
+    f = F.job_fields("job", report["job"], report["loops"], report["samples"])
+    assert f["hits"] > 2 * f["misses"] > 0, (f["hits"], f["misses"])
+    assert 0.0035 < f["read_cpu"] < 0.008, f["read_cpu"]
+    # the transform's 0.5 ms, collate and hand-over; with the reads' CPU spread over every sample it
+    # would be 0.5 + 4 * misses / samples, above 1.5 ms here
+    assert 0.0004 < f["prep_time"] < 0.0012, f["prep_time"]
+    assert "a read's CPU 4." in S.describe_job(f) or "a read's CPU 5." in S.describe_job(f)
+    job = S.scenario_job("job", {**f, "route": "command"}, 2)
+    assert job.read_cpu == f["read_cpu"] and job.prep_time == f["prep_time"]
+
+
 class _Burn:
     """A Dataset that is no CachedDataset (as an ImageFolder is): each sample costs ``ms`` of CPU."""
 
@@ -294,9 +362,7 @@ class _Burn:
     def __getitem__(self, i):
         import torch
 
-        end = time.thread_time() + self.ms / 1e3
-        while time.thread_time() < end:
-            pass
+        _burn(self.ms)
         return torch.full((8,), float(i))
 
 
@@ -443,6 +509,11 @@ def test_job_fields_take_full_speed_times_from_cpu_records():
     # workers' CPU per sample (0.1 s over 80 samples) less their lookups (0.010 s over 80)
     assert f["worker_cpu_per_sample"] == pytest.approx(0.100 / 80)
     assert f["prep_time"] == pytest.approx((0.100 - 0.010) / 80)
+    assert f["read_cpu"] == 0.0
+    # the reads' CPU (20 ms over 10 misses) is a miss's own, not every sample's prep
+    workers[0]["miss_read_cpu_s"] = 0.020
+    g = F.job_fields("j", job, [_loop(0, rows)], workers)
+    assert g["read_cpu"] == pytest.approx(0.002) and g["prep_time"] == pytest.approx((0.100 - 0.010 - 0.020) / 80)
 
 
 def test_quantile():

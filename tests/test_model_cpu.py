@@ -139,3 +139,41 @@ def test_fluid_model_tracks_the_simulator_under_cpu_contention():
         errors.append(abs(predict(sc, delays).makespan / sim - 1))
     assert statistics.median(errors) < 0.04, errors
     assert max(errors) < 0.12, errors
+
+
+def test_a_reads_cpu_lasts_within_the_read_and_loads_the_cores():
+    # one fetcher, no cache: a read of S at B takes r; its CPU work c lasts within it (c < r: the
+    # same run), or makes it last c (c > r: as a source of half the bandwidth when c = 2r)
+    n, r = 400, S / B
+    job = dict(sample_time=0.0002, epochs=1, workers=1, batch=4, prep_time=0.0001)
+    plain = _sc(n, [job], capacity=0.0)
+    inside = _sc(n, [{**job, "read_cpu": 0.5 * r}], capacity=0.0)
+    longer = _sc(n, [{**job, "read_cpu": 2 * r}], capacity=0.0)
+    halved = _sc(n, [job], capacity=0.0, bandwidth=(B / 2,))
+    for model, rel in ((simulate, 1e-9), (predict, 1e-6)):
+        assert model(inside, [0]).makespan == pytest.approx(model(plain, [0]).makespan, rel=rel)
+        assert model(longer, [0]).makespan == pytest.approx(model(halved, [0]).makespan, rel=rel)
+    # on one core the reads' CPU slows a job that computes beside them, in both models
+    busy = dict(sample_time=0.002, epochs=1, workers=0, batch=4)
+    free = _sc(n, [{**job, "read_cpu": 0.0}, busy], capacity=0.0, cores=1)
+    loaded = _sc(n, [{**job, "read_cpu": 0.8 * r}, busy], capacity=0.0, cores=1)
+    for model in (predict, simulate):
+        assert model(loaded, [0, 0]).finish["j1"] > 1.08 * model(free, [0, 0]).finish["j1"]
+    sim, fluid = simulate(loaded, [0, 0]).makespan, predict(loaded, [0, 0]).makespan
+    assert fluid == pytest.approx(sim, rel=0.08)
+    assert "read_cpu = " in loaded.to_toml() and "read_cpu" not in free.to_toml()
+
+
+def test_fluid_model_tracks_the_simulator_with_reads_cpu():
+    rng = random.Random(11)
+    errors = []
+    for _ in range(10):
+        sc = _random_cpu_scenario(rng)
+        read = S / sc.storage.bandwidth[0]
+        sc = Scenario.from_dict({**sc.to_dict(), "job": [{**j, "read_cpu": rng.uniform(0.1, 0.9) * read}
+                                                         for j in sc.to_dict()["job"]]})
+        delays = [0.0] + [rng.uniform(0, 1.0) for _ in sc.jobs[1:]]
+        sim = statistics.mean(simulate(sc, delays, seed=k).makespan for k in range(2))
+        errors.append(abs(predict(sc, delays).makespan / sim - 1))
+    assert statistics.median(errors) < 0.04, errors
+    assert max(errors) < 0.12, errors

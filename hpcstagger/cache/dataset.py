@@ -39,12 +39,12 @@ class SampleMeter(Protocol):
     """Told the cost of every sample read (calibration mode; see :mod:`hpcstagger.colocated.jobmeter`).
 
     A hit is a lookup (``get_s``) and a transform; a miss is a lookup, the source's read
-    (``read_s``), the insert (``insert_s``) and a transform. It must be picklable to reach
-    DataLoader workers.
+    (``read_s``, of which ``read_cpu_s`` the process's CPU time), the insert (``insert_s``) and a
+    transform. It must be picklable to reach DataLoader workers.
     """
 
     def sample(self, hit: bool, nbytes: int, get_s: float, read_s: float, insert_s: float,
-               transform_s: float) -> None: ...
+               transform_s: float, read_cpu_s: float = 0.0) -> None: ...
 
 
 class CachedDataset(torch.utils.data.Dataset):
@@ -194,9 +194,11 @@ class CachedDataset(torch.utils.data.Dataset):
         data: Any = self.cache.get(key)
         t1 = time.perf_counter()
         hit = data is not None
-        read_s = insert_s = 0.0
+        read_s = insert_s = read_cpu_s = 0.0
         if not hit:
+            c1 = time.process_time()
             data = self._read(i)
+            read_cpu_s = time.process_time() - c1
             t2 = time.perf_counter()
             if not self.cache.put(key, data):
                 self._refused()
@@ -205,7 +207,7 @@ class CachedDataset(torch.utils.data.Dataset):
             self._count_miss(data, t3 - t0)
         t4 = time.perf_counter()
         out = self._finish(data, i)
-        meter.sample(hit, len(data), t1 - t0, read_s, insert_s, time.perf_counter() - t4)
+        meter.sample(hit, len(data), t1 - t0, read_s, insert_s, time.perf_counter() - t4, read_cpu_s)
         return out
 
     def __repr__(self) -> str:

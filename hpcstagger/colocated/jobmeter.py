@@ -121,8 +121,10 @@ class SampleMeter:
             self.cpu0 = 0.0
             self.next_flush = 0.0  # the first counted sample is written at once
 
-    def sample(self, hit: bool, nbytes: int, get_s: float, read_s: float, insert_s: float, transform_s: float) -> None:
-        """Record one sample: a hit (get, then transform) or a miss (get, source read, insert, transform)."""
+    def sample(self, hit: bool, nbytes: int, get_s: float, read_s: float, insert_s: float, transform_s: float,
+               read_cpu_s: float = 0.0) -> None:
+        """Record one sample: a hit (get, then transform) or a miss (get, source read, insert,
+        transform; ``read_cpu_s`` the process's CPU time in the read)."""
         self._here()
         self.seen += 1
         if self.seen == 1:
@@ -139,6 +141,7 @@ class SampleMeter:
             c["miss_bytes"] += nbytes
             c["miss_get_s"] += get_s
             c["miss_read_s"] += read_s
+            c["miss_read_cpu_s"] += read_cpu_s
             c["miss_insert_s"] += insert_s
             c["miss_transform_s"] += transform_s
         self._maybe_flush()

@@ -20,7 +20,8 @@ Semantics (followed by the model and the simulator alike; docs/model.md has them
 - A miss reads ``sample_bytes`` from the source. Concurrent misses (all jobs, ranks, workers)
   share the aggregate bandwidth for that many readers equally: each of k concurrent reads gets
   ``bandwidth[k-1] / k`` (the last listed value holds for more readers), recomputed whenever a
-  read starts or ends.
+  read starts or ends. A read also costs its fetcher ``read_cpu`` of CPU work, done while it
+  lasts: the read ends when both are done.
 - A hit costs ``sample_bytes / hit_bandwidth`` and is not shared (unlimited by default: free).
 - A miss is inserted when its read completes. minio inserts until the cache is full and never
   changes after; lru inserts and evicts the least recently used sample (a hit makes a sample
@@ -35,7 +36,7 @@ Semantics (followed by the model and the simulator alike; docs/model.md has them
   and source are those of all M nodes, the jobs' ranks spread evenly, and a hit is local (the
   fetcher's node owns it, probability 1/M) or remote, ``sample_bytes / remote_bandwidth``.
 - With ``[node] cores = C`` the CPU is processor-shared too: each rank's step, each sample's CPU
-  work in its fetcher (hit time and ``prep_time``) and each rank's start-up are tasks; while
+  work in its fetcher (hit time or ``read_cpu``, and ``prep_time``) and each rank's start-up are tasks; while
   tasks totalling k run, each runs at ``min(1, C / k)`` of its speed.
 """
 

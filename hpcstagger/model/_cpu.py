@@ -7,9 +7,9 @@ something else (its think time ``Z``: reading from the source, a full or empty b
 for a step):
 
 - its ranks' steps: ``R`` tasks in lockstep (one unit), each step ``R * B * t + handoff`` of work
-  (without workers also the fetches' CPU: ``B * (prep + hit)``), once per step period;
-- its workers: ``R * W`` tasks, each sample ``prep`` plus a hit's time of work, once per
-  ``R * W`` samples of the job;
+  (without workers also the fetches' CPU), once per step period;
+- its workers: ``R * W`` tasks, each sample ``prep`` plus a hit's time, or a read's CPU work
+  (``read_cpu``) for a miss, once per ``R * W`` samples of the job;
 - a rank starting up (imports, backend, model, workers): ``R`` tasks always on the CPU.
 
 The stationary law of such a network (a processor-sharing station with a state-dependent speed,
@@ -70,7 +70,7 @@ def groups(loaders: Sequence[Shape], speed: Sequence[Sequence[float]], hit_time:
     for j in running:
         L = loaders[j]
         vm, vw, _ = speed[j]
-        fetch = L.prep + (1.0 - m[j]) * hit_time  # a sample's CPU work in whoever fetches it
+        fetch = L.prep + (1.0 - m[j]) * hit_time + m[j] * L.read_cpu  # a sample's CPU work in its fetcher
         work = L.step + (L.B * fetch if L.W == 0 else 0.0)
         out.append(Group(L.R, work, L.R * L.B / x[j] - work / vm, L.R > 1))
         where.append((j, 0))

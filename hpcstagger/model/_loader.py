@@ -50,6 +50,7 @@ class Shape(NamedTuple):
     handoff: float
     prep: float
     t: float          # seconds per sample of the main loop, whole job
+    read_cpu: float = 0.0  # a read's CPU work in its fetcher, while the read lasts
 
     @property
     def step(self) -> float:
@@ -59,13 +60,14 @@ class Shape(NamedTuple):
     def at_speed(self, main: float, worker: float) -> Shape:
         """The shape with its main process's CPU work at speed ``main`` and its workers' at
         ``worker`` (0 < speed <= 1; the node's cores shared, :mod:`._cpu`)."""
-        return Shape(self.R, self.W, self.B, self.depth, self.handoff / main, self.prep / worker, self.t / main)
+        return Shape(self.R, self.W, self.B, self.depth, self.handoff / main, self.prep / worker, self.t / main,
+                     self.read_cpu / worker)
 
 
 def shapes(sc: Scenario) -> list[Shape]:
     """Every job's loader shape."""
     return [Shape(j.ranks, j.workers, j.batch, j.workers * sc.prefetch_of(j), j.handoff, j.prep_time,
-                  j.sample_time) for j in sc.jobs]
+                  j.sample_time, j.read_cpu) for j in sc.jobs]
 
 
 def hit_spread(sc: Scenario) -> tuple[float, float] | None:
@@ -91,8 +93,11 @@ def fetch_moments(L: Shape, m: float, a: float, miss_t: float, miss_m2: float,
 def time_per_sample(L: Shape, m: float, a: float, miss_t: float, miss_m2: float, pipe: Pipe,
                     variance: bool = True, hit: tuple[float, float] | None = None) -> float:
     """Steady-state seconds per sample of a job whose samples miss with probability m. ``hit``
-    (:func:`hit_spread`): the fastest hit's time and a hit's second moment, when hits vary."""
+    (:func:`hit_spread`): the fastest hit's time and a hit's second moment, when hits vary. A miss
+    lasts at least its read's CPU work (``L.read_cpu``, at the shape's speed)."""
     per_step = L.R * L.B
+    if L.read_cpu > miss_t:
+        miss_t, miss_m2 = L.read_cpu, L.read_cpu * L.read_cpu
     mean, var = fetch_moments(L, m, a, miss_t, miss_m2 if variance else miss_t * miss_t,
                               None if hit is None else hit[1])
     if L.W == 0:

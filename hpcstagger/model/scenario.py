@@ -137,18 +137,18 @@ class Job:
     """One training job: its loop's seconds per sample with data in memory, its epochs, and its loader.
 
     The loader follows PyTorch's DataLoader: each of ``ranks`` ranks has ``workers`` worker
-    processes (0: the main process loads each batch itself, with no overlap), each worker fetches
-    whole batches of ``batch`` samples one sample at a time, and up to ``prefetch`` batches per
-    worker are in flight or ready. Receiving a batch costs the main process ``handoff`` seconds;
-    a worker spends ``prep_time`` seconds per sample besides reading it. ``prefetch`` None takes the
-    scenario's ``[loader] prefetch``. The job's loop asks for its first batch ``startup`` seconds
-    after the job starts (its backend, model and loader workers), and every later epoch's loader
-    takes ``epoch_start`` seconds to start (workers spawned again when they are not persistent).
+    processes (0: the main process loads each batch itself, with no overlap), each fetching whole
+    batches of ``batch`` samples one sample at a time, with up to ``prefetch`` batches per worker in
+    flight or ready (None: the scenario's ``[loader] prefetch``). Receiving a batch costs the main
+    process ``handoff`` seconds; a worker spends ``prep_time`` seconds per sample besides reading
+    it, and a read from the source costs it ``read_cpu`` seconds of CPU while the read lasts (they
+    load the cores, and a read lasts at least that long at the cores' speed). The loop asks for its
+    first batch ``startup`` seconds after the job starts (backend, model, loader workers); every
+    later epoch's loader takes ``epoch_start`` to start (workers spawned again unless persistent).
     Jobs with the same non-empty ``order`` read the same permutation in each epoch (samplers with
-    the same seed, PyTorch's default); "" gives the job an order of its own. The defaults (one
-    worker, batches of one, no start-up, an order of its own) are one prefetching reader fetching
-    one sample at a time. ``loader_seen`` False: the loader's shape was not measured (a step factory
-    timed on samples in memory), so a plan starts no job later than a simultaneous start would.
+    the same seed, PyTorch's default); "" gives the job an order of its own. The defaults are one
+    prefetching reader fetching one sample at a time. ``loader_seen`` False: the loader's shape was
+    not measured (a step factory timed in memory); a plan starts no job later than it would together.
     """
 
     name: str
@@ -160,6 +160,7 @@ class Job:
     prefetch: int | None = None
     handoff: float = 0.0
     prep_time: float = 0.0
+    read_cpu: float = 0.0
     startup: float = 0.0
     epoch_start: float = 0.0
     order: str = ""
@@ -207,7 +208,8 @@ _JOB = S.Table("job", [S.Field("name", _job_name), S.Field("sample_time", _POSIT
                        S.Field("prefetch", S.optional(S.integer(minimum=1, maximum=1024)), None,
                                shown="[loader] prefetch"),
                        S.Field("handoff", _DELAY, 0.0), S.Field("prep_time", _DELAY, 0.0),
-                       S.Field("startup", _DELAY, 0.0), S.Field("epoch_start", _DELAY, 0.0),
+                       S.Field("read_cpu", _DELAY, 0.0), S.Field("startup", _DELAY, 0.0),
+                       S.Field("epoch_start", _DELAY, 0.0),
                        S.Field("order", S.string(allow_empty=True), "", shown='"" (its own)'),
                        S.Field("loader_seen", S.boolean(), True)])
 _TOP = {"dataset": "required", "storage": "required", "cache": "optional (no cache)",
@@ -425,11 +427,8 @@ class Scenario:
 def _job_dict(j: Job) -> dict[str, Any]:
     """A job as a dict, its loader fields only where they differ from the defaults."""
     out: dict[str, Any] = {"name": j.name, "sample_time": j.sample_time, "epochs": j.epochs}
-    for key in ("ranks", "workers", "batch", "prefetch", "handoff", "prep_time", "startup", "epoch_start", "order",
-                "loader_seen"):
-        value = getattr(j, key)
-        if value != _JOB.fields[key].default:
-            out[key] = value
+    rest = (k for k in _JOB.fields if k not in out)
+    out.update({k: getattr(j, k) for k in rest if getattr(j, k) != _JOB.fields[k].default})
     return out
 
 

@@ -9,7 +9,8 @@ It follows the semantics stated in :mod:`hpcstagger.model` literally, sample by 
 - each job's loader works like PyTorch's DataLoader. At the start of every epoch each rank
   dispatches its first ``workers * prefetch`` batches, batch k to worker ``k % workers``; a
   worker fetches its batches in order, one sample at a time, each sample a lookup (a hit takes
-  ``sample_bytes / hit_bandwidth``, a miss a read from the source) followed by ``prep_time``.
+  ``sample_bytes / hit_bandwidth``, a miss a read from the source, which also takes ``read_cpu``
+  of CPU work while it lasts and ends when both are done) followed by ``prep_time``.
   Step k starts when every rank's batch k is ready and step k-1 is done; receiving the batches
   costs ``handoff``, then compute takes ``sample_time`` per sample of the step. When step k
   starts, batch ``k + workers * prefetch`` is dispatched. Without workers, each rank fetches
@@ -19,7 +20,7 @@ It follows the semantics stated in :mod:`hpcstagger.model` literally, sample by 
   each progresses at ``bandwidth[r-1] / r`` bytes/s, recomputed at every arrival and completion;
 - with ``[node] cores = C``, the CPU is processor-shared too. Its tasks are each rank's step
   (handoff and compute), each sample's CPU work in whoever fetches it (a hit's time and
-  ``prep_time``, or a miss's ``prep_time`` after its read), and each rank's start-up (the job's
+  ``prep_time``, or a miss's ``read_cpu`` and then ``prep_time``), and each rank's start-up (the job's
   ``startup`` begins at its delay). A task of a job with R ranks that all run it counts R times.
   While tasks totalling k are running, each runs at ``min(1, C / k)`` of its speed; the next
   epoch's ``epoch_start`` is a plain delay. Without cores, every task runs at full speed;
@@ -182,7 +183,7 @@ class _Job:
         self.j, self.rng, self.n = j, rng, sc.dataset.samples
         self.R, self.W, self.B = job.ranks, job.workers, job.batch
         self.depth = job.workers * sc.prefetch_of(job)  # batches in flight per rank (0: no workers)
-        self.t, self.handoff, self.prep = job.sample_time, job.handoff, job.prep_time
+        self.t, self.handoff, self.prep, self.read_cpu = job.sample_time, job.handoff, job.prep_time, job.read_cpu
         self.epochs, self.epoch = job.epochs, -1
         self.delay, self.startup = delay, job.startup
         self.start = delay + job.startup
@@ -244,6 +245,7 @@ class _Sim:
         self.ahead_order = self.ahead_rng.permutation(sc.dataset.samples).tolist() if self.ra > 1.0 else []
         self.ahead_pos = 0
         self.extra: dict[int, list[int]] = {}
+        self.parts: dict[int, int] = {}  # fetcher -> parts of its read not done yet (the source's, its CPU work)
         self.jobs: list[_Job] = []
         names = sorted({job.order for job in sc.jobs if job.order})  # shared orders: one generator each
         first = 0
@@ -327,6 +329,12 @@ class _Sim:
             if extra:
                 self.extra[f] = extra
             self.source.start(f, self.size * (1 + len(extra)), now)
+            if job.read_cpu > 0:
+                self.parts[f] = 2
+                if self.cpu is not None:
+                    self.cpu.start((5, f), job.read_cpu, now)  # kind 5: a part of f's read is done
+                else:
+                    self._push(now + job.read_cpu, 5, f)
 
     def _ahead(self, x: int) -> list[int]:
         """The samples a miss of ``x`` also reads (readahead): the next uncached ones of the random
@@ -357,6 +365,14 @@ class _Sim:
             return
         self.batch_ready(job, k, done)
         self.next_batch(f, done)
+
+    def read_part(self, f: int, now: float) -> None:
+        """One part of fetcher f's read is done (its bytes from the source, or its CPU work)."""
+        left = self.parts.pop(f, 1) - 1
+        if left:
+            self.parts[f] = left
+        else:
+            self.read_done(f, now)
 
     def read_done(self, f: int, now: float) -> None:
         job = self.owner[f]
@@ -424,6 +440,8 @@ class _Sim:
     def cpu_done(self, kind: int, what: int, now: float) -> None:
         if kind == 2:
             self.fetched(what, now)
+        elif kind == 5:
+            self.read_part(what, now)
         elif kind == 3:
             job = self.jobs[what]
             self.step_done(job, job.next_step - 1, now)
@@ -443,7 +461,7 @@ class _Sim:
             if source.next_done <= top:
                 now, done = source.complete()
                 for f in done:
-                    self.read_done(f, now)
+                    self.read_part(f, now)
                 continue
             now, _, kind, what = heapq.heappop(heap)
             if kind == 0:
@@ -452,6 +470,8 @@ class _Sim:
                 self.lookup(what, now)
             elif kind == 2:
                 self.fetched(what, now)
+            elif kind == 5:
+                self.read_part(what, now)
             else:  # 4: a start-up begins on the CPU
                 assert cpu is not None
                 job = self.jobs[what]

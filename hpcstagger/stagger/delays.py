@@ -379,7 +379,7 @@ def scenario_for(spec: Spec | None, order: Sequence[str], calibrations: Mapping[
 
     The closed-loop watcher (:mod:`~hpcstagger.colocated.watcher`) refits the model with ``source_scale`` (a factor
     on the source's bandwidth, before the overhead is added) and ``job_scales`` (job -> a factor on its
-    ``sample_time``, ``prep_time`` and ``handoff``). ``startups`` (job -> seconds, from the run
+    ``sample_time``, ``prep_time``, ``read_cpu`` and ``handoff``). ``startups`` (job -> seconds, from the run
     history) replaces those jobs' ``startup``.
 
     A run whose cache is partitioned (the spec's ``[cache] partitioned``, or a ``partition`` given:
@@ -405,7 +405,7 @@ def scenario_for(spec: Spec | None, order: Sequence[str], calibrations: Mapping[
                               "gives none, and the job sent no calibration")
         entry["sample_time"] = float(sample_time)
         scale = float((job_scales or {}).get(name, 1.0))
-        for key in ("sample_time", "prep_time", "handoff"):
+        for key in ("sample_time", "prep_time", "read_cpu", "handoff"):
             if key in entry:
                 entry[key] = float(entry[key]) * scale
         if name in (startups or {}):

@@ -24,8 +24,8 @@ HANDOFF_QUANTILE = 0.10
 STEP_DRIFT_WARN = 1.5   # the last third's median step over the first third's from which the output warns
 DRIFT_MIN_BATCHES = 12  # fewer measured batches than this: no drift is computed
 SAMPLE_FIELDS = ("hits", "hit_bytes", "hit_get_s", "hit_transform_s", "misses", "miss_bytes", "miss_get_s",
-                 "miss_read_s", "miss_insert_s", "miss_transform_s", "collates", "collate_samples", "collate_s",
-                 "cpu_s")
+                 "miss_read_s", "miss_read_cpu_s", "miss_insert_s", "miss_transform_s", "collates", "collate_samples",
+                 "collate_s", "cpu_s")
 
 def read_reports(directory: str) -> dict[str, Any]:
     """A job's calibration files: ``job`` (None when the job never called session.loader),
@@ -94,8 +94,11 @@ def job_fields(name: str, job: Mapping[str, Any], loops: Sequence[Mapping[str, A
       alone, without the bias of a minimum (timer and scheduler noise). Without workers the main
       process loads each batch itself, and the handoff is its collate per batch;
     - ``prep_time``: a worker's seconds per sample besides reading the bytes: with workers, their
-      CPU seconds per sample less the lookups' time (transform, collate, handing the batch over),
-      or without CPU records the transform and the collate's share; without workers the transform.
+      CPU seconds per sample less the lookups' and inserts' time and the reads' CPU (transform,
+      collate, handing the batch over), or without CPU records the transform and the collate's
+      share; without workers the transform. A hit costs it as much as a miss;
+    - ``read_cpu``: the CPU seconds of a read from the source in the process that misses (the
+      source's own work: a file system's copies, a format's decoding of its container);
       Where no CachedDataset counted samples (an ImageFolder over ``cache.file_loader()``, any
       other Dataset), the DataLoader workers' CPU seconds per sample over the measured batches, as
       the job's loop counted them (``worker_cpu`` in ``job.json``), reads and decode included;
@@ -131,7 +134,8 @@ def job_fields(name: str, job: Mapping[str, Any], loops: Sequence[Mapping[str, A
     w_done = w["hits"] + w["misses"]
     worker_cpu = _div(w["cpu_s"], w_done)
     if workers > 0 and w["cpu_s"] > 0 and w_done:
-        prep = max(0.0, worker_cpu - _div(w["hit_get_s"] + w["miss_get_s"] + w["miss_insert_s"], w_done))
+        spent = w["hit_get_s"] + w["miss_get_s"] + w["miss_insert_s"] + w["miss_read_cpu_s"]
+        prep = max(0.0, worker_cpu - _div(spent, w_done))
     counted = job.get("worker_cpu") or {}
     from_workers = workers > 0 and not done and counted.get("samples", 0) > 0 and counted.get("cpu_s", 0) > 0
     if from_workers:  # no CachedDataset counted the samples (an ImageFolder, say): the workers' CPU per sample
@@ -143,7 +147,7 @@ def job_fields(name: str, job: Mapping[str, Any], loops: Sequence[Mapping[str, A
         "sample_time": sum(steps) / (max(1, sum(per_batch)) * ranks),
         "ranks": ranks, "workers": workers, "batch": int(batch), "prefetch": shape.get("prefetch"),
         "handoff": quantile(waits, HANDOFF_QUANTILE) if workers > 0 else _div(c["collate_s"], c["collates"]),
-        "prep_time": prep, "worker_cpu_per_sample": worker_cpu,
+        "prep_time": prep, "worker_cpu_per_sample": worker_cpu, "read_cpu": _div(c["miss_read_cpu_s"], c["misses"]),
         "step_wall_s": sum(min(lp["records"][i][1] for lp in loops) for i in rows) / len(rows),
         "miss_overhead": _div(c["miss_get_s"] + c["miss_insert_s"], c["misses"]),
         "startup": float(job.get("setup_s") or 0.0) + first_iter,

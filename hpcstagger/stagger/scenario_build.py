@@ -40,7 +40,8 @@ def describe_job(f: Mapping[str, Any]) -> str:
             f"{f['sample_time'] * 1e3:.3f} ms/sample, handoff {f['handoff'] * 1e3:.2f} ms/batch, "
             f"start-up {f['startup']:.2f} s (epoch restart {f['epoch_start']:.2f} s), "
             f"order {f.get('order') or 'its own'}, "
-            f"prep {f['prep_time'] * 1e3:.3f} ms/sample, miss overhead {f['miss_overhead'] * 1e3:.3f} ms "
+            f"prep {f['prep_time'] * 1e3:.3f} ms/sample, a read's CPU {f.get('read_cpu', 0.0) * 1e3:.3f} ms, "
+            f"miss overhead {f['miss_overhead'] * 1e3:.3f} ms "
             f"({f['hits']} hits, {f['misses']} misses; stopped: {f['stopped']})"
             + (f"; memory {f['memory'] / 1e6:.0f} MB anonymous"
                + (f" ({f['memory_producer'] / 1e6:.0f} MB its shared loader's producer)"
@@ -157,7 +158,8 @@ def scenario_job(name: str, m: Mapping[str, Any], epochs: int) -> Job:
         return Job(name=name, sample_time=sample_time, epochs=epochs, loader_seen=False)
     return Job(name=name, sample_time=sample_time, epochs=epochs, ranks=m["ranks"], workers=m["workers"],
                batch=m["batch"], prefetch=m["prefetch"], handoff=m["handoff"], prep_time=m["prep_time"],
-               startup=m["startup"], epoch_start=m["epoch_start"], order=m.get("order", ""))
+               read_cpu=m.get("read_cpu", 0.0), startup=m["startup"], epoch_start=m["epoch_start"],
+               order=m.get("order", ""))
 
 
 def fit_baseline(jobs: Mapping[str, Mapping[str, Any]], curve: tuple[float, ...],

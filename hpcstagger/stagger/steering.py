@@ -19,7 +19,7 @@ progress (:mod:`~hpcstagger.colocated.progress`) and state. :meth:`Steering.deci
    times it as the page cache fills. Such a fit takes a window of a second at least, and none
    where the page cache served most of the window's reads (:data:`DEVICE_SHARE`);
 2. **fits each running job**: the factor on its CPU costs (``sample_time``, ``prep_time``,
-   ``handoff``) under which the model, with the source fitted and the job's loop started when it
+   ``read_cpu``, ``handoff``) under which the model, with the source fitted and the job's loop started when it
    really did, predicts the progress the job has made (:func:`~hpcstagger.model.runfit.fit_scale`).
    A job whose predicted progress does not fall as its costs grow (it follows another job through
    the cache: slowed down, it hits more) keeps its factor: the window cannot tell its costs (for the
