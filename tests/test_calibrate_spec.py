@@ -798,3 +798,14 @@ def test_a_level_whose_readers_never_overlap_is_kept_untrusted_and_the_level_bef
     curve, _, note = source_probe.combine_levels([one, two, short])
     assert two["window_s"] > 0 and two["bandwidth"] > 0
     assert curve[2] == curve[1] and "3 reader(s) (0.0 MB/s over 0.000 s)" in note, (curve, note)
+
+
+def test_a_reads_cpu_is_the_sources_for_every_job():
+    # jobs calibrated one after another share the calibration cache: the first one reads, the later
+    # ones hit; the read's CPU, the source's own work, is weighted by the misses that measured it
+    jobs = [{"misses": 300, "read_cpu": 0.0002}, {"misses": 100, "read_cpu": 0.0006}, {"misses": 0, "read_cpu": 0.0}]
+    assert S.source_read_cpu(jobs) == pytest.approx((300 * 0.0002 + 100 * 0.0006) / 400)
+    assert S.source_read_cpu([{"misses": 0, "read_cpu": 0.0}]) == 0.0 and S.source_read_cpu([]) == 0.0
+    m = {"route": "command", "ranks": 1, "workers": 2, "batch": 8, "prefetch": 2, "handoff": 0.001,
+         "prep_time": 0.0001, "read_cpu": 0.0, "startup": 1.0, "epoch_start": 0.0, "sample_time": 0.001}
+    assert S.scenario_job("mlp", m, 2, 0.0003).read_cpu == 0.0003 and S.scenario_job("mlp", m, 2).read_cpu == 0.0

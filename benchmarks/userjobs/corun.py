@@ -13,8 +13,8 @@ measures every job twice, in calibration mode (the measurement ``hpcstagger cali
   DataLoader workers, start-up) while it is measured.
 
 Per job it prints the step's CPU and wall milliseconds per sample, the workers' CPU per sample, the
-job's ``prep_time`` as calibration derives it (that CPU less the cache lookups), the share of the
-workers' samples that missed the cache (a miss's source read costs the worker CPU too), the
+job's ``prep_time`` as calibration derives it (that CPU less the cache lookups and the reads' CPU),
+the CPU of a source read (``read_cpu``), the share of the workers' samples that missed the cache, the
 handoff, the start-up and the batches measured, alone and beside the others, and their ratio; the rounds go to
 benchmarks/out/corun.json. The calibrated scenario models the cores as processor-shared among the
 tasks at their costs measured alone; a CPU ratio near 1 with a wall ratio well above it says that
@@ -47,7 +47,8 @@ from hpcstagger.spec import runenv  # noqa: E402
 from hpcstagger.spec.jobspec import Spec  # noqa: E402
 from hpcstagger.stagger.jobfields import job_fields, read_reports  # noqa: E402
 
-KEYS = ("step_cpu_ms", "step_wall_ms", "worker_cpu_ms", "prep_ms", "miss_pct", "handoff_ms", "startup_s", "batches")
+KEYS = ("step_cpu_ms", "step_wall_ms", "worker_cpu_ms", "prep_ms", "read_cpu_ms", "miss_pct", "handoff_ms",
+        "startup_s", "batches")
 
 
 def without_job(text: str, name: str) -> str:
@@ -78,7 +79,8 @@ def costs(directory: Path, name: str) -> dict[str, float]:
     fields = job_fields(name, rep["job"], rep["loops"], rep["samples"])
     return {"step_cpu_ms": 1e3 * sum(r[6] for r in rows) / n, "step_wall_ms": 1e3 * sum(r[1] for r in rows) / n,
             "worker_cpu_ms": 1e3 * fields["worker_cpu_per_sample"],
-            "prep_ms": 1e3 * fields["prep_time"], "miss_pct": 100.0 * misses / done if done else 0.0,
+            "prep_ms": 1e3 * fields["prep_time"], "read_cpu_ms": 1e3 * fields["read_cpu"],
+            "miss_pct": 100.0 * misses / done if done else 0.0,
             "handoff_ms": 1e3 * fields["handoff"], "startup_s": fields["startup"], "batches": len(rows)}
 
 

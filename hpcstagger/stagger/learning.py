@@ -52,7 +52,7 @@ from hpcstagger.model import Scenario
 from hpcstagger.model.source_probe import MAX_READERS, mem_available, page_cache_holds, source_files
 from hpcstagger.model.scenario import Dataset, Loader, Node, Storage
 from hpcstagger.nodeload import usable_cores
-from hpcstagger.stagger.scenario_build import scenario_cache, scenario_job
+from hpcstagger.stagger.scenario_build import scenario_cache, scenario_job, source_read_cpu
 
 __all__ = ["LOOK_S", "MAX_RUNS", "learned_path", "seed_path", "resolve", "with_scenario", "observed_runs",
            "counter_windows", "source_levels", "build_scenario", "clear_observations"]
@@ -278,10 +278,12 @@ def build_scenario(spec: Any, runs: Sequence[Mapping[str, Any]], seed: str | Non
     names = list(spec.job_names)
     comments: dict[str, str] = {}
     jobs, fetchers = [], 0
+    measured = {js.name: _job_measured(runs, js.name) for js in spec.jobs}
+    read_cpu = source_read_cpu(m for m in measured.values() if m is not None)
     for js in spec.jobs:
-        m = _job_measured(runs, js.name)
+        m = measured[js.name]
         if m is not None:
-            jobs.append(scenario_job(js.name, m, js.epochs))
+            jobs.append(scenario_job(js.name, m, js.epochs, read_cpu))
             comments[f"job.{js.name}"] = (f"measured in run {m['run']}: {m['sample_time'] * 1e3:.3f} ms/sample, "
                                           f"{m['workers']} worker(s), batch {m['batch']}, {m['ranks']} rank(s)")
             fetchers += int(m["ranks"]) * max(1, int(m["workers"]))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from typing import Any
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from hpcstagger import config
 from hpcstagger.errors import ConfigError
@@ -28,7 +28,7 @@ from hpcstagger.stagger.steering import MIN_READS
 from hpcstagger.stagger.jobfields import STEP_DRIFT_WARN
 
 __all__ = ["BASELINE_RANGE", "build_scenario", "describe_job", "fit_baseline", "jobs_memory", "scenario_cache",
-           "scenario_job", "source_note", "fold_miss_overhead"]
+           "scenario_job", "source_read_cpu", "source_note", "fold_miss_overhead"]
 
 BASELINE_RANGE = (0.5, 2.0)  # a fit baseline outside this is not a read pattern's: it is not used
 
@@ -40,8 +40,10 @@ def describe_job(f: Mapping[str, Any]) -> str:
             f"{f['sample_time'] * 1e3:.3f} ms/sample, handoff {f['handoff'] * 1e3:.2f} ms/batch, "
             f"start-up {f['startup']:.2f} s (epoch restart {f['epoch_start']:.2f} s), "
             f"order {f.get('order') or 'its own'}, "
-            f"prep {f['prep_time'] * 1e3:.3f} ms/sample, a read's CPU {f.get('read_cpu', 0.0) * 1e3:.3f} ms, "
-            f"miss overhead {f['miss_overhead'] * 1e3:.3f} ms "
+            f"prep {f['prep_time'] * 1e3:.3f} ms/sample, "
+            + (f"a read's CPU {f.get('read_cpu', 0.0) * 1e3:.3f} ms, " if f["misses"] else
+               "no source read (a read's CPU from the jobs that read), ")
+            + f"miss overhead {f['miss_overhead'] * 1e3:.3f} ms "
             f"({f['hits']} hits, {f['misses']} misses; stopped: {f['stopped']})"
             + (f"; memory {f['memory'] / 1e6:.0f} MB anonymous"
                + (f" ({f['memory_producer'] / 1e6:.0f} MB its shared loader's producer)"
@@ -150,16 +152,25 @@ def _partitioned(spec: Spec, cache: Cache, notes: dict[str, str]) -> Cache:
     return replace(cache, partitioned=True, nodes=1, remote_bandwidth=remote)
 
 
-def scenario_job(name: str, m: Mapping[str, Any], epochs: int) -> Job:
+def source_read_cpu(jobs: Iterable[Mapping[str, Any]]) -> float:
+    """The CPU seconds of one source read, over the jobs' calibrations that read from the source
+    (weighted by their misses): the source's own work, the same whichever job misses, and measured
+    only by the jobs that missed (one calibrated after another on a warm cache hits)."""
+    missed = [(float(m.get("misses") or 0), float(m.get("read_cpu") or 0.0)) for m in jobs]
+    total = sum(n for n, _ in missed)
+    return sum(n * c for n, c in missed) / total if total else 0.0
+
+
+def scenario_job(name: str, m: Mapping[str, Any], epochs: int, read_cpu: float | None = None) -> Job:
     """A job of the scenario from its measurement (a step factory's keeps the loader defaults, and
-    ``loader_seen = false``)."""
+    ``loader_seen = false``); ``read_cpu`` (:func:`source_read_cpu`) overrides the job's own."""
     sample_time = max(float(m["sample_time"]), 1e-9)
     if m["route"] == "step":  # its loader unseen: a plan makes no job wait on it
         return Job(name=name, sample_time=sample_time, epochs=epochs, loader_seen=False)
     return Job(name=name, sample_time=sample_time, epochs=epochs, ranks=m["ranks"], workers=m["workers"],
                batch=m["batch"], prefetch=m["prefetch"], handoff=m["handoff"], prep_time=m["prep_time"],
-               read_cpu=m.get("read_cpu", 0.0), startup=m["startup"], epoch_start=m["epoch_start"],
-               order=m.get("order", ""))
+               read_cpu=m.get("read_cpu", 0.0) if read_cpu is None else read_cpu, startup=m["startup"],
+               epoch_start=m["epoch_start"], order=m.get("order", ""))
 
 
 def fit_baseline(jobs: Mapping[str, Mapping[str, Any]], curve: tuple[float, ...],
@@ -266,10 +277,11 @@ def build_scenario(meas: dict[str, Any], spec: Spec, epochs: int | Mapping[str, 
     comments["node.jobs_memory"] = memory_note
     comments["dataset.sample_bytes"] = f"mean of {meas['preloaded']} samples read"
     jobs = []
+    read_cpu = source_read_cpu(m for m in meas["jobs"].values() if m["route"] == "command")
     for j in spec.jobs:
         m = meas["jobs"][j.name]
         n_epochs = (epochs.get(j.name, j.epochs) if isinstance(epochs, Mapping) else epochs) or j.epochs
-        jobs.append(scenario_job(j.name, m, int(n_epochs)))
+        jobs.append(scenario_job(j.name, m, int(n_epochs), read_cpu))
         comments[f"job.{j.name}"] = ("measured from its command: " + describe_job(m) if m["route"] == "command" else
                                      f"its step factory: {m['sample_time'] * 1e3:.3f} ms/sample over {m['calls']} "
                                      f"in-memory batches of {m['batch']}")
