@@ -326,7 +326,7 @@ class Meter:
     def __init__(self):
         self.samples = []
 
-    def sample(self, hit, nbytes, get_s, read_s, insert_s, transform_s):
+    def sample(self, hit, nbytes, get_s, read_s, insert_s, transform_s, read_cpu_s=0.0):
         self.samples.append((hit, nbytes))
 
 

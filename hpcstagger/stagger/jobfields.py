@@ -79,6 +79,25 @@ def _thirds(steps: Sequence[float]) -> tuple[float, float]:
     return quantile(steps[:k], 0.5), quantile(steps[-k:], 0.5)
 
 
+def _prep_time(c: Mapping[str, float], samples: Sequence[Mapping[str, Any]], workers: int,
+               counted: Mapping[str, Any]) -> tuple[float, float, bool]:
+    """``prep_time``, the workers' CPU per sample, and whether both came from the loop's own count."""
+    done = c["hits"] + c["misses"]
+    prep = _div(c["hit_transform_s"] + c["miss_transform_s"], done)
+    if workers > 0:
+        prep += _div(c["collate_s"], c["collate_samples"])
+    w = _sum_samples([x for x in samples if x.get("worker")])
+    w_done = w["hits"] + w["misses"]
+    worker_cpu = _div(w["cpu_s"], w_done)
+    if workers > 0 and w["cpu_s"] > 0 and w_done:
+        spent = w["hit_get_s"] + w["miss_get_s"] + w["miss_insert_s"] + w["miss_read_cpu_s"]
+        prep = max(0.0, worker_cpu - _div(spent, w_done))
+    from_workers = workers > 0 and not done and counted.get("samples", 0) > 0 and counted.get("cpu_s", 0) > 0
+    if from_workers:  # no CachedDataset counted the samples (an ImageFolder, say): the workers' CPU per sample
+        worker_cpu = prep = float(counted["cpu_s"]) / float(counted["samples"])
+    return prep, worker_cpu, from_workers
+
+
 def job_fields(name: str, job: Mapping[str, Any], loops: Sequence[Mapping[str, Any]],
                samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The scenario's fields for job ``name`` from its calibration files (see :func:`read_reports`).
@@ -96,12 +115,12 @@ def job_fields(name: str, job: Mapping[str, Any], loops: Sequence[Mapping[str, A
     - ``prep_time``: a worker's seconds per sample besides reading the bytes: with workers, their
       CPU seconds per sample less the lookups' and inserts' time and the reads' CPU (transform,
       collate, handing the batch over), or without CPU records the transform and the collate's
-      share; without workers the transform. A hit costs it as much as a miss;
+      share; without workers the transform. A hit costs it as much as a miss. Where no
+      CachedDataset counted samples (an ImageFolder over ``cache.file_loader()``, any other
+      Dataset), the DataLoader workers' CPU seconds per sample over the measured batches, as the
+      job's loop counted them (``worker_cpu`` in ``job.json``), reads and decode included;
     - ``read_cpu``: the CPU seconds of a read from the source in the process that misses (the
       source's own work: a file system's copies, a format's decoding of its container);
-      Where no CachedDataset counted samples (an ImageFolder over ``cache.file_loader()``, any
-      other Dataset), the DataLoader workers' CPU seconds per sample over the measured batches, as
-      the job's loop counted them (``worker_cpu`` in ``job.json``), reads and decode included;
     - ``miss_overhead``: what a miss costs besides the source's own read (the lookup and insert);
     - ``startup``: from the job's start (after its planned wait) to its loop's first batch request:
       its backend, model and DDP set-up, and starting the loader (``iter``, which spawns workers);
@@ -127,19 +146,7 @@ def job_fields(name: str, job: Mapping[str, Any], loops: Sequence[Mapping[str, A
     waits = [lp["records"][i][0] for lp in loops for i in rows]
     c = _sum_samples(samples)
     done = c["hits"] + c["misses"]
-    transform = _div(c["hit_transform_s"] + c["miss_transform_s"], done)
-    collate_per_sample = _div(c["collate_s"], c["collate_samples"])
-    prep = transform + (collate_per_sample if workers > 0 else 0.0)
-    w = _sum_samples([x for x in samples if x.get("worker")])
-    w_done = w["hits"] + w["misses"]
-    worker_cpu = _div(w["cpu_s"], w_done)
-    if workers > 0 and w["cpu_s"] > 0 and w_done:
-        spent = w["hit_get_s"] + w["miss_get_s"] + w["miss_insert_s"] + w["miss_read_cpu_s"]
-        prep = max(0.0, worker_cpu - _div(spent, w_done))
-    counted = job.get("worker_cpu") or {}
-    from_workers = workers > 0 and not done and counted.get("samples", 0) > 0 and counted.get("cpu_s", 0) > 0
-    if from_workers:  # no CachedDataset counted the samples (an ImageFolder, say): the workers' CPU per sample
-        worker_cpu = prep = float(counted["cpu_s"]) / float(counted["samples"])
+    prep, worker_cpu, from_workers = _prep_time(c, samples, workers, job.get("worker_cpu") or {})
     batch = shape.get("batch") or max(1, round(sum(per_batch) / len(per_batch)))
     first_iter = float((job.get("iter_s") or [0.0])[0])
     first, last = _thirds(steps)
