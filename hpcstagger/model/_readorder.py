@@ -85,8 +85,10 @@ class OrderState:
              lead: dict[int, tuple[int, float]]) -> None:
         """Coalescing reads: hold each racing follower to its leader's pace (:meth:`convoy`), unless
         reading on by itself it would go faster than its leader goes: then its lookups run ahead of
-        the leader's reads, it reads those samples itself and passes (``x``, ``m`` in place; ``U``,
-        ``v`` the counts before following, ``lead`` :meth:`leads` at ``U``)."""
+        the leader's reads, it reads those samples itself and passes, or, where the leader could
+        keep up with it on hits alone, the two go on together at its pace, reading each sample once
+        (``x``, ``m`` in place; ``U``, ``v`` the counts before following, ``lead`` :meth:`leads`
+        at ``U``)."""
         held = [j for j, (k, race) in lead.items() if race > 0.0 and x[j] > x[k]]
         if held:
             saved = (list(self.b), dict(self.m2), [list(sp) for sp in self.speed], list(self.last_m2))
@@ -106,7 +108,16 @@ class OrderState:
             self.swap_state = {key: (self.b, self.m2, self.speed, self.last_m2)}
             self.b, self.m2, self.speed, self.last_m2 = saved
             for j in held:
-                if xa[j] > PASS * x[lead[j][0]]:
+                k = lead[j][0]
+                if xa[j] <= PASS * x[k]:
+                    continue
+                if swapped.get(k) == (j, 1.0) and xa[k] >= xa[j]:
+                    # the leader, reading nothing, would keep up: the two go on as one convoy at
+                    # the passer's pace, each sample read once (the leader, ahead by position,
+                    # draws the reads); both reading on would read the same samples twice
+                    x[k], m[k] = xa[j], ma[j]
+                    x[j] = xa[j]
+                else:
                     x[j], m[j] = xa[j], ma[j]
                     lead = {i: kr for i, kr in lead.items() if i != j}
         self.convoy(x, U, lead)
