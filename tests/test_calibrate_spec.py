@@ -11,14 +11,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from hpcstagger.colocated import jobmeter as C
+from hpcstagger.measure import startup_again
 from hpcstagger.stagger import jobfields as F
 from hpcstagger.stagger import scenario_build as S
 from hpcstagger.errors import ModelError
@@ -175,25 +176,16 @@ def test_fit_baseline_pools_the_jobs_counted_reads():
 
 
 # ------------------------------------------------------------------------------- the early exit
-def _one_job_spec(tmp_path: Path) -> Path:
-    _dataset(tmp_path / "data.h5", 400)
+_TWO_RANKS = 'name = "ddp"\ncommand = "python calib_job.py"\nranks = 2\nbackend = "ddp"'
+
+
+def _one_job_spec(tmp_path: Path, job: str = _TWO_RANKS, samples: int = 400) -> Path:
+    """A spec of one job (its ``[[job]]`` lines ``job``) over an HDF5 file of ``samples`` samples."""
+    _dataset(tmp_path / "data.h5", samples)
     shutil.copy(JOB, tmp_path / "calib_job.py")
     spec = tmp_path / "spec.toml"
-    spec.write_text(textwrap.dedent("""
-        [run]
-        name = "early"
-        workdir = "work"
-        [dataset]
-        path = "data.h5"
-        name = "samples"
-        [cache]
-        capacity = "16MB"
-        [[job]]
-        name = "ddp"
-        command = "python calib_job.py"
-        ranks = 2
-        backend = "ddp"
-    """))
+    spec.write_text('[run]\nname = "early"\nworkdir = "work"\n[dataset]\npath = "data.h5"\nname = "samples"\n'
+                    f'[cache]\ncapacity = "16MB"\n[[job]]\n{job}\n')
     return spec
 
 
@@ -223,6 +215,40 @@ def test_a_two_rank_job_stops_together_with_status_0(tmp_path, shm_dir):
     assert list(reports.glob("samples.*.json")), "the workers' sample costs"
     assert [p for p in Path(shm_dir).iterdir() if p.name == "early-calibrate"]  # the private cache, not the run's
     assert not [p for p in Path(shm_dir).iterdir() if p.name == "early"]
+
+
+# ------------------------------------------------------------------------------- a start-up measured twice
+# (hpcstagger.measure.startup_again): the lesser kept, when the budget has the time
+@pytest.mark.timeout(240)
+def test_a_start_up_slowed_once_is_measured_again_and_the_lesser_is_the_scenarios(tmp_path, shm_dir):
+    _one_job_spec(tmp_path, 'name = "slow"\ncommand = "python calib_job.py --workers 1 --batch 16 '
+                  '--slow-first-start first-start.txt"\nepochs = 2', samples=600)
+    res = run_cli("calibrate", "--spec", "spec.toml", "--budget", "30", "-o", "scenario.toml", "--json",
+                  env=cli_env(HPCSTAGGER_SHM_ROOT=shm_dir), cwd=tmp_path, timeout=200)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (tmp_path / "first-start.txt").exists()  # the first start was the slowed one
+    job = json.loads(res.stdout)["measurements"]["jobs"]["slow"]
+    assert job["startup_first"] >= 2.0, job  # its 2 s sleep
+    assert job["startup_again"] < job["startup_first"] - 1.0, job
+    assert job["startup"] == job["startup_again"]
+    sc = Scenario.from_toml(tmp_path / "scenario.toml")
+    assert sc.jobs[0].startup == pytest.approx(job["startup_again"], abs=1e-6)
+    assert "calibrate: job slow: start-up again" in res.stderr
+    assert [p.name for p in Path(shm_dir).rglob("*") if p.is_file()] == []
+
+
+def test_without_the_time_left_each_jobs_one_measurement_stands():
+    said: list[str] = []
+    fields = {"route": "command", "startup": 2.5}
+    run = SimpleNamespace(spec=SimpleNamespace(jobs=[SimpleNamespace(name="a")]), budget=60.0,
+                          left=lambda: 0.3 * 60.0, say=said.append)
+    assert startup_again.measure_again(run, {"jobs": {"a": fields}}) == []
+    assert fields == {"route": "command", "startup": 2.5}
+    assert len(said) == 1 and "no time left to measure the jobs' start-ups again" in said[0]
+    # a job timed as a step factory, or one measured again already (a resumed calibration), is not run again
+    run.left = lambda: 60.0
+    for f in ({"route": "step", "startup": 0.0}, {"route": "command", "startup": 1.0, "startup_again": 1.0}):
+        assert startup_again.measure_again(run, {"jobs": {"a": dict(f)}}) == []
 
 
 # ------------------------------------------------------------------------------- in one process

@@ -10,29 +10,29 @@ the summary and the scenario):
    bytes one read in a random order brings into it (:mod:`~hpcstagger.model.readahead`).
 2. **The source with one reader**, on fresh samples with the files' pages dropped; the reader puts
    what it reads into the private calibration cache, so that the jobs see hits and misses.
-3. **Each job, one at a time, alone, with its ranks**: its own command, the way ``hpcstagger
-   launch`` starts it (:func:`~hpcstagger.colocated.launch.mpmd_command`), in calibration mode
-   (``HPCSTAGGER_CALIBRATE``; see :mod:`hpcstagger.colocated.jobmeter`): the job measures its
-   real loop through ``session.loader(loader)`` and stops itself, with status 0, once it has
-   enough batches or has used its share of the time. The calibration cache counts the job's
-   source reads in flight meanwhile (:func:`fit_baseline`). Jobs given a step factory (``--job``)
-   are timed on samples in memory instead (:func:`~hpcstagger.model.calibrate.time_steps`).
+3. **Each job, one at a time, alone, with its ranks**: its own command, the way ``hpcstagger launch``
+   starts it (:func:`~hpcstagger.colocated.launch.mpmd_command`), in calibration mode
+   (``HPCSTAGGER_CALIBRATE``; see :mod:`hpcstagger.colocated.jobmeter`): the job measures its real loop
+   through ``session.loader(loader)`` and stops itself, with status 0, once it has enough batches or has
+   used its share of the time. The calibration cache counts the job's source reads in flight meanwhile
+   (:func:`fit_baseline`). Jobs given a step factory (``--job``) are timed on samples in memory instead
+   (:func:`~hpcstagger.model.calibrate.time_steps`). Then, while the budget allows, each job's start-up
+   once more, the lesser of the two kept (:mod:`~hpcstagger.measure.startup_again`).
 4. **The source with 2 .. K readers**, K being the most reads the jobs can have in flight (the sum
    over jobs of ranks x max(workers, 1)), at most :data:`~hpcstagger.model.source_probe.MAX_READERS`;
    then every level 1 .. K again, and once more each level whose two measurements differ by more
    than :data:`~hpcstagger.model.source_probe.SPREAD_LIMIT`. For a small file source these levels
    read samples again with their pages dropped (see :func:`~hpcstagger.model.source_probe.measure_levels`).
-5. **The scenario**: each job's loader shape and costs, the source curve (with the cost a miss adds
-   in the jobs, its lookup and insert, folded in as ``scenario_for`` does), and the cache; when the
-   page cache holds the dataset, the cache is the page cache: the whole dataset, hit at the slower
-   of the page cache's and the ShmCache's bandwidth. A partitioned ``[cache]`` is written
-   partitioned, with ``nodes = 1`` (a run plans with the nodes it spans) and the
-   ``cache_remote_bandwidth`` knob as ``remote_bandwidth``, commented as not measured: every
-   measurement here runs in this one process on one node, and a job's DataLoader workers cannot
-   read another node's cache, so no remote hit is measured. ``[storage] fit_baseline`` is what the
-   jobs' counted reads got of the source curve; the closed-loop watcher's fits are relative to it.
-   Every value is commented with how it
-   was measured (:mod:`~hpcstagger.stagger.scenario_build`), and the reports stay in ``<workdir>/calibrate/<time>/``.
+5. **The scenario**: each job's loader shape and costs, the source curve (with the cost a miss adds in
+   the jobs, its lookup and insert, folded in as ``scenario_for`` does), and the cache; when the page
+   cache holds the dataset, the cache is the page cache: the whole dataset, hit at the slower of the
+   page cache's and the ShmCache's bandwidth. A partitioned ``[cache]`` is written partitioned, with
+   ``nodes = 1`` (a run plans with the nodes it spans) and the ``cache_remote_bandwidth`` knob as
+   ``remote_bandwidth``, commented as not measured: every measurement here runs in this one process on
+   one node, and a job's DataLoader workers cannot read another node's cache, so no remote hit is
+   measured. ``[storage] fit_baseline`` is what the jobs' counted reads got of the source curve; the
+   closed-loop watcher's fits are relative to it. Every value is commented with how it was measured
+   (:mod:`~hpcstagger.stagger.scenario_build`), and the reports stay in ``<workdir>/calibrate/<time>/``.
 
 Each job's measurement and each source level is kept the moment it is taken, in ``<out>.partial/``
 (:mod:`~hpcstagger.measure.saved_parts`): the same call after a failure or an interrupt measures only what is
@@ -66,6 +66,7 @@ from hpcstagger.spec import runenv
 from hpcstagger.stagger.scenario_build import (BASELINE_RANGE, build_scenario, describe_job, fit_baseline,
                                                scenario_cache, scenario_job)
 from hpcstagger.measure.saved_parts import SavedParts, partial_dir
+from hpcstagger.measure.startup_again import measure_again as startups_again
 from hpcstagger.colocated.jobmeter import GRACE_S, calibration_spec
 from hpcstagger.stagger.jobfields import job_fields, read_reports
 from hpcstagger.colocated.launch import mpmd_command, run_group
@@ -75,8 +76,7 @@ from hpcstagger.cache import ShmCache
 
 log = logging.getLogger(__name__)
 
-# fit_baseline, scenario_cache, scenario_job and usable_cores live in .calibrate_scenario and
-# hpcstagger.nodeload; they are named here too for the callers that import them from this module
+# names from scenario_build and nodeload, kept here for the callers that import them from this module
 __all__ = ["BASELINE_RANGE", "calibrate_spec", "fit_baseline", "load_line", "scenario_cache", "scenario_job",
            "usable_cores"]
 
@@ -98,7 +98,7 @@ class _Run:
         self.spec, self.steps, self.budget, self.readers = spec, dict(steps), budget, readers
         self.batch, self.mpiexec, self.seed, self.bar = batch, mpiexec, seed, bar
         self.t_start = time.monotonic()
-        self.parts = SavedParts(kept, spec, fresh=fresh, say=self._say)
+        self.parts = SavedParts(kept, spec, fresh=fresh, say=self.say)
         self.unmeasured: list[str] = []  # jobs that never called session.loader
         self.reports = _new_dir(Path(spec.run.workdir) / "calibrate" / time.strftime("%Y%m%d-%H%M%S"))
         self.twin = calibration_spec(spec, str(self.reports))
@@ -113,7 +113,7 @@ class _Run:
         self.held: list[tuple[str, bytes]] = []
         self.pool: SamplePool | None = None
 
-    def _say(self, message: str) -> None:
+    def say(self, message: str) -> None:
         """A progress line on stderr, above the bar."""
         if not self.bar.disable:
             self.bar.write(message, file=sys.stderr)
@@ -156,6 +156,7 @@ class _Run:
                               "(session = hpcstagger.init()) and run the same command again"
                               + (f"; the other measurements are kept in {self.parts.directory}"
                                  if self.parts.directory else ""))
+        startups_again(self, meas)
         self._later_levels(meas)
         return meas
 
@@ -203,7 +204,7 @@ class _Run:
             fresh = [i for i in rng.sample(range(self.n), min(self.n, want + len(seen))) if i not in seen]
             info["readahead"] = readahead_factor(self.source, fresh[:max(8, want)], 2 * seconds,
                                                  seed=self.seed, dataset=(self.n, total))
-            self._say(f"calibrate: the dataset ({total / 1e6:.0f} MB) is below half of the node's available "
+            self.say(f"calibrate: the dataset ({total / 1e6:.0f} MB) is below half of the node's available "
                            f"memory ({(available or 0) / 1e6:.0f} MB): the page cache keeps it once read, so the "
                            "scenario's cache is the whole dataset")
         return info
@@ -241,17 +242,17 @@ class _Run:
             return time.monotonic() > loopless and not (directory / "job.json").exists()
 
         before = self._reads(share + GRACE_S + _KILL_S)
-        env = self._env(job, directory, time.time() + share - _EXIT_S)
+        env = self.job_env(job, directory, time.time() + share - _EXIT_S)
         root = str(config.get("shm_root", {**env, **job.env}))  # its shared loader's detached producer: followed too
         memory = nodeload.PeakMemory(adopted=lambda pids: producers_of(pids, root))
         with open(directory / "output.log", "wb") as out:
-            rc = run_group(self._argv(job), env, os.path.dirname(self.spec.path) or ".", share + GRACE_S + _KILL_S,
+            rc = run_group(self.command(job), env, os.path.dirname(self.spec.path) or ".", share + GRACE_S + _KILL_S,
                            output=out, stop_when=no_loop, memory=memory)
         after = self._reads(0.0)
         reports = read_reports(str(directory))
         if reports["job"] is None and rc in (0, 124):
             how = "ended" if rc == 0 else f"ran {time.monotonic() - started:.0f} s (stopped)"
-            self._say(f"calibrate: job {job.name} {how} without calling session.loader(...), so calibration cannot "
+            self.say(f"calibrate: job {job.name} {how} without calling session.loader(...), so calibration cannot "
                       "measure its loop: add 'for batch in session.loader(loader):' around its DataLoader "
                       f"(output: {directory / 'output.log'})")
             self.unmeasured.append(job.name)
@@ -269,7 +270,7 @@ class _Run:
         if before is not None and after is not None:  # its source reads, counted in flight
             fields["source_reads"] = {"bytes": after[0] - before[0], "seconds": after[1] - before[1],
                                       "flight": [max(0.0, b - a) for a, b in zip(before[2], after[2], strict=True)]}
-        self._say(f"calibrate: job {job.name}: {describe_job(fields)}")
+        self.say(f"calibrate: job {job.name}: {describe_job(fields)}")
         self.bar.update(1)
         return fields
 
@@ -285,17 +286,17 @@ class _Run:
             nbytes, seconds = self.cache.read_counters()
             return nbytes, seconds, self.cache.flight_seconds()
         except CacheError as exc:
-            self._say(f"calibrate: the cache cannot count the jobs' source reads: {exc}")
+            self.say(f"calibrate: the cache cannot count the jobs' source reads: {exc}")
             return None
 
-    def _argv(self, job: JobSpec) -> list[str]:
+    def command(self, job: JobSpec) -> list[str]:
         exe = self.mpiexec or shutil.which("mpiexec") or shutil.which("mpiexec", path=os.path.dirname(sys.executable))
         if not exe:
             raise LaunchError("no mpiexec on PATH to run the jobs' commands; install an MPI (pip install mpich) or "
                               "load your site's MPI module")
         return mpmd_command(self.spec, mpiexec=exe, jobs=[job.name])
 
-    def _env(self, job: JobSpec, directory: Path, until: float) -> dict[str, str]:
+    def job_env(self, job: JobSpec, directory: Path, until: float) -> dict[str, str]:
         env = {**os.environ, runenv.SPEC: self.spec.path, runenv.CALIBRATE: str(directory),
                runenv.CALIBRATE_UNTIL: f"{until:.3f}", runenv.RUN_DIR: str(directory / "status"), runenv.ONLY: job.name}
         env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
@@ -312,7 +313,7 @@ class _Run:
         top = self.readers or min(fetchers, MAX_READERS)
         if self.readers is None and fetchers > MAX_READERS:
             meas["reader_cap"] = MAX_READERS
-            self._say(f"calibrate: the jobs can have {fetchers} reads in flight; the source is measured with up "
+            self.say(f"calibrate: the jobs can have {fetchers} reads in flight; the source is measured with up "
                            f"to {MAX_READERS} readers (the cap), and the scenario's last value holds beyond")
         tops = reader_levels(max(1, top), max(1, top))
         meas["source"] = [m for m in meas["source"] if int(m["readers"]) <= top]
@@ -331,17 +332,17 @@ class _Run:
         room = int(max(0.0, self.left() - 0.5) // (extra[len(extra) // 2] + _AGAIN_S))
         if len(again) > room:
             skipped, again = again[room:], again[:room]
-            self._say(f"calibrate: the source's two measurements with {', '.join(map(str, skipped))} reader(s) "
+            self.say(f"calibrate: the source's two measurements with {', '.join(map(str, skipped))} reader(s) "
                       f"differ by more than {SPREAD_LIMIT * 100:.0f}%, and the budget has no time left to measure "
                       "them once more: their two measurements stand (a larger --budget gives longer windows)")
         if again:
-            self._say(f"calibrate: the source's two measurements with {', '.join(map(str, again))} reader(s) "
+            self.say(f"calibrate: the source's two measurements with {', '.join(map(str, again))} reader(s) "
                       f"differ by more than {SPREAD_LIMIT * 100:.0f}%: measuring them once more")
             self.bar.total += len(again)
             try:
                 self._levels(meas, again, max(0.3 * len(again), self.left() - 0.5))
             except ModelError as exc:  # the third round is a check: without it, the two measurements stand
-                self._say(f"calibrate: the source was not measured a third time ({exc}); its two measurements "
+                self.say(f"calibrate: the source was not measured a third time ({exc}); its two measurements "
                           "per reader count stand")
                 again = [k for k in again if _missing(meas["source"], [k], 3) == []]
         meas["measured_again"] = again
@@ -438,16 +439,15 @@ def calibrate_spec(spec: Spec, *, steps: Mapping[str, Callable[[list[bytes]], An
                    cores: float | None = None, fresh: bool = False) -> Calibration:
     """Measure the scenario of ``spec`` from its jobs' own commands (see the module docstring).
 
-    ``steps`` times some jobs with a step factory instead (name -> ``step(samples)``, on in-memory
-    batches of ``batch``). ``budget`` defaults to the ``calibrate_budget`` knob (60 s); ``readers``
-    overrides the levels measured (1 .. K); ``epochs``, ``capacity`` and ``policy`` override the
-    spec's. ``cores`` is the scenario's ``[node] cores`` (default :func:`usable_cores`; 0: CPU
-    sharing not modelled). With ``out`` (checked before anything is measured) the scenario is
-    written there atomically, and every part measured is kept in ``out.partial/`` as it is taken
-    (:mod:`~hpcstagger.measure.saved_parts`): the same call after a failure or an interrupt measures only what is
-    missing; ``fresh`` drops the kept parts first. Raises ConfigError for a bad spec or output path,
-    or a job that never calls ``session.loader``, LaunchError without mpiexec, and ModelError when
-    a job's command or a measurement fails.
+    ``steps`` times some jobs with a step factory instead (name -> ``step(samples)``, on in-memory batches of
+    ``batch``). ``budget`` defaults to the ``calibrate_budget`` knob (60 s); ``readers`` overrides the levels
+    measured (1 .. K); ``epochs``, ``capacity`` and ``policy`` override the spec's. ``cores`` is the scenario's
+    ``[node] cores`` (default :func:`usable_cores`; 0: CPU sharing not modelled). With ``out`` (checked before
+    anything is measured) the scenario is written there atomically, and every part measured is kept in
+    ``out.partial/`` as it is taken (:mod:`~hpcstagger.measure.saved_parts`): the same call after a failure or
+    an interrupt measures only what is missing; ``fresh`` drops the kept parts first. Raises ConfigError for a
+    bad spec or output path, or a job that never calls ``session.loader``, LaunchError without mpiexec, and
+    ModelError when a job's command or a measurement fails.
     """
     t_start = time.monotonic()
     budget = float(config.get("calibrate_budget") if budget is None else budget)
@@ -470,7 +470,7 @@ def calibrate_spec(spec: Spec, *, steps: Mapping[str, Callable[[list[bytes]], An
     try:
         run = _Run(spec, steps or {}, budget=budget, readers=readers, batch=int(batch), mpiexec=mpiexec, seed=seed,
                    bar=bar, kept=kept, fresh=fresh)
-        load = _node_load(run._say)
+        load = _node_load(run.say)
         meas = run.measure()
     except KeyboardInterrupt:
         if kept is not None and kept.exists():

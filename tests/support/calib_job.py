@@ -1,7 +1,7 @@
 """A small torch training job written the usual way, for the calibration tests (run as a script).
 
     python calib_job.py [--workers W] [--batch B] [--epochs E] [--forever] [--out DIR] [--count FILE]
-        [--no-loader] [--step-sleep S]
+        [--no-loader] [--step-sleep S] [--slow-first-start FILE]
 
 It joins the run (``hpcstagger.init``), reads the spec's dataset through ``CachedDataset`` over the
 spec's cache, shards it with a DistributedSampler, loads it with a DataLoader (W workers, batches
@@ -12,6 +12,8 @@ its loop ends (a calibration's early exit never gets there). With ``--count`` ea
 line to FILE as it starts (how often the job was launched). With ``--no-loader`` it iterates its
 DataLoader directly, never through ``session.loader``, as a job not yet adapted would. With
 ``--step-sleep S`` each step takes S seconds longer (a slower job, for a test that acts while it runs).
+With ``--slow-first-start FILE`` its start-up takes 2 s longer when FILE does not exist yet, and
+FILE is made then: a start slowed once, as on a node whose speed varies.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def main() -> None:
     p.add_argument("--count", default="")
     p.add_argument("--no-loader", action="store_true")
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--slow-first-start", default="")
     args = p.parse_args()
     if args.count:
         with open(args.count, "a") as f:
@@ -63,6 +66,10 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     session.wait()
     session.start_backend()
+    if args.slow_first_start and session.rank == 0 and not os.path.exists(args.slow_first_start):
+        with open(args.slow_first_start, "w") as f:
+            f.write("slowed\n")
+        time.sleep(2.0)
     net = torch.nn.parallel.DistributedDataParallel(model) if session.backend == "ddp" else model
     epochs = 10**9 if args.forever else (args.epochs or session.spec.job(session.job).epochs)
     steps = 0
