@@ -244,7 +244,7 @@ def test_without_the_time_left_each_jobs_one_measurement_stands():
                           left=lambda: 0.3 * 60.0, say=said.append)
     assert startup_again.measure_again(run, {"jobs": {"a": fields}}) == []
     assert fields == {"route": "command", "startup": 2.5}
-    assert len(said) == 1 and "no time left to measure the jobs' start-ups again" in said[0]
+    assert len(said) == 1 and "no time left to measure the start-up of a again" in said[0]
     # a job timed as a step factory, or one measured again already (a resumed calibration), is not run again
     run.left = lambda: 60.0
     for f in ({"route": "step", "startup": 0.0}, {"route": "command", "startup": 1.0, "startup_again": 1.0}):

@@ -13,8 +13,9 @@ of two measurements taken apart is the better estimate of the work.
 time already spent, so that the job's loop meter stops it, with status 0 on every rank, at its
 first batch; the job's start-up is the lesser of the two. The jobs go in reverse order, so that
 the first job measured is measured again last, furthest in time from its first measurement. It
-runs only while at least :data:`LEFT_SHARE` of the budget is left after the jobs' runs, so that
-the source's later levels keep most of their time; a job run again costs its process start
+runs a job only while at least :data:`LEFT_SHARE` of the budget would be left after it (its cost
+guessed as its start-up and :data:`START_S`, then as the longest run again so far), so that the
+source's later levels keep their time; a job run again costs its process start
 (interpreter, imports), its start-up and its first batch: about 5 s a job on the 2-core VM, time
 the later levels then do without (their windows are shorter, and fewer disagreeing levels are
 measured a third time).
@@ -32,7 +33,8 @@ from hpcstagger.stagger.jobfields import read_reports
 
 __all__ = ["LEFT_SHARE", "measure_again"]
 
-LEFT_SHARE = 0.35  # the share of the budget that must be left before a job's start-up is measured again
+LEFT_SHARE = 0.35  # the share of the budget that must be left after a job's start-up is measured again
+START_S = 3.0      # a process start (interpreter, imports, MPI) and exit: a first guess at a run again's cost
 _LIMIT_S = 120.0   # a job run again that has not ended by then is stopped (its first measurement stands)
 
 
@@ -44,19 +46,22 @@ def measure_again(run: Any, meas: dict[str, Any]) -> list[str]:
             if (meas["jobs"].get(j.name) or {}).get("route") == "command"
             and "startup_again" not in meas["jobs"][j.name]]
     done: list[str] = []
-    if not jobs:
-        return done
-    if run.left() < LEFT_SHARE * run.budget:
-        run.say(f"calibrate: no time left to measure the jobs' start-ups again ({run.left():.0f} s of the "
-                 f"budget left, {LEFT_SHARE * run.budget:.0f} s needed): each job's one measurement stands")
-        return done
-    run.bar.total += len(jobs)
-    run.bar.refresh()
-    for job in jobs:
-        if run.left() < LEFT_SHARE * run.budget:
-            break
+    cost = 0.0  # the longest run again so far
+    for k, job in enumerate(jobs):
         fields = meas["jobs"][job.name]
+        need = LEFT_SHARE * run.budget + max(cost, float(fields["startup"]) + START_S)
+        if run.left() < need:
+            run.say(f"calibrate: no time left to measure the start-up of {', '.join(j.name for j in jobs[k:])} "
+                    f"again ({run.left():.0f} s of the budget left, {need:.0f} s needed): one measurement stands")
+            if k:
+                run.bar.total -= len(jobs) - k
+            break
+        if k == 0:
+            run.bar.total += len(jobs)
+            run.bar.refresh()
+        t0 = time.monotonic()
         again = _startup_once(run, job)
+        cost = max(cost, time.monotonic() - t0)
         run.bar.update(1)
         if again is None:
             continue
