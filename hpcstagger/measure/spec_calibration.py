@@ -253,8 +253,8 @@ class _Run:
         if reports["job"] is None and rc in (0, 124):
             how = "ended" if rc == 0 else f"ran {time.monotonic() - started:.0f} s (stopped)"
             self.say(f"calibrate: job {job.name} {how} without calling session.loader(...), so calibration cannot "
-                      "measure its loop: add 'for batch in session.loader(loader):' around its DataLoader "
-                      f"(output: {directory / 'output.log'})")
+                     "measure its loop: add 'for batch in session.loader(loader):' around its DataLoader "
+                     f"(output: {directory / 'output.log'})")
             self.unmeasured.append(job.name)
             self.bar.update(1)
             return None
@@ -333,17 +333,17 @@ class _Run:
         if len(again) > room:
             skipped, again = again[room:], again[:room]
             self.say(f"calibrate: the source's two measurements with {', '.join(map(str, skipped))} reader(s) "
-                      f"differ by more than {SPREAD_LIMIT * 100:.0f}%, and the budget has no time left to measure "
-                      "them once more: their two measurements stand (a larger --budget gives longer windows)")
+                     f"differ by more than {SPREAD_LIMIT * 100:.0f}%, and the budget has no time left to measure "
+                     "them once more: their two measurements stand (a larger --budget gives longer windows)")
         if again:
             self.say(f"calibrate: the source's two measurements with {', '.join(map(str, again))} reader(s) "
-                      f"differ by more than {SPREAD_LIMIT * 100:.0f}%: measuring them once more")
+                     f"differ by more than {SPREAD_LIMIT * 100:.0f}%: measuring them once more")
             self.bar.total += len(again)
             try:
                 self._levels(meas, again, max(0.3 * len(again), self.left() - 0.5))
             except ModelError as exc:  # the third round is a check: without it, the two measurements stand
                 self.say(f"calibrate: the source was not measured a third time ({exc}); its two measurements "
-                          "per reader count stand")
+                         "per reader count stand")
                 again = [k for k in again if _missing(meas["source"], [k], 3) == []]
         meas["measured_again"] = again
 

@@ -69,7 +69,7 @@ def measure_again(run: Any, meas: dict[str, Any]) -> list[str]:
         fields.update(startup_first=first, startup_again=again, startup=min(first, again))
         run.parts.save_job(job, fields)
         run.say(f"calibrate: job {job.name}: start-up again {again:.2f} s (first {first:.2f} s): "
-                 f"{min(first, again):.2f} s kept")
+                f"{min(first, again):.2f} s kept")
         done.append(job.name)
     return done
 
@@ -86,6 +86,6 @@ def _startup_once(run: Any, job: Any) -> float | None:
     report = read_reports(str(directory))["job"]
     if rc != 0 or not report or report.get("setup_s") is None:
         run.say(f"calibrate: job {job.name}: its start-up was not measured again (exit status {rc}; output: "
-                 f"{directory / 'output.log'}); its first measurement stands")
+                f"{directory / 'output.log'}); its first measurement stands")
         return None
     return float(report["setup_s"]) + float((report.get("iter_s") or [0.0])[0])
