@@ -382,7 +382,7 @@ def test_the_third_round_fits_in_what_the_budget_has_left(tmp_path, shm_dir, mon
             decided.append(time.monotonic() - t0)
         said.append(message)
 
-    monkeypatch.setattr(sc_mod._Run, "_say", say)
+    monkeypatch.setattr(sc_mod._Run, "say", say)
     t0 = time.monotonic()
     cal = sc_mod.calibrate_spec(Spec.from_toml(spec_path), budget=16, readers=8, out=tmp_path / "scenario.toml",
                                 progress=False)
