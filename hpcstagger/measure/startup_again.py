@@ -29,7 +29,7 @@ from typing import Any
 
 from hpcstagger.colocated.jobmeter import GRACE_S
 from hpcstagger.colocated.launch import run_group
-from hpcstagger.stagger.jobfields import read_reports
+from hpcstagger.stagger.jobfields import read_reports, startup_of
 
 __all__ = ["LEFT_SHARE", "measure_again"]
 
@@ -88,4 +88,4 @@ def _startup_once(run: Any, job: Any) -> float | None:
         run.say(f"calibrate: job {job.name}: its start-up was not measured again (exit status {rc}; output: "
                 f"{directory / 'output.log'}); its first measurement stands")
         return None
-    return float(report["setup_s"]) + float((report.get("iter_s") or [0.0])[0])
+    return startup_of(report)

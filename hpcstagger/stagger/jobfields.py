@@ -17,7 +17,7 @@ from hpcstagger import _io
 from hpcstagger.errors import ModelError
 
 __all__ = ["SAMPLE_FIELDS", "HANDOFF_QUANTILE", "PROBE_EVERY", "STEP_DRIFT_WARN", "read_reports", "job_fields",
-           "quantile"]
+           "quantile", "startup_of"]
 
 PROBE_EVERY = 4         # every 4th measured batch is fetched when it is surely ready: a pure handoff
 HANDOFF_QUANTILE = 0.10
@@ -40,6 +40,12 @@ def read_reports(directory: str) -> dict[str, Any]:
     loops = [x for x in (load(n) for n in names if n.startswith("loop.") and n.endswith(".json")) if x]
     samples = [x for x in (load(n) for n in names if n.startswith("samples.") and n.endswith(".json")) if x]
     return {"job": load("job.json"), "loops": sorted(loops, key=lambda x: x["rank"]), "samples": samples}
+
+
+def startup_of(job: Mapping[str, Any]) -> float:
+    """A job's start-up from its ``job.json`` report: its set-up before its loop's first pass, and
+    that pass's ``iter`` (starting the loader's workers)."""
+    return float(job.get("setup_s") or 0.0) + float((job.get("iter_s") or [0.0])[0])
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -157,7 +163,7 @@ def job_fields(name: str, job: Mapping[str, Any], loops: Sequence[Mapping[str, A
         "prep_time": prep, "worker_cpu_per_sample": worker_cpu, "read_cpu": _div(c["miss_read_cpu_s"], c["misses"]),
         "step_wall_s": sum(min(lp["records"][i][1] for lp in loops) for i in rows) / len(rows),
         "miss_overhead": _div(c["miss_get_s"] + c["miss_insert_s"], c["misses"]),
-        "startup": float(job.get("setup_s") or 0.0) + first_iter,
+        "startup": startup_of(job),
         "epoch_start": first_iter if workers > 0 and not shape.get("persistent") else 0.0,
         "order": str(shape.get("order") or ""),
         "batches": len(rows), "step_s": sum(steps) / len(steps), "wait_median_s": quantile(waits, 0.5),
