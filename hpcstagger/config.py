@@ -171,6 +171,9 @@ _KNOB_LIST: list[Knob] = [
          "within this fraction of it, that stagger's waiting job is held until the run shows whether "
          "starting it at once was right; a stagger shorter than the run's first evidence is held that "
          "long where the model predicts that costs at most this fraction (0: never hold)"),
+    Knob("plan_park", bool, True,
+         "a job plan_guard holds waits at its loop's first batch (session.loader), set up meanwhile, so that "
+         "its release starts its loop at once (0: it waits in hpcstagger.init, before its set-up)"),
     Knob("steer_interval", float, 1.0,
          "seconds between the closed-loop watcher's re-fits of the model while jobs wait for release"),
     Knob("steer_min_gain", float, 0.01,

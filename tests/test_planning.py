@@ -346,6 +346,16 @@ def test_a_barely_simultaneous_plan_holds_the_stagger_and_lets_the_closed_loop_d
     assert plan(steer=False)["delays"] == {"a": 0.0, "b": 0.0}
     assert plan(max_delay=1.0)["delays"] == {"a": 0.0, "b": 0.0}  # a hold of 1 s is shorter than any evidence
     assert plan(entries=2000)["delays"] == {"a": 0.0, "b": 0.0}
+    # jobs that take 0.4 s to set up: the held one waits at its first batch, its hold and prior
+    # the time its loop may begin (its start-up later than the model's delays)
+    (tmp_path / "io.toml").write_text(IO_SCENARIO.replace("[2.0e7, 8.0e6]", "[2.0e7, 2.0e7]").replace(
+        "sample_time = 0.0005", "sample_time = 0.0005\nstartup = 0.4").replace(
+        "sample_time = 0.001", "sample_time = 0.001\nstartup = 0.4"))
+    parked = plan()
+    assert parked["steer"]["park"] == ["b"] and parked["steer"]["prior"] == {"a": 0.0, "b": 0.4}
+    assert parked["delays"]["a"] == 0.0 and parked["delays"]["b"] > 1.9
+    assert "b's loop up to +" in parked["steer"]["guard"] and "at its first batch" in parked["steer"]["guard"]
+    assert parked["simultaneous_reason"].startswith("a simultaneous start, guarded: ")
     monkeypatch.setenv("HPCSTAGGER_PLAN_GUARD", "0")
     off = plan()
     assert off["delays"] == {"a": 0.0, "b": 0.0} and "steer" not in off
@@ -371,13 +381,8 @@ SHORT_SCENARIO = textwrap.dedent("""
 """)
 
 
-def test_a_stagger_shorter_than_the_first_evidence_is_held_until_the_run_shows_it(tmp_path, monkeypatch):
-    """The model plans a stagger that ends before the run can show whether it was right (the first
-    job's start-up, the watcher's warm-up and one re-fit): the closed loop would have nothing to
-    act on. Where the model's curve is flat out to the first evidence (within plan_guard), mode
-    plan holds the late job until then, with the model's delay as the watcher's prior; where the
-    curve rises past plan_guard, or in mode open, with steer = false or plan_guard 0, the plan's
-    own delays stand."""
+def _short_planner(tmp_path, monkeypatch):
+    """plan(sample_a, sample_b, startup, mode="plan", **plan_table) on SHORT_SCENARIO, as a dictionary."""
     monkeypatch.setenv("HPCSTAGGER_PLAN_JITTER", "0")
     monkeypatch.setenv("HPCSTAGGER_PLAN_REPLAY", "0")
     monkeypatch.delenv("HPCSTAGGER_PLAN_GUARD", raising=False)
@@ -390,6 +395,53 @@ def test_a_stagger_shorter_than_the_first_evidence_is_held_until_the_run_shows_i
                               base_dir=tmp_path)
         return plan_run(spec, ["a", "b"], {}, mode, PlanInputs(cache_state={"entries": 0, "bytes": 0})).to_dict()
 
+    return plan
+
+
+def test_a_short_stagger_is_held_at_the_first_batch_where_its_loop_would_begin_past_the_first_evidence(
+        tmp_path, monkeypatch):
+    """With plan_park on (the default), the held job sets itself up during the hold and waits at its
+    first batch: its hold and the watcher's prior are when its loop may begin (its delay plus its
+    start-up). A stagger whose loop begins after the first evidence is held with no stretch, and
+    one that must stretch reaches the evidence a start-up sooner, so that a curve too steep to
+    hold the job before its set-up can still be held at its first batch."""
+    monkeypatch.delenv("HPCSTAGGER_PLAN_PARK", raising=False)
+    plan = _short_planner(tmp_path, monkeypatch)
+    # b's planned delay plus its 2 s start-up comes after the first evidence (2 + 0.5 + 1 s): no stretch
+    parked = plan("0.003", "0.0005", "2.0")
+    steer = parked["steer"]
+    assert steer["park"] == ["b"] and parked["delays"] == steer["prior"]
+    own = steer["prior"]["b"] - 2.0  # the model's delay for b
+    assert 0.0 < own < 3.5 < steer["prior"]["b"]
+    sc = Scenario.from_dict(parked["scenario"])
+    assert parked["predicted"]["plan"] == pytest.approx(predict(sc, {"a": 0.0, "b": own}).makespan, rel=1e-6)
+    assert f"b's loop up to +{own + 2.0:.1f} s (planned +{own:.1f} s and its 2.0 s start-up)" in steer["guard"]
+    assert "is held at its first batch (set up meanwhile)" in steer["guard"]
+    # a stagger stretched until b's loop begins at the first evidence (1 + 0.5 + 1 s): from its
+    # delay to 1.5 s costs the model less than plan_guard, where holding it to 2.5 s does not
+    stretched = plan("0.004", "0.003", "1.0")
+    steer = stretched["steer"]
+    assert steer["park"] == ["b"] and stretched["delays"] == {"a": 0.0, "b": pytest.approx(2.5)}
+    own = steer["prior"]["b"] - 1.0
+    assert 0.0 < own < 1.5
+    sc = Scenario.from_dict(stretched["scenario"])
+    assert predict(sc, {"a": 0.0, "b": 1.5}).makespan <= predict(sc, {"a": 0.0, "b": own}).makespan * 1.02
+    assert predict(sc, {"a": 0.0, "b": 2.5}).makespan > predict(sc, {"a": 0.0, "b": own}).makespan * 1.02
+    monkeypatch.setenv("HPCSTAGGER_PLAN_PARK", "0")
+    unparked = plan("0.004", "0.003", "1.0")
+    assert unparked["delays"]["b"] == pytest.approx(own) and "prior" not in unparked["steer"]
+    assert "park" not in unparked["steer"]
+
+
+def test_a_stagger_shorter_than_the_first_evidence_is_held_until_the_run_shows_it(tmp_path, monkeypatch):
+    """The model plans a stagger that ends before the run can show whether it was right (the first
+    job's start-up, the watcher's warm-up and one re-fit): the closed loop would have nothing to
+    act on. Where the model's curve is flat out to the first evidence (within plan_guard), mode
+    plan holds the late job until then, with the model's delay as the watcher's prior; where the
+    curve rises past plan_guard, or in mode open, with steer = false or plan_guard 0, the plan's
+    own delays stand. (Here the held job waits before its set-up: plan_park off.)"""
+    monkeypatch.setenv("HPCSTAGGER_PLAN_PARK", "0")
+    plan = _short_planner(tmp_path, monkeypatch)
     evidence = 2.0 + 0.5 + 1.0  # a's start-up, the watcher's warm-up, one re-fit (steer_interval)
     guarded = plan("0.003", "0.0005", "2.0")
     planned = guarded["steer"]["prior"]

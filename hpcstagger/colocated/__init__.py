@@ -7,7 +7,8 @@ and the words it speaks (the spec, the environment contract, the record files) f
 - :mod:`.coordinator`: :func:`init` and :class:`Session` on every rank (identity, rendezvous, plan
   exchange, wait, backend); :mod:`._rendezvous`, the deadline rendezvous;
 - :mod:`.watcher`: the closed loop's watcher thread on the last job's leader, and the waiting ranks'
-  release; :mod:`.prefetch` and :mod:`.idle`: work done in the wait;
+  release; :mod:`.prefetch` and :mod:`.idle`: work done in the wait; :mod:`.parking`: a job held
+  at its first batch, set up meanwhile;
 - :mod:`.dataloader`: ``session.data_loader``, a SharedLoader or a plain DataLoader;
 - :mod:`.progress`: a job leader's progress records; :mod:`.jobmeter`: calibration mode in a job;
   :mod:`.source_watch`: the observer of a run that learns;

@@ -12,9 +12,9 @@ holds every job's ranks (MPMD ``mpiexec -n 2 python a.py : -n 2 python b.py``, `
    communicator per job;
 3. gathers each job's calibration (its leader's per-sample time) at world rank 0, which plans the
    start delays with the performance model (or takes them from the spec's mode) and sends them back;
-4. waits out this job's delay, running the given idle work meanwhile, then starts the job's data-
-   parallel backend on its own communicator: Horovod (``hvd.init(comm=...)``) or torch.distributed
-   with gloo, the rendezvous address sent over MPI.
+4. waits out this job's delay, running the given idle work meanwhile (a job held at its first
+   batch waits there instead: :mod:`.parking`), then starts its data-parallel backend on its own
+   communicator: Horovod or torch.distributed with gloo, the rendezvous address sent over MPI.
 
 Every step records its time (:attr:`Session.overhead`: the coordinator's own cost); each rank writes a
 status file (``<workdir>/status``) at every stage, for ``hpcstagger launch`` and ``status``."""
@@ -38,6 +38,7 @@ from hpcstagger.colocated.dataloader import data_loader
 from hpcstagger.colocated.idle import flush_root, flusher_for
 from hpcstagger.colocated.planahead import plan_inputs
 from hpcstagger.colocated.jobmeter import calibration_dir, calibration_spec, no_plan, wrap_loader
+from hpcstagger.colocated.parking import wait_or_park
 from hpcstagger.colocated.prefetch import prefetcher_for
 from hpcstagger.colocated.progress import ProgressMeter, plain_metrics
 from hpcstagger.colocated.startcache import describe_start, run_partition
@@ -88,6 +89,7 @@ class Session:
     release: Decision | None = None  # closed loop: when and why this job was released
     progress_meter: ProgressMeter | None = None  # a job leader's, for the watcher (session.loader)
     observer: Any = None  # a passive LoopMeter when the run is observed for learning (.learn)
+    parked: list[Any] | None = None  # the idle work of a job held at its first batch (.parking)
     _closed: bool = False
 
     # ---- facts ---------------------------------------------------------------------------------
@@ -393,7 +395,7 @@ def _init(spec: Spec | str | os.PathLike[str] | None, *, job: str | None,
     else:
         _announce(session, decided)
     if wait:
-        session.wait(idle_work)
+        wait_or_park(session, idle_work)
         session.start_backend()
     return session
 
@@ -438,8 +440,7 @@ def _meet_and_split(world: Comm, spec: Spec | None, name: str, limit: float,
     layout = rendezvous(world, hello, assign, timeout=limit, describe_missing=describe_missing,
                         what="hpcstagger.init")
     timings["rendezvous"] = time.perf_counter() - t
-    index = layout["color"]
-    t = time.perf_counter()
+    index, t = layout["color"], time.perf_counter()
     comm = world.split(index, key=world.rank, timeout=limit) if world.is_mpi else Comm.single()
     assert comm is not None
     timings["split"] = time.perf_counter() - t
@@ -476,8 +477,7 @@ def _open_session(world: Comm, comm: Comm, spec: Spec | None, name: str, index: 
                   jobs: dict[str, list[int]], decided: RunPlan, t0: float, timings: dict[str, float],
                   backend: str | None, verbose: bool) -> Session:
     """Step 4: the Session, with its status directory (``HPCSTAGGER_RUN_DIR``, else <workdir>/status)."""
-    run_dir = os.environ.get(runenv.RUN_DIR) or (os.path.join(spec.run.workdir, "status") if spec else "")
-    if run_dir:
+    if run_dir := os.environ.get(runenv.RUN_DIR) or (os.path.join(spec.run.workdir, "status") if spec else ""):
         os.makedirs(run_dir, exist_ok=True)
     job_backend = backend or (spec.job(name).backend if spec else "none")
     return Session(world=world, comm=comm, job=name, job_index=index, jobs=jobs, delays=decided.delays,

@@ -44,6 +44,7 @@ from hpcstagger import _io
 from hpcstagger.spec import runenv
 from hpcstagger.stagger.runplan import RunPlan
 from hpcstagger.stagger.jobfields import PROBE_EVERY, SAMPLE_FIELDS
+from hpcstagger.colocated.parking import at_first_batch
 from hpcstagger.colocated.progress import Counted
 from hpcstagger.profile import batch_size_of
 
@@ -448,7 +449,8 @@ def wrap_loader(session: Any, iterable: Iterable[Any], profiler: Any = None) -> 
     """``session.loader(iterable)``: in calibration mode the measured loop (a :class:`LoopMeter` per
     session), else ``iterable`` (``profiler.wrap``-ed when given), counted on a job leader by its
     :class:`~hpcstagger.colocated.progress.ProgressMeter` for the run's watcher, and measured by the
-    session's passive ``observer`` in a run that learns (:mod:`~hpcstagger.stagger.learning`)."""
+    session's passive ``observer`` in a run that learns (:mod:`~hpcstagger.stagger.learning`). A job
+    held at its first batch waits there for its release (:mod:`~hpcstagger.colocated.parking`)."""
     if session.calibrating:
         meter = _METERS.get(id(session))
         if meter is None or meter.session is not session:
@@ -459,4 +461,5 @@ def wrap_loader(session: Any, iterable: Iterable[Any], profiler: Any = None) -> 
         iterable = Counted(iterable, passive)
     inner = profiler.wrap(iterable) if profiler is not None else iterable
     meter = getattr(session, "progress_meter", None)  # a ProgressMeter on a job leader
-    return inner if meter is None else meter.counted(inner)
+    # a job held at its first batch waits for its release before its loop (and its count) begins
+    return at_first_batch(session, inner if meter is None else meter.counted(inner))

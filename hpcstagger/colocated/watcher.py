@@ -134,7 +134,8 @@ def _steering(session: Any) -> Steering:
     calibrations = plan.calibrations
     cache_state = plan.cache
     h_source, h_jobs = _history_factors(plan)
-    h_startups = (plan.history or {}).get("startup")
+    # a job parked at its first batch has set itself up while it waited: its loop begins at its release
+    h_startups = {**((plan.history or {}).get("startup") or {}), **{n: 0.0 for n in steer.get("park") or ()}}
 
     def build(beta: float, alpha: Mapping[str, float]) -> Scenario:
         # the fitted factors are on top of the history's (the plan's starting point)

@@ -102,8 +102,9 @@ def fraction_done(record: dict[str, Any] | None, epochs: int) -> float | None:
 def startups(run_dir: str, jobs: Iterable[str]) -> dict[str, float]:
     """Each job's start-up in the run ``run_dir``: seconds from its release to its loop's first batch
     request, from its leader's status file (time zero and when it was released) and its progress
-    record (when its loop began). Jobs whose loop never began, or whose files are unreadable, are
-    left out."""
+    record (when its loop began); for a job held at its first batch, which set itself up before
+    its release, that set-up (``parked_setup``) as well. Jobs whose loop never began, or whose
+    files are unreadable, are left out."""
     out = {}
     for job in jobs:
         record, status = read_progress(run_dir, job), read_status(run_dir, job)
@@ -112,8 +113,9 @@ def startups(run_dir: str, jobs: Iterable[str]) -> dict[str, float]:
         try:
             begun = float(record.get("loop_start") or "nan")
             released = float(status["t0"]) + float(status["timings"]["started_at"])
-        except (ValueError, KeyError, TypeError):
+            setup = float(status["timings"].get("parked_setup") or 0.0)
+        except (ValueError, KeyError, TypeError, AttributeError):
             continue
         if 0.0 <= begun - released < 1e5:
-            out[job] = begun - released
+            out[job] = begun - released + setup
     return out

@@ -2,6 +2,7 @@
 
 - :mod:`.runplan`: :class:`RunPlan`, the plan's typed form, and :class:`PlanInputs`;
 - :mod:`.delays`: :func:`plan_run`, the delays for a plan mode and the model's predictions;
+- :mod:`.guard`: holding a plan's jobs until the run can show whether the plan was right;
 - :mod:`.scenario_build`: a spec's scenario from what was measured (calibration, learning);
 - :mod:`.steering`: when to release each waiting job, from what the run shows, and the release groups;
 - :mod:`.history`: what earlier runs of a spec measured, as corrections for the next plan;

@@ -10,7 +10,6 @@ is tested as a plain function."""
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any
 from collections.abc import Mapping, Sequence
@@ -24,7 +23,8 @@ from hpcstagger.stagger.scenario_build import fold_miss_overhead
 from hpcstagger.stagger.learning import with_scenario
 from hpcstagger.model import optimal_plan, predict, Scenario
 from hpcstagger.model.plan import FLAT, unseen_loaders, unseen_reason
-from hpcstagger.stagger.steering import WARMUP, steer_record
+from hpcstagger.stagger.guard import Guard, guard_plan
+from hpcstagger.stagger.steering import steer_record
 
 __all__ = ["plan_run", "plan_delays", "simultaneous_reason", "scenario_for", "cached_fraction",
            "loader_representatives", "partition_cache"]
@@ -134,99 +134,23 @@ def _plan(spec: Spec | None, order: Sequence[str], calibrations: Mapping[str, Ma
     out["predicted"] = _predicted(p, mode)
     out["delays"] = {n: float(p.delays.get(rep[n], 0.0)) for n in full_order}
     order = full_order
-    guard = _guard(spec, p, out["delays"], rep, scenario, steer_interval) if mode == "plan" else None
-    prior, why = None, None
+    guard = guard_plan(spec, p, out["delays"], rep, scenario, steer_interval) if mode == "plan" else None
     if guard is not None:  # the model's choice is the watcher's prior; the held delays bound the wait
-        prior = {n: float(out["delays"][n]) for n in order}
-        out["delays"], why = guard
+        out["delays"] = guard.delays
     if mode == "plan":
         # a stagger the simulator chose where the fluid model's curve is flat: the watcher, which
         # re-fits that model, moves its release only for a gain the model can tell (FLAT more)
         chosen = p.simulated.get("picked") or p.simulated.get("moved")
         out.update(_steer(spec, out["delays"], order, float(p.sequential), steer_interval,
-                          steer_min_gain + (FLAT if chosen else 0.0), prior=prior, guard=why))
+                          steer_min_gain + (FLAT if chosen else 0.0), guard))
     out["scenario"] = scenario.to_dict()
     out["curve"] = p.to_dict()["curve"]
     out["jitter"] = float(p.jitter)  # the start-time spread the plan was made for (seconds)
     if p.simulated:
         out["simulated"] = dict(p.simulated)
-    if why is not None and not any((prior or {}).values()):
-        return {**out, "simultaneous_reason": why}
+    if guard is not None and guard.simultaneous:
+        return {**out, "simultaneous_reason": guard.why}
     return _with_reason(out, spec, unseen_loaders(scenario))
-
-
-def _guard(spec: Spec, p: Any, delays: Mapping[str, float], rep: Mapping[str, str], scenario: Scenario,
-           interval: float) -> tuple[dict[str, float], str] | None:
-    """A plan the closed loop could not correct: the held delays and why, else None.
-
-    The closed loop moves only jobs that wait, and only once the run gives evidence (the first
-    jobs' start-up, the watcher's warm-up and one re-fit). A plan whose every delay is shorter
-    than that gives it nothing to act on, and an error in a calibrated term (a source slower or
-    faster than measured, CPU contention the model does not see) then stands. Two such plans
-    are guarded, where the model's own curve says holding costs at most the ``plan_guard`` knob:
-
-    - **a simultaneous start the model barely chose**: it predicts its best stagger within
-      ``plan_guard`` of starting together, too near to tell apart. That stagger's waiting jobs are
-      held (never past ``[plan] max_delay``) as long as it is not shorter than the first evidence.
-      Not where the sample-level simulator refuted a stagger the fluid model planned
-      (``Plan.simulated`` is set): the two models then disagree about that stagger's gain, and
-      holding a job for it would only cost. A curve the simulator also finds flat (with two jobs
-      it replays the flat points around a simultaneous start, and picks none) is still guarded:
-      both models rest on the same calibrated terms, and the guard is for an error in those;
-    - **a stagger shorter than the first evidence**: the plan's delays, stretched in proportion
-      until the longest is the first evidence, when the model predicts that within ``plan_guard``
-      of the plan (a flat curve).
-
-    In both, the model's choice is the watcher's prior: it releases the held jobs as soon as the
-    run's evidence confirms that choice, or holds them while the fitted model says a later start
-    is better. Not for mode ``open`` nor ``[plan] steer = false``."""
-    limit = float(config.get("plan_guard"))
-    if (limit <= 0 or not spec.plan.steer or p.simultaneous <= 0 or not math.isfinite(p.makespan)
-            or len(scenario.jobs) < 2):
-        return None
-    hi = math.inf if spec.plan.max_delay is None else float(spec.plan.max_delay)
-    if any(float(d) > 0 for d in delays.values()):
-        return _guard_short(p, delays, rep, scenario, interval, limit, hi)
-    if (not p.staggered or p.simulated  # the simulator refuted the fluid model's stagger: nothing to hold for
-            or not math.isfinite(p.staggered_makespan) or p.staggered_makespan > p.simultaneous * (1.0 + limit)):
-        return None
-    hold = {n: min(float(p.staggered.get(rep[n], 0.0)), hi) for n in delays}
-    if max(hold.values()) < _evidence(scenario, p.staggered, interval):
-        return None
-    held = ", ".join(f"{n} up to +{d:.1f} s" for n, d in hold.items() if d > 0)
-    why = (f"a simultaneous start, guarded: the model predicts {p.simultaneous:.1f} s simultaneous and "
-           f"{p.staggered_makespan:.1f} s for its best stagger, within plan_guard {100 * limit:g}%, too near to tell "
-           f"apart; {held} is held until the run shows whether starting at once was right (the closed loop "
-           "releases it then, or later if the fitted model says so)")
-    return hold, why
-
-
-def _evidence(scenario: Scenario, delays: Mapping[str, float], interval: float) -> float:
-    """Seconds from time zero until the run can first show the watcher whether ``delays`` were right:
-    the start-up of the first jobs to start, the watcher's warm-up and one re-fit."""
-    first = [j.startup for j in scenario.jobs if float(delays.get(j.name, 0.0)) <= 0]
-    return min(first, default=0.0) + WARMUP + float(interval)
-
-
-def _guard_short(p: Any, delays: Mapping[str, float], rep: Mapping[str, str], scenario: Scenario,
-                 interval: float, limit: float, hi: float) -> tuple[dict[str, float], str] | None:
-    """:func:`_guard`'s second case: a stagger every delay of which comes before the first evidence."""
-    own = {j.name: float(delays.get(j.name, 0.0)) for j in scenario.jobs}
-    longest = max(own.values())
-    evidence = _evidence(scenario, own, interval)
-    if longest <= 0 or longest >= evidence or evidence > hi:
-        return None
-    stretched = {n: d * evidence / longest for n, d in own.items()}
-    planned, held_at = float(predict(scenario, own).makespan), float(predict(scenario, stretched).makespan)
-    if not (math.isfinite(held_at) and math.isfinite(planned)) or held_at > planned * (1.0 + limit):
-        return None
-    hold = {n: stretched[rep[n]] for n in delays}
-    held = ", ".join(f"{n} up to +{d:.1f} s (planned +{float(delays[n]):.1f} s)" for n, d in hold.items() if d > 0)
-    why = (f"a short stagger, guarded: every planned delay comes before the run can show whether it was right "
-           f"(about {evidence:.1f} s), and the model predicts {held_at:.1f} s for a stagger that long, within "
-           f"plan_guard {100 * limit:g}% of the plan's {planned:.1f} s; {held} is held until the run shows it (the "
-           "closed loop releases it then, or later if the fitted model says so)")
-    return hold, why
 
 
 def _with_reason(out: dict[str, Any], spec: Spec, unseen: list[str]) -> dict[str, Any]:
@@ -295,12 +219,12 @@ def simultaneous_reason(delays: Mapping[str, float], predicted: Mapping[str, flo
 
 
 def _steer(spec: Spec, delays: Mapping[str, float], order: Sequence[str], sequential: float,
-           interval: float, min_gain: float, prior: Mapping[str, float] | None = None,
-           guard: str | None = None) -> dict[str, Any]:
+           interval: float, min_gain: float, guard: Guard | None = None) -> dict[str, Any]:
     """Mode "plan"'s ``steer`` record (:func:`~hpcstagger.stagger.steering.steer_record`) when a job waits, else {}."""
     steer = steer_record(delays, order, lo=spec.plan.min_delay, hi=spec.plan.max_delay,
                          horizon=max(sequential, 1.0), interval=interval, observe_only=not spec.plan.steer,
-                         min_gain=min_gain, prior=prior, guard=guard)
+                         min_gain=min_gain, prior=guard.prior if guard else None, guard=guard.why if guard else None,
+                         park=guard.park if guard else ())
     return {"steer": steer} if steer else {}
 
 

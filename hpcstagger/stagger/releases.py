@@ -24,7 +24,8 @@ def release_groups(delays: Mapping[str, float], order: Sequence[str]) -> list[li
 
 def steer_record(delays: Mapping[str, float], order: Sequence[str], *, lo: float, hi: float | None, horizon: float,
                  interval: float, observe_only: bool = False, min_gain: float = 0.0,
-                 prior: Mapping[str, float] | None = None, guard: str | None = None) -> dict[str, Any] | None:
+                 prior: Mapping[str, float] | None = None, guard: str | None = None,
+                 park: Sequence[str] = ()) -> dict[str, Any] | None:
     """The plan's ``steer`` entry, or None when no job waits (pure).
 
     It holds the release ``groups``, the ``host`` (world rank of the leader of the last group's
@@ -34,7 +35,9 @@ def steer_record(delays: Mapping[str, float], order: Sequence[str], *, lo: float
     the watcher fits and records but releases at the planned delays (``[plan] steer = false``).
     ``min_gain`` is the least predicted gain (fraction of the makespan) that moves a release off
     the plan's delay (the ``steer_min_gain`` knob). ``prior`` and ``guard``, for a guarded plan: the
-    delays the model chose (the ``delays`` hold jobs past them until the run gives evidence) and why."""
+    delays the model chose (the ``delays`` hold jobs past them until the run gives evidence) and why;
+    ``park``, the held jobs that wait at their first batch, whose ``delays`` and ``prior`` are when
+    their loop may begin (:mod:`~hpcstagger.stagger.guard`)."""
     groups = release_groups(delays, order)
     if len(groups) < 2:
         return None
@@ -46,7 +49,8 @@ def steer_record(delays: Mapping[str, float], order: Sequence[str], *, lo: float
     return {"groups": groups, "host": None, "min_delay": lo, "max_delay": hi, "horizon": horizon,
             "interval": interval, "latest": latest, "observe_only": bool(observe_only),
             "min_gain": float(min_gain),
-            **({"prior": {n: float(prior[n]) for n in order}, "guard": guard} if prior is not None else {})}
+            **({"prior": {n: float(prior[n]) for n in order}, "guard": guard} if prior is not None else {}),
+            **({"park": list(park)} if park else {})}
 
 
 @dataclass(frozen=True)
