@@ -13,7 +13,8 @@ bandwidth times 0.7 / 1.3), ``jobs-30``/``jobs+30`` (every job's CPU costs, ``sa
 ``prep_time``, ``read_cpu`` and ``handoff``, times 0.7 / 1.3).
 
     python benchmarks/bench_steer.py [--only NAME,...] [--cases right,source-30,...]
-        [--staggers 0,1,2,3,4,6] [--repeat N] [--overhead N [--uncounted] [--steered] [--fixed]] [--keep]
+        [--staggers 0,1,2,3,4,6] [--repeat N] [--overhead N [--uncounted] [--steered] [--unparked] [--fixed]]
+        [--keep]
 
 ``--overhead N`` instead measures what watching costs: with the calibration as measured, N pairs
 of launches, one in mode ``open`` (no watcher) and one in mode ``plan`` with ``[plan] steer =
@@ -21,7 +22,9 @@ false`` (the watcher looks and fits as usual but keeps the planned delays), alte
 ``--uncounted``, another watched the same way without counting reads in flight,
 ``HPCSTAGGER_STEER_COUNT=0``; with ``--steered``, another in mode ``plan`` steered as usual, released
 by the fitted model; with ``--unrecorded``, another steered with ``[plan] history = false``, so that
-nothing is looked at or fitted after the last release; with ``--fixed``, another in mode ``fixed`` at the delays
+nothing is looked at or fitted after the last release; with ``--unparked``, another steered with
+``HPCSTAGGER_PLAN_PARK=0``, so that a job a guarded plan holds waits in ``hpcstagger.init``, before
+its set-up, not at its first batch; with ``--fixed``, another in mode ``fixed`` at the delays
 the first open launch was planned (what the planning, the plan's exchange and the waiting cost, against a
 launch told its delays); each launch of a round goes first in turn), every one
 planned from the calibration alone (``--no-history``: the runs' history would move the plan between them). Each pair
@@ -147,7 +150,8 @@ def overhead_pairs(name: str, cfg: dict[str, Any], data: Path, work: Path, pairs
     """``pairs`` launches each of mode open and of mode plan with steer = false, alternating; with
     ``extra`` arms: ``uncounted``, watched with ``HPCSTAGGER_STEER_COUNT=0`` (no reads counted in
     flight), ``steered``, mode plan steered as usual, ``unrecorded``, steered without the run's
-    history, and ``fixed``, mode fixed at the delays the first open launch was planned.
+    history, ``unparked``, steered with ``HPCSTAGGER_PLAN_PARK=0``, and ``fixed``, mode fixed at the
+    delays the first open launch was planned.
     A real-file-system configuration puts the dataset on its throttled loop device first."""
     work.mkdir(parents=True)
     with contextlib.ExitStack() as stack:
@@ -174,7 +178,7 @@ def _overhead_rounds(name: str, cfg: dict[str, Any], data: Path, work: Path, pai
     rows: list[dict[str, Any]] = []
     arms = [("open", spec, "open"), ("watched", watch, "plan")]
     arms += [a for a in (("uncounted", watch, "plan"), ("steered", spec, "plan"), ("unrecorded", unrecorded, "plan"),
-                         ("fixed", spec, "fixed")) if a[0] in extra]
+                         ("unparked", spec, "plan"), ("fixed", spec, "fixed")) if a[0] in extra]
     planned: dict[str, float] = {}  # the first open launch's delays: the fixed arm's
     for k in range(pairs):
         for label, path, mode in arms[k % len(arms):] + arms[:k % len(arms)]:  # each arm in turn goes first
@@ -183,11 +187,12 @@ def _overhead_rounds(name: str, cfg: dict[str, Any], data: Path, work: Path, pai
                    else ["--mode", mode])
             before = resource.getrusage(resource.RUSAGE_CHILDREN)
             os.environ["HPCSTAGGER_STEER_COUNT"] = "0" if label == "uncounted" else "1"
+            os.environ["HPCSTAGGER_PLAN_PARK"] = "0" if label == "unparked" else "1"
             try:
                 U._run(hs + ["launch", str(path), *how, "--cold-cache", "--no-history", "--json"], log,
                        cgroup=cg)
             finally:
-                del os.environ["HPCSTAGGER_STEER_COUNT"]
+                del os.environ["HPCSTAGGER_STEER_COUNT"], os.environ["HPCSTAGGER_PLAN_PARK"]
             after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the launch's whole tree, every process reaped
             cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
             runs = sorted((work / "work" / "runs").glob(f"*-{mode}"), key=lambda p: p.stat().st_mtime)
@@ -203,11 +208,14 @@ def _overhead_rounds(name: str, cfg: dict[str, Any], data: Path, work: Path, pai
             rate = None
             if rec and rec.get("loop_start") and rec.get("history"):  # to the release, or the job's last record
                 rate = throughput(rec, 0.5, min(wait_end - rec["loop_start"], rec["history"][-1][0]))
+            loops = {n: rec_n["loop_start"] - status["t0"] for n in delays
+                     if (rec_n := read_progress(str(run_dir), n)) and rec_n.get("loop_start")}
             rows.append({"pair": k, "label": label, "makespan": result["makespan"], "rate": rate,
-                         "planned": delays[late], "steer_cpu": _steer_of({"run_dir": str(run_dir)}).get("cpu_seconds"),
+                         "planned": delays[late], "loop_starts": loops,
+                         "steer_cpu": _steer_of({"run_dir": str(run_dir)}).get("cpu_seconds"),
                          "cpu": cpu})
             print(f"[bench_steer] overhead {name} {k} {label}: makespan {result['makespan']}, rate {rate}, "
-                  f"CPU {cpu:.1f} s",
+                  f"CPU {cpu:.1f} s, loops begin " + ", ".join(f"{n} +{t:.2f} s" for n, t in loops.items()),
                   file=sys.stderr, flush=True)
     return {"name": name, "rows": rows}
 
@@ -268,6 +276,9 @@ def main() -> int:
     p.add_argument("--unrecorded", action="store_true",
                    help="with --overhead: a launch each round steered as usual but with [plan] history = false "
                         "(the run is not recorded, so nothing is fitted after the last release)")
+    p.add_argument("--unparked", action="store_true",
+                   help="with --overhead: a launch each round steered with HPCSTAGGER_PLAN_PARK=0 (a job a guarded "
+                        "plan holds waits before its set-up, not at its first batch)")
     p.add_argument("--fixed", action="store_true",
                    help="with --overhead: a launch each round in mode fixed at the delays the first open launch was "
                         "planned (launched with --delays: no search for a plan)")
@@ -290,7 +301,8 @@ def main() -> int:
     with U.workspace("bench-steer", args.samples, args.keep) as (root, data):
         for name in names:
             if args.overhead:
-                arms = tuple(a for a in ("uncounted", "steered", "unrecorded", "fixed") if getattr(args, a))
+                arms = tuple(a for a in ("uncounted", "steered", "unrecorded", "unparked", "fixed")
+                             if getattr(args, a))
                 results.append(overhead_pairs(name, configs[name], data, root / name, args.overhead, args.budget,
                                               arms))
             else:
