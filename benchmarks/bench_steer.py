@@ -16,7 +16,8 @@ bandwidth times 0.7 / 1.3), ``jobs-30``/``jobs+30`` (every job's CPU costs, ``sa
         [--staggers 0,1,2,3,4,6] [--repeat N] [--overhead N [--uncounted] [--steered] [--unparked] [--fixed]]
         [--keep]
 
-``--overhead N`` instead measures what watching costs: with the calibration as measured, N pairs
+``--overhead N`` instead measures what watching costs: with the calibration as measured (or made
+wrong as the one case ``--cases`` names), N pairs
 of launches, one in mode ``open`` (no watcher) and one in mode ``plan`` with ``[plan] steer =
 false`` (the watcher looks and fits as usual but keeps the planned delays), alternating (with
 ``--uncounted``, another watched the same way without counting reads in flight,
@@ -146,23 +147,24 @@ def run_config(name: str, cfg: dict[str, Any], data: Path, work: Path, cases: li
 
 
 def overhead_pairs(name: str, cfg: dict[str, Any], data: Path, work: Path, pairs: int, budget: float,
-                   extra: tuple[str, ...] = ()) -> dict[str, Any]:
+                   extra: tuple[str, ...] = (), case: str = "right") -> dict[str, Any]:
     """``pairs`` launches each of mode open and of mode plan with steer = false, alternating; with
     ``extra`` arms: ``uncounted``, watched with ``HPCSTAGGER_STEER_COUNT=0`` (no reads counted in
     flight), ``steered``, mode plan steered as usual, ``unrecorded``, steered without the run's
     history, ``unparked``, steered with ``HPCSTAGGER_PLAN_PARK=0``, and ``fixed``, mode fixed at the
-    delays the first open launch was planned.
+    delays the first open launch was planned. Every arm plans from the calibration made wrong as
+    ``case`` says (:data:`CASES`; ``right``: as measured).
     A real-file-system configuration puts the dataset on its throttled loop device first."""
     work.mkdir(parents=True)
     with contextlib.ExitStack() as stack:
         cg = None
         if cfg.get("real_fs"):  # the dataset on a throttled ext4 loop device, read through its cgroup
             data, cg = stack.enter_context(U.real_fs(data, cfg["real_fs"], work))
-        return _overhead_rounds(name, cfg, data, work, pairs, budget, extra, cg)
+        return _overhead_rounds(name, cfg, data, work, pairs, budget, extra, cg, case)
 
 
 def _overhead_rounds(name: str, cfg: dict[str, Any], data: Path, work: Path, pairs: int, budget: float,
-                     extra: tuple[str, ...], cg: str | None) -> dict[str, Any]:
+                     extra: tuple[str, ...], cg: str | None, case: str = "right") -> dict[str, Any]:
     from hpcstagger.spec.records import read_progress, throughput
 
     log = work / "log.txt"
@@ -171,6 +173,7 @@ def _overhead_rounds(name: str, cfg: dict[str, Any], data: Path, work: Path, pai
     hs = [sys.executable, "-m", "hpcstagger"]
     if U.calibrate(spec, work, log, budget, cgroup=cg) != 0:
         return {"name": name, "error": f"calibrate failed; see {log}"}
+    spec = write_case(work, case) if case != "right" else spec
     watch = work / "spec-watch.toml"
     watch.write_text(spec.read_text().replace('mode = "plan"', 'mode = "plan"\nsteer = false'))
     unrecorded = work / "spec-unrecorded.toml"
@@ -217,7 +220,7 @@ def _overhead_rounds(name: str, cfg: dict[str, Any], data: Path, work: Path, pai
             print(f"[bench_steer] overhead {name} {k} {label}: makespan {result['makespan']}, rate {rate}, "
                   f"CPU {cpu:.1f} s, loops begin " + ", ".join(f"{n} +{t:.2f} s" for n, t in loops.items()),
                   file=sys.stderr, flush=True)
-    return {"name": name, "rows": rows}
+    return {"name": name, "case": case, "rows": rows}
 
 
 def _ratios(pairs: dict[int, dict[str, Any]], arm: str, key: str) -> list[float]:
@@ -244,7 +247,8 @@ def _print_overhead(results: list[dict[str, Any]]) -> None:
             cpu = [row["steer_cpu"] for row in r["rows"] if row["label"] == arm and row.get("steer_cpu") is not None]
             total = [p[arm]["cpu"] - p["open"]["cpu"] for p in pairs.values()
                      if p.get(arm, {}).get("cpu") is not None and p.get("open", {}).get("cpu") is not None]
-            print(f"| {r['name']} | {arm} | {len(span)} | {statistics.median(rate) if rate else float('nan'):.3f} "
+            label = r["name"] + ("" if r.get("case", "right") == "right" else f" {r['case']}")
+            print(f"| {label} | {arm} | {len(span)} | {statistics.median(rate) if rate else float('nan'):.3f} "
                   f"(range {min(rate, default=float('nan')):.3f}-{max(rate, default=float('nan')):.3f}) | "
                   f"{statistics.median(span) if span else float('nan'):.3f} "
                   f"(range {min(span, default=float('nan')):.3f}-{max(span, default=float('nan')):.3f}) | "
@@ -303,8 +307,9 @@ def main() -> int:
             if args.overhead:
                 arms = tuple(a for a in ("uncounted", "steered", "unrecorded", "unparked", "fixed")
                              if getattr(args, a))
+                case = cases[0] if args.cases != ",".join(CASES) else "right"
                 results.append(overhead_pairs(name, configs[name], data, root / name, args.overhead, args.budget,
-                                              arms))
+                                              arms, case))
             else:
                 results.append(run_config(name, configs[name], data, root / name, cases, args.staggers,
                                           args.budget, args.repeat))
