@@ -97,3 +97,30 @@ def test_a_guarded_short_stagger_sets_the_held_job_up_during_its_hold(tmp_path, 
     starts = hist["records"][0]["startup"]
     assert starts["b"] == pytest.approx(setup + begun - released, abs=0.01) and starts["b"] >= SETUP_S
     assert starts["a"] >= SETUP_S
+
+
+def test_the_watcher_plans_a_parked_job_with_no_start_up_left_and_the_history_counts_its_set_up(tmp_path, shm_root):
+    from dataclasses import replace
+
+    from hpcstagger.colocated.watcher import _steering
+    from hpcstagger.spec.jobspec import Spec
+    from hpcstagger.spec.records import startups
+    from hpcstagger.stagger.delays import plan_run
+    from hpcstagger.stagger.runplan import PlanInputs
+    from support.spec_util import write_spec
+
+    spec = Spec.from_toml(write_spec(tmp_path, shm_root))
+    a, b = spec.job_names
+    base = plan_run(spec, [a, b], {}, "plan", PlanInputs(history={"runs": 1, "startup": {a: 0.7, b: 0.9}}))
+    steer = {"interval": 1.0, "horizon": 10.0, "max_delay": None, "min_delay": 0.0, "groups": [[a], [b]]}
+    for park, want in (([], [0.7, 0.9]), ([b], [0.7, 0.0])):
+        plan = replace(base, steer={**steer, **({"park": park} if park else {})})
+        st = _steering(SimpleNamespace(spec=spec, plan=plan, jobs={a: [0], b: [1]}, run_dir=""))
+        assert [j.startup for j in st.build(1.0, {}).jobs] == [pytest.approx(w) for w in want]
+    # b set itself up for 1.2 s, was released at +3.0 s and began its loop 0.1 s later
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for job, timings, loop in ((a, {"started_at": 0.0}, 1000.8), (b, {"started_at": 3.0, "parked_setup": 1.2}, 1003.1)):
+        (run_dir / f"{job}.0.json").write_text(json.dumps({"job": job, "t0": 1000.0, "timings": timings}))
+        (run_dir / f"{job}.progress.json").write_text(json.dumps({"job": job, "loop_start": loop, "history": []}))
+    assert startups(str(run_dir), [a, b]) == {a: pytest.approx(0.8), b: pytest.approx(1.3)}
