@@ -80,6 +80,11 @@ def _parked(spec: Spec, scenario: Scenario, held: list[str]) -> tuple[str, ...]:
     return tuple(held)
 
 
+def _set_up_during_hold(scenario: Scenario, park: tuple[str, ...]) -> dict[str, float]:
+    """Each job's start-up that its hold already covers: a parked job's whole start-up, else none."""
+    return {j.name: j.startup if j.name in park else 0.0 for j in scenario.jobs}
+
+
 def guard_plan(spec: Spec, p: Any, delays: Mapping[str, float], rep: Mapping[str, str], scenario: Scenario,
                interval: float) -> Guard | None:
     """The guard of a mode-plan ``p`` (an :class:`~hpcstagger.model.Plan`) whose ``delays`` the closed
@@ -96,8 +101,8 @@ def guard_plan(spec: Spec, p: Any, delays: Mapping[str, float], rep: Mapping[str
         return None
     hold = {n: min(float(p.staggered.get(rep[n], 0.0)), hi) for n in delays}
     park = _parked(spec, scenario, [n for n, d in hold.items() if d > 0])
-    startup = {j.name: j.startup for j in scenario.jobs}
-    hold = {n: min(d + startup[n], hi) if n in park else d for n, d in hold.items()}
+    startup = _set_up_during_hold(scenario, park)
+    hold = {n: min(d + startup.get(n, 0.0), hi) if d > 0 else d for n, d in hold.items()}
     if max(hold.values()) < evidence_at(scenario, p.staggered, interval):
         return None
     held = ", ".join(f"{n}{_loop(n, park)} up to +{d:.1f} s" for n, d in hold.items() if d > 0)
@@ -105,7 +110,7 @@ def guard_plan(spec: Spec, p: Any, delays: Mapping[str, float], rep: Mapping[str
            f"{p.staggered_makespan:.1f} s for its best stagger, within plan_guard {100 * limit:g}%, too near to tell "
            f"apart; {held} is held{_at_first_batch(park)} until the run shows whether starting at once was right "
            "(the closed loop releases it then, or later if the fitted model says so)")
-    prior = {n: startup[n] if n in park else 0.0 for n in delays}
+    prior = {n: startup.get(n, 0.0) for n in delays}
     return Guard(hold, prior, park, why, simultaneous=True)
 
 
@@ -126,7 +131,7 @@ def _guard_short(spec: Spec, p: Any, delays: Mapping[str, float], rep: Mapping[s
     if own[longest] <= 0 or own[longest] >= evidence or evidence > hi:
         return None
     park = _parked(spec, scenario, [n for n in delays if float(delays[n]) > 0])
-    startup = {j.name: (j.startup if j.name in park else 0.0) for j in scenario.jobs}
+    startup = _set_up_during_hold(scenario, park)
     # stretched in proportion until the longest hold (its loop's start, where it is parked) is the evidence
     stretch = max(1.0, (evidence - startup[longest]) / own[longest])
     stretched = {n: d * stretch for n, d in own.items()}
