@@ -293,6 +293,9 @@ def main() -> int:
     for c in cases:
         if c not in CASES:
             p.error(f"unknown case {c!r}; cases: {', '.join(CASES)}")
+    if args.overhead and args.cases != ",".join(CASES) and len(cases) > 1:
+        p.error(f"--overhead measures one calibration: name one case with --cases, not {len(cases)} "
+                f"({args.cases}); run it once per case")
     configs = {**U.CONFIGS, **U.grid_configs()}
     for n in names:
         if n not in configs or (configs[n].get("real_fs") and not args.overhead):

@@ -836,3 +836,24 @@ def test_a_reads_cpu_is_the_sources_for_every_job():
     m = {"route": "command", "ranks": 1, "workers": 2, "batch": 8, "prefetch": 2, "handoff": 0.001,
          "prep_time": 0.0001, "read_cpu": 0.0, "startup": 1.0, "epoch_start": 0.0, "sample_time": 0.001}
     assert S.scenario_job("mlp", m, 2, 0.0003).read_cpu == 0.0003 and S.scenario_job("mlp", m, 2).read_cpu == 0.0
+
+
+def test_fresh_cache_empties_what_an_earlier_run_left(tmp_path, shm_root):
+    from hpcstagger.measure.spec_calibration import fresh_cache
+    from hpcstagger.spec.jobspec import Spec
+
+    (tmp_path / "data").mkdir()
+    text = ('[run]\nname = "fresh"\n[dataset]\npath = "data"\n[cache]\ncapacity = {cap}\n'
+            '[[job]]\nname = "a"\ncommand = "true"\n')
+    (tmp_path / "spec.toml").write_text(text.format(cap=1_000_000))
+    spec = Spec.from_toml(tmp_path / "spec.toml")
+    left = fresh_cache(spec)
+    assert left.put("k", b"x" * 100) and left.get("k") is not None
+    left.close()  # a crashed run's cache stays in /dev/shm with its entry
+    again = fresh_cache(spec)
+    try:
+        assert again.get("k") is None and again.stats()["entries"] == 0
+    finally:
+        again.destroy(force=True)
+    (tmp_path / "spec.toml").write_text(text.format(cap=0))
+    assert fresh_cache(Spec.from_toml(tmp_path / "spec.toml")) is None

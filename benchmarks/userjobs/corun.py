@@ -43,6 +43,7 @@ from bench_userjobs import (cache_bytecode, cgroup_joiner, drop_dataset, grid_co
                             throttled_mount, CONFIGS)
 from hpcstagger.colocated.jobmeter import calibration_spec  # noqa: E402
 from hpcstagger.colocated.launch import mpmd_command  # noqa: E402
+from hpcstagger.measure.spec_calibration import fresh_cache  # noqa: E402
 from hpcstagger.spec import runenv  # noqa: E402
 from hpcstagger.spec.jobspec import Spec  # noqa: E402
 from hpcstagger.stagger.jobfields import job_fields, read_reports  # noqa: E402
@@ -57,15 +58,6 @@ def without_job(text: str, name: str) -> str:
     blocks = re.split(r"(?m)^(?=\[)", text)
     return "".join(b for b in blocks if not b.startswith("[plan]") and not (
         b.startswith("[[job]]") and re.search(rf'(?m)^name\s*=\s*"{re.escape(name)}"', b)))
-
-
-def fresh_cache(spec: Spec) -> Any:
-    """``spec``'s cache, emptied (None when the spec has none)."""
-    if spec.cache.capacity <= 0 or spec.cache.policy == "none":
-        return None
-    cache = spec.make_cache(local=True)
-    cache.destroy(force=True)
-    return spec.make_cache(local=True)
 
 
 def costs(directory: Path, name: str) -> dict[str, float]:

@@ -78,7 +78,7 @@ log = logging.getLogger(__name__)
 
 # names from scenario_build and nodeload, kept here for the callers that import them from this module
 __all__ = ["BASELINE_RANGE", "calibrate_spec", "fit_baseline", "load_line", "scenario_cache", "scenario_job",
-           "usable_cores"]
+           "usable_cores", "fresh_cache"]
 
 # Shares of the budget: samples and hits, the first source level, the jobs; the rest: the other levels.
 _SHARE_SAMPLES, _SHARE_FIRST, _SHARE_JOBS = 0.05, 0.08, 0.57
@@ -106,7 +106,7 @@ class _Run:
         self.n = source_length(self.source)
         self.shm_root = os.path.abspath(self.twin.cache.root or config.get("shm_root"))
         self.root_existed = os.path.lexists(self.shm_root)  # an shm root made here goes when emptied
-        self.cache = _fresh_cache(self.twin)
+        self.cache = fresh_cache(self.twin)
         self.ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods()
                                                else "spawn")
         self.read: list[int] = []
@@ -366,9 +366,9 @@ def _new_dir(base: Path) -> Path:
     raise LaunchError(f"cannot make a new reports directory beside {base}")
 
 
-def _fresh_cache(twin: Spec) -> Any:
-    """The private calibration cache, emptied first (a crashed calibration may have left one). It is
-    the node's ShmCache even when ``[cache]`` is partitioned: this driver is one process on one node."""
+def fresh_cache(twin: Spec) -> Any:
+    """``twin``'s cache, emptied first (a crashed run may have left one), or None when it has none. It
+    is the node's ShmCache even when ``[cache]`` is partitioned: the caller is one process on one node."""
     c = twin.cache
     if c.capacity <= 0 or c.policy == "none":
         return None
