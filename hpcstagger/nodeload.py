@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from hpcstagger.errors import HpcstaggerError
 
 __all__ = ["NodeLoad", "MemoryLimit", "memory_limit", "memory_total", "memory_free", "memory_reserve", "MemoryGuard",
-           "usable_cores", "sample", "busy_warning", "tree_memory", "PeakMemory", "RESERVE_SHARE", "RESERVE_MIN"]
+           "usable_cores", "sample", "busy_warning", "tree_memory", "PeakMemory", "RESERVE_SHARE", "RESERVE_MIN",
+           "process_started"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,21 @@ RESERVE_MIN = 96 << 20   # bytes, the least of that reserve
 # a tenth of the usable cores on a large node).
 _BUSY_CORES = 0.25
 _BUSY_SHARE = 0.10
+
+
+def process_started(most: float = 60.0) -> float:
+    """The ``time.monotonic()`` at which this process started (its interpreter and imports took the
+    time since), from ``/proc/self/stat``; at most ``most`` seconds ago, and now where /proc cannot say.
+    A command with a time budget counts it from here, so that the whole command keeps it."""
+    now = time.monotonic()
+    try:
+        with open("/proc/self/stat", encoding="ascii", errors="replace") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks after boot
+        with open("/proc/uptime", encoding="ascii") as f:
+            age = float(f.read().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return now
+    return now - min(max(age, 0.0), most)
 
 
 def usable_cores() -> int:

@@ -857,3 +857,36 @@ def test_fresh_cache_empties_what_an_earlier_run_left(tmp_path, shm_root):
         again.destroy(force=True)
     (tmp_path / "spec.toml").write_text(text.format(cap=0))
     assert fresh_cache(Spec.from_toml(tmp_path / "spec.toml")) is None
+
+
+def test_a_levels_window_leaves_room_for_the_readers_start_up_it_was_told_of(monkeypatch):
+    """A call measuring one level (the third round's) takes the readers' start-up the levels before it
+    showed off its window, instead of learning it only after overrunning its time by as much."""
+    from hpcstagger.model import source_probe
+
+    asked: list[float] = []
+
+    def readers(source, subsets, window, ctx, cache=None):
+        asked.append(window)
+        return {"readers": len(subsets), "bandwidth": 1e6, "window_s": window, "elapsed_s": window + 0.5, "reads": 9}
+
+    monkeypatch.setattr(source_probe, "measure_readers", readers)
+    source = [b"x" * 100] * 400
+    source_probe.measure_levels(source, SamplePool(len(source), seed=0), [2], 2.0, None, _Bar())
+    source_probe.measure_levels(source, SamplePool(len(source), seed=0), [2], 2.0, None, _Bar(), overhead=0.5)
+    source_probe.measure_levels(source, SamplePool(len(source), seed=0), [1, 2], 2.0, None, _Bar(), overhead=0.3)
+    told, learnt = asked[2:]
+    assert asked[0] == pytest.approx(2.0, abs=0.05) and asked[1] == pytest.approx(1.5, abs=0.05)
+    assert told == pytest.approx(0.7, abs=0.05) and learnt == pytest.approx(2.0 - 0.5, abs=0.05)
+
+
+def test_process_started_is_when_the_interpreter_began(tmp_path):
+    """What a command's budget counts from: its interpreter's start, before its imports."""
+    from hpcstagger.nodeload import process_started
+
+    code = ("import time; time.sleep(0.6); from hpcstagger.nodeload import process_started; "
+            "print(time.monotonic() - process_started()); print(time.monotonic() - process_started(most=0.1))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    age, capped = (float(v) for v in out.stdout.split())
+    assert 0.6 <= age < 30 and capped == pytest.approx(0.1, abs=0.02)
+    assert 0 <= time.monotonic() - process_started() < 3600

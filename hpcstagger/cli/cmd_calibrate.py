@@ -125,6 +125,7 @@ def _steps(values: list[str]) -> dict[str, Any]:
 def _with_spec(args: argparse.Namespace, jobs: dict[str, Any]) -> Any:
     """The command route: every job of the spec from its own command (or its --job step factory)."""
     from hpcstagger.colocated.preflight import check
+    from hpcstagger.nodeload import process_started
     from hpcstagger.spec.jobspec import Spec
     from hpcstagger.stagger.learning import seed_path
 
@@ -145,7 +146,7 @@ def _with_spec(args: argparse.Namespace, jobs: dict[str, Any]) -> Any:
         os.makedirs(os.path.dirname(out), exist_ok=True)
     return calibrate_spec(spec, steps=jobs, budget=args.budget, readers=args.readers, epochs=epochs,
                           capacity=args.capacity, policy=args.policy, batch=args.batch, out=out,
-                          cores=args.cores, fresh=args.fresh)
+                          cores=args.cores, fresh=args.fresh, started=process_started())
 
 
 def _with_factories(args: argparse.Namespace, jobs: dict[str, Any]) -> Any:

@@ -94,10 +94,9 @@ class _Run:
 
     def __init__(self, spec: Spec, steps: Mapping[str, Callable[[list[bytes]], Any]], *, budget: float,
                  readers: int | None, batch: int, mpiexec: str | None, seed: int, bar: Any, kept: Path | None,
-                 fresh: bool):
+                 fresh: bool, started: float):
         self.spec, self.steps, self.budget, self.readers = spec, dict(steps), budget, readers
-        self.batch, self.mpiexec, self.seed, self.bar = batch, mpiexec, seed, bar
-        self.t_start = time.monotonic()
+        self.batch, self.mpiexec, self.seed, self.bar, self.t_start = batch, mpiexec, seed, bar, started
         self.parts = SavedParts(kept, spec, fresh=fresh, say=self.say)
         self.unmeasured: list[str] = []  # jobs that never called session.loader
         self.reports = _new_dir(Path(spec.run.workdir) / "calibrate" / time.strftime("%Y%m%d-%H%M%S"))
@@ -161,7 +160,7 @@ class _Run:
         return meas
 
     def _levels(self, meas: dict[str, Any], levels: list[int], seconds: float, *, later: int = 0,
-                cache: Any = None) -> None:
+                cache: Any = None, overhead: float = 0.0) -> None:
         """Measure the source at each reader count of ``levels``, each kept as soon as it is measured."""
         def keep(m: dict[str, Any]) -> None:
             meas["source"].append(m)
@@ -169,7 +168,7 @@ class _Run:
 
         assert self.pool is not None
         measure_levels(self.source, self.pool, levels, seconds, self.ctx, self.bar, later_levels=later, cache=cache,
-                       longest=_LEVEL_S, on_level=keep)
+                       longest=_LEVEL_S, on_level=keep, overhead=overhead)
 
     def _samples(self, meas: dict[str, Any]) -> None:
         """Step 1: samples in memory, the cache's hits, and the page-cache rule."""
@@ -340,7 +339,7 @@ class _Run:
                      f"differ by more than {SPREAD_LIMIT * 100:.0f}%: measuring them once more")
             self.bar.total += len(again)
             try:
-                self._levels(meas, again, max(0.3 * len(again), self.left() - 0.5))
+                self._levels(meas, again, max(0.3 * len(again), self.left() - 0.5), overhead=extra[len(extra) // 2])
             except ModelError as exc:  # the third round is a check: without it, the two measurements stand
                 self.say(f"calibrate: the source was not measured a third time ({exc}); its two measurements "
                          "per reader count stand")
@@ -436,7 +435,7 @@ def calibrate_spec(spec: Spec, *, steps: Mapping[str, Callable[[list[bytes]], An
                    epochs: int | Mapping[str, int] | None = None, capacity: float | str | None = None,
                    policy: str | None = None, batch: int = 16, out: str | os.PathLike[str] | None = None,
                    progress: bool = True, mpiexec: str | None = None, seed: int = 0,
-                   cores: float | None = None, fresh: bool = False) -> Calibration:
+                   cores: float | None = None, fresh: bool = False, started: float | None = None) -> Calibration:
     """Measure the scenario of ``spec`` from its jobs' own commands (see the module docstring).
 
     ``steps`` times some jobs with a step factory instead (name -> ``step(samples)``, on in-memory batches of
@@ -447,9 +446,10 @@ def calibrate_spec(spec: Spec, *, steps: Mapping[str, Callable[[list[bytes]], An
     ``out.partial/`` as it is taken (:mod:`~hpcstagger.measure.saved_parts`): the same call after a failure or
     an interrupt measures only what is missing; ``fresh`` drops the kept parts first. Raises ConfigError for a
     bad spec or output path, or a job that never calls ``session.loader``, LaunchError without mpiexec, and
-    ModelError when a job's command or a measurement fails.
+    ModelError when a job's command or a measurement fails. ``started``: the ``time.monotonic()`` the budget
+    counts from (default: now; the CLI gives its process's start, so that the whole command keeps it).
     """
-    t_start = time.monotonic()
+    t_start = time.monotonic() if started is None else started
     budget = float(config.get("calibrate_budget") if budget is None else budget)
     if not budget > 0:
         raise ConfigError(f"budget must be > 0 seconds, got {budget!r}")
@@ -469,7 +469,7 @@ def calibrate_spec(spec: Spec, *, steps: Mapping[str, Callable[[list[bytes]], An
     kept = partial_dir(out) if out is not None else None
     try:
         run = _Run(spec, steps or {}, budget=budget, readers=readers, batch=int(batch), mpiexec=mpiexec, seed=seed,
-                   bar=bar, kept=kept, fresh=fresh)
+                   bar=bar, kept=kept, fresh=fresh, started=t_start)
         load = _node_load(run.say)
         meas = run.measure()
     except KeyboardInterrupt:

@@ -418,9 +418,11 @@ def page_cache_holds(dataset_bytes: float, available: int | None, *, file_source
 
 def measure_levels(source: Any, pool: SamplePool, levels: Sequence[int], seconds: float, ctx: Any, bar: Any, *,
                    later_levels: int = 0, cache: Any = None, longest: float = math.inf,
-                   on_level: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+                   on_level: Callable[[dict[str, Any]], None] | None = None,
+                   overhead: float = 0.0) -> list[dict[str, Any]]:
     """The source's aggregate bandwidth at each reader count of ``levels``, in turn, sharing ``seconds``
-    (at most ``longest`` seconds each).
+    (at most ``longest`` seconds each). A level takes its window and its readers' start-up: ``overhead``
+    is that start-up as levels measured before showed it, until a level of this call measures it.
 
     Before each level the files' pages are dropped (:func:`drop_pages`). Its readers read fresh
     samples from ``pool`` (which keeps a share for ``later_levels`` levels measured afterwards),
@@ -433,7 +435,6 @@ def measure_levels(source: Any, pool: SamplePool, levels: Sequence[int], seconds
     is handed to ``on_level`` as soon as it is measured (to be kept).
     """
     deadline = time.monotonic() + seconds
-    overhead = 0.0
     out: list[dict[str, Any]] = []
     droppable = source_files(source)[0] != "other" and hasattr(os, "posix_fadvise")
     for pos, k in enumerate(levels):
