@@ -103,6 +103,8 @@ def test_calibrate_spec_measures_every_job_from_its_own_command(tmp_path, shm_di
     d = json.loads(res.stdout)
     meas = d["measurements"]
     assert meas["elapsed_s"] <= budget * 1.1 and wall <= budget * 1.1 + 5, (meas["elapsed_s"], wall)
+    # the budget's clock starts with the command's process (its imports count), and stops just before its exit
+    assert 0 < wall - meas["elapsed_s"] < 1.5, (meas["elapsed_s"], wall)
     assert meas["budget_s"] == budget  # what the summary's over-budget line compares with
     sc = Scenario.from_toml(tmp_path / "scenario.toml")
     assert sc.node.cores == len(os.sched_getaffinity(0))  # the cores the jobs share

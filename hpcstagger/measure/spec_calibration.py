@@ -1,8 +1,7 @@
 """``hpcstagger calibrate --spec SPEC``: a scenario measured from the spec's jobs as users wrote them.
 
-Within the budget (knob ``calibrate_budget``, 60 s, for the whole spec), with progress on stderr,
-after a look at how busy the node is (:mod:`hpcstagger.nodeload`: warned about, and recorded in
-the summary and the scenario):
+Within the budget (knob ``calibrate_budget``, 60 s, for the whole spec), with progress on stderr, after a
+look at how busy the node is (:mod:`hpcstagger.nodeload`: warned about, and recorded in the summary and the scenario):
 
 1. **Samples.** A few samples read into memory (the mean sample size); the cache's hit bandwidth,
    against the run's private calibration cache; whether the node's page cache holds the dataset
@@ -87,6 +86,7 @@ _KILL_S = 60.0      # beyond its share and grace, a job's command is stopped
 _LEVEL_S = 4.0      # the longest window of a source level: enough, when jobs leave budget over
 _AGAIN_S = 0.5      # the least window of a level's third measurement (its readers' start-up comes on top)
 _LOAD_WINDOW_S = 0.5  # how long the node's load is looked at before measuring
+_TAIL_S = 1.0       # kept after the last level: the scenario's fit, its file, the cache removed, the command's exit
 
 
 class _Run:
@@ -322,13 +322,13 @@ class _Run:
         self.bar.total += len(levels)
         self.bar.refresh()
         spare = math.ceil(len(tops) / 3)
-        self._levels(meas, levels, max(0.3 * len(levels), (self.left() - 0.5) * len(levels) / (len(levels) + spare)),
-                     later=1)
+        self._levels(meas, levels, max(0.3 * len(levels), (self.left() - _TAIL_S) * len(levels)
+                                       / (len(levels) + spare)), later=1)
         # a level's least time: its readers' start-up (what the rounds took beyond their windows) and a short window
         extra = sorted(max(0.0, float(m.get("elapsed_s", 0.0)) - float(m.get("window_s", 0.0)))
                        for m in meas["source"][-len(levels):]) if levels else [0.0]
         again = [k for k in disagreeing(meas["source"]) if _missing(meas["source"], [k], 3)]
-        room = int(max(0.0, self.left() - 0.5) // (extra[len(extra) // 2] + _AGAIN_S))
+        room = int(max(0.0, self.left() - _TAIL_S) // (extra[len(extra) // 2] + _AGAIN_S))
         if len(again) > room:
             skipped, again = again[room:], again[:room]
             self.say(f"calibrate: the source's two measurements with {', '.join(map(str, skipped))} reader(s) "
@@ -339,7 +339,7 @@ class _Run:
                      f"differ by more than {SPREAD_LIMIT * 100:.0f}%: measuring them once more")
             self.bar.total += len(again)
             try:
-                self._levels(meas, again, max(0.3 * len(again), self.left() - 0.5), overhead=extra[len(extra) // 2])
+                self._levels(meas, again, max(0.3 * len(again), self.left() - _TAIL_S), overhead=extra[len(extra) // 2])
             except ModelError as exc:  # the third round is a check: without it, the two measurements stand
                 self.say(f"calibrate: the source was not measured a third time ({exc}); its two measurements "
                          "per reader count stand")
